@@ -1,0 +1,290 @@
+"""Atomic, verified, EP-reshardable checkpoints.
+
+Layout of a checkpoint root:
+
+    root/
+      latest                 text: the name of the newest complete checkpoint ("iter_0000012")
+      iter_0000012/          Megatron-Core dist-checkpoint (torch_dist) of model + optimizer
+        flexfloor.json       step, model shape, extra state keys, file manifest (sizes, sha256)
+        extra_state.pt       RNG states, scheduler/data/length-history state (rank 0's copy)
+        rng_rank{r}.pt       each rank's RNG state
+
+Why not Megatron's save alone: it writes shards straight into the target directory and is not
+atomic (overwriting a directory can load silently as a mix of old and new shards). So every save
+goes into `iter_N.tmp`, all ranks meet, rank 0 writes the manifest, renames the directory to
+`iter_N` and only then points `latest` at it (write-temp + os.replace). A crash at any point
+leaves the previous checkpoint the one that loads. Loading verifies the manifest (every file
+present with its size and checksum) and the model shape before reading a single tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, is_dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FORMAT_VERSION = 1
+META_FILE = "flexfloor.json"
+EXTRA_FILE = "extra_state.pt"
+LATEST_FILE = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupted or of another model."""
+
+
+def iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+# --------------------------------------------------------------------------------------------
+# RNG
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------
+# manifest
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(directory: str) -> dict:
+    files = {}
+    for dirpath, _, names in os.walk(directory):
+        for name in sorted(names):
+            if name == META_FILE:
+                continue
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, directory)
+            files[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    return files
+
+
+def _verify_manifest(directory: str, meta: dict) -> None:
+    for rel, want in meta["files"].items():
+        path = os.path.join(directory, rel)
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint {directory} is incomplete: {rel} is missing")
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {directory} is corrupted: {rel} has {size} bytes, the manifest "
+                f"says {want['bytes']} (truncated or overwritten); load an earlier checkpoint"
+            )
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {directory} is corrupted: {rel} fails its sha256 check; "
+                "load an earlier checkpoint"
+            )
+
+
+def _shape_of(model_cfg) -> dict:
+    d = asdict(model_cfg) if is_dataclass(model_cfg) else dict(vars(model_cfg))
+    keys = (
+        "num_layers hidden_size ffn_hidden_size moe_ffn_hidden_size num_attention_heads "
+        "num_query_groups kv_channels num_experts moe_router_topk shared_expert_ffn_hidden_size "
+        "vocab_size"
+    ).split()
+    return {k: d.get(k) for k in keys}
+
+
+# --------------------------------------------------------------------------------------------
+# save / load
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sharded_state(model, optimizer, *, is_loading: bool) -> dict:
+    model_sd = model.sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"chained_optim_avoid_prefix": True}
+        )
+    return state
+
+
+def save_checkpoint(
+    root: str,
+    step: int,
+    *,
+    model,
+    model_cfg,
+    optimizer=None,
+    extra_state: Optional[dict] = None,
+    keep_last: int = 0,
+) -> str:
+    """Save atomically; returns the final directory. Call on every rank."""
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(root, iter_name(step))
+    tmp = final + ".tmp"
+    if _is_rank0():
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):  # leftovers of a crashed save: never loaded, safe to drop
+            shutil.rmtree(tmp)
+        if os.path.exists(final):
+            raise CheckpointError(
+                f"{final} exists already; checkpoints are never overwritten. Remove it or "
+                "save under another step"
+            )
+        os.makedirs(tmp)
+    _barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if _is_rank0():
+        torch.save(extra_state or {}, os.path.join(tmp, EXTRA_FILE))
+    _barrier()
+    if _is_rank0():
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "model_shape": _shape_of(model_cfg),
+            "has_optimizer": optimizer is not None,
+            "extra_state_keys": sorted((extra_state or {}).keys()),
+            "files": _manifest(tmp),
+        }
+        _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1))
+        os.replace(tmp, final)
+        _write_atomic(os.path.join(root, LATEST_FILE), iter_name(step) + "\n")
+        if keep_last > 0:
+            _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(root: str, keep_last: int) -> None:
+    done = sorted(d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp"))
+    for name in done[:-keep_last]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a root (follows `latest`) or an `iter_N` directory."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint path {path} does not exist (checkpoint.load)")
+    latest = os.path.join(path, LATEST_FILE)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            path = os.path.join(path, f.read().strip())
+    if path.rstrip("/").endswith(".tmp"):
+        raise CheckpointError(f"{path} is an unfinished save and is never loaded")
+    if not os.path.isfile(os.path.join(path, META_FILE)):
+        raise CheckpointError(
+            f"{path} is not a complete FlexFloor checkpoint (no {META_FILE}): the save did not "
+            "finish; point checkpoint.load at the root or an earlier iter_N"
+        )
+    return path
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(resolve_checkpoint(path), META_FILE)) as f:
+        return json.load(f)
+
+
+def load_checkpoint(
+    path: str,
+    *,
+    model,
+    model_cfg,
+    optimizer=None,
+    verify: bool = True,
+) -> tuple[int, dict]:
+    """Load into `model` (and `optimizer`) at the current EP layout. Returns (step, extra_state).
+
+    The checkpoint may have been saved at any EP size. Call on every rank.
+    """
+    from megatron.core import dist_checkpointing
+
+    directory = resolve_checkpoint(path)
+    with open(os.path.join(directory, META_FILE)) as f:
+        meta = json.load(f)
+    want = _shape_of(model_cfg)
+    diff = {k: (meta["model_shape"].get(k), v) for k, v in want.items() if meta["model_shape"].get(k) != v}
+    if diff:
+        fields = ", ".join(f"model.{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
+        raise CheckpointError(
+            f"checkpoint {directory} is of another model shape ({fields}); use a config that "
+            "matches the checkpoint or convert it"
+        )
+    if optimizer is not None and not meta["has_optimizer"]:
+        raise CheckpointError(f"checkpoint {directory} holds no optimizer state; load it without one")
+    if verify:
+        _verify_manifest(directory, meta)
+    _barrier()
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), directory)
+    model.load_state_dict(state["model"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng_file = os.path.join(directory, f"rng_rank{rank}.pt")
+    if os.path.exists(rng_file):  # absent when resumed on more ranks than saved
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    extra = torch.load(os.path.join(directory, EXTRA_FILE), weights_only=False)
+    return meta["step"], extra
+
+
+def model_shape_summary(meta: dict) -> str:
+    return json.dumps(meta.get("model_shape", {}), sort_keys=True)
+
+
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "resolve_checkpoint",
+    "read_meta",
+    "rng_state",
+    "set_rng_state",
+    "iter_name",
+]

@@ -1,0 +1,554 @@
+"""Typed, nested run configuration: dataclasses in, YAML and command-line overrides on top.
+
+A run is described by one `Config` with the sections model, parallel, rollout, elastic, scheduler,
+trainer, data, checkpoint and logging. `load_config(path, overrides)` reads a YAML file whose top
+level maps section names to {field: value}, applies the overrides, and validates the result.
+
+Override syntax: one `section.field=value` per item, applied in order after the file, e.g.
+
+    trainer.lr=1e-5                         a number
+    rollout.greedy=true                     a bool
+    rollout.stop_token_ids=[1,2]            a list of ints
+    data.train_files=[a.parquet,b.parquet]  a list of strings
+    elastic.release_policy=static           an enum, by its value
+    checkpoint.dir=null                     null for an optional field
+
+The value is parsed as YAML, so numbers, bools, lists and null work as in a file; quote a string
+that YAML would read as something else (`data.tokenizer='123'`). `1e-5` reads as a float both in
+files and in overrides.
+
+Model presets: `model.preset` names an entry of MODEL_PRESETS. Its values are the base of the
+model section; every key the user sets in the model section (file or override) wins over it.
+
+Every problem raises ConfigError, whose message starts with the full dotted field name and ends
+with the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import enum
+import re
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem; `field` is the dotted name (e.g. "trainer.lr")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ReleasePolicy(enum.Enum):
+    STATIC = "static"  # every rank stays in the EP group until the rollout ends
+    ELASTIC = "elastic"  # ranks whose work is done release their experts and leave
+
+
+class PlacementPolicy(enum.Enum):
+    BASELINE = "baseline"  # prompts spread round-robin, no length prediction
+    FLEXFLOOR = "flexfloor"  # longest predicted work on the ranks meant to stay
+
+
+class Algorithm(enum.Enum):
+    GRPO = "grpo"
+    PPO = "ppo"
+
+
+class LossAgg(enum.Enum):
+    TOKEN_MEAN = "token_mean"  # mean over all response tokens of the micro-batch
+    SEQ_MEAN = "seq_mean"  # mean over tokens of each response, then over responses
+
+
+class KLEstimator(enum.Enum):
+    K1 = "k1"  # log(pi / ref)
+    K3 = "k3"  # ref/pi - log(ref/pi) - 1: non-negative, lower variance
+
+
+class NanPolicy(enum.Enum):
+    SKIP = "skip"  # drop the step's update and continue
+    STOP = "stop"  # raise
+
+
+class Backend(enum.Enum):
+    AUTO = "auto"  # nccl with CUDA, gloo otherwise
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+# Shapes only (no weights). Values of the HF configs of the named checkpoints.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, moe_ffn_hidden_size=64,
+                 num_attention_heads=4, num_query_groups=2, kv_channels=None, num_experts=8,
+                 moe_router_topk=2, shared_expert_ffn_hidden_size=None, vocab_size=128,
+                 max_seq_len=256),
+    "qwen3-30b-a3b": dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144,
+                          moe_ffn_hidden_size=768, num_attention_heads=32, num_query_groups=4,
+                          kv_channels=128, num_experts=128, moe_router_topk=8,
+                          shared_expert_ffn_hidden_size=None, vocab_size=151936,
+                          max_seq_len=40960, rotary_base=1000000, norm_epsilon=1e-6),
+    "mixtral-8x7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+                         moe_ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+                         kv_channels=None, num_experts=8, moe_router_topk=2,
+                         shared_expert_ffn_hidden_size=None, vocab_size=32000,
+                         max_seq_len=32768, rotary_base=1000000, norm_epsilon=1e-5),
+    "olmoe-1b-7b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=1024,
+                        moe_ffn_hidden_size=1024, num_attention_heads=16, num_query_groups=16,
+                        kv_channels=None, num_experts=64, moe_router_topk=8,
+                        shared_expert_ffn_hidden_size=None, vocab_size=50304,
+                        max_seq_len=4096, rotary_base=10000, norm_epsilon=1e-5),
+    # DeepSeek-V2-Lite uses multi-head latent attention (MLA); here it is approximated by standard
+    # attention of the same head count and head dim. ffn_hidden_size is its first, dense layer.
+    "deepseek-v2-lite": dict(num_layers=27, hidden_size=2048, ffn_hidden_size=10944,
+                             moe_ffn_hidden_size=1408, num_attention_heads=16,
+                             num_query_groups=16, kv_channels=None, num_experts=64,
+                             moe_router_topk=6, shared_expert_ffn_hidden_size=2816,
+                             vocab_size=102400, max_seq_len=32768, rotary_base=10000,
+                             norm_epsilon=1e-6),
+}
+
+PARAMS_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    """Each named field must be > 0 (an optional one may also be None)."""
+    for n in names:
+        v = getattr(obj, n)
+        _require(v is None or v > 0, f"{section}.{n}",
+                 f"must be > 0, got {v!r}; set {section}.{n} to a positive value")
+
+
+def _non_negative(section: str, obj: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _require(v >= 0, f"{section}.{n}",
+                 f"must be >= 0, got {v!r}; set {section}.{n} to 0 or more")
+
+
+def _in_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    ok = (lo < value if lo_open else lo <= value) and value <= hi
+    left = "(" if lo_open else "["
+    _require(ok, name, f"must be in {left}{lo}, {hi}], got {value!r}; set {name} inside that range")
+
+
+@dataclass
+class ModelConfig:
+    """Model shapes. The preset is applied by config_from_dict/load_config, not by __init__."""
+
+    preset: str = "tiny"  # key of MODEL_PRESETS; its values are the base of this section
+    num_layers: int = 2  # transformer layers, each with an MoE MLP
+    hidden_size: int = 64  # model width
+    ffn_hidden_size: int = 128  # dense MLP width (layers that are not MoE)
+    moe_ffn_hidden_size: int = 64  # width of one expert's MLP
+    num_attention_heads: int = 4  # query heads
+    num_query_groups: int = 2  # key/value heads (GQA); equal to heads for plain MHA
+    kv_channels: int | None = None  # head dim; None = hidden_size / num_attention_heads
+    num_experts: int = 8  # routed experts per MoE layer
+    moe_router_topk: int = 2  # experts each token is routed to
+    shared_expert_ffn_hidden_size: int | None = None  # total width of shared experts; None = none
+    vocab_size: int = 128  # embedding rows
+    max_seq_len: int = 256  # longest prompt + response, in tokens
+    rotary_base: int = 10000  # RoPE theta
+    norm_epsilon: float = 1e-6  # RMSNorm epsilon
+    params_dtype: str = "float32"  # one of PARAMS_DTYPES
+    init_method_std: float = 0.02  # std of the random init (no checkpoint loaded)
+    moe_aux_loss_coeff: float = 0.0  # router load-balancing loss weight
+    seed: int = 1234  # seed of the random init
+
+    def validate(self) -> None:
+        _positive("model", self, "num_layers", "hidden_size", "ffn_hidden_size",
+                  "moe_ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                  "num_experts", "moe_router_topk", "shared_expert_ffn_hidden_size", "vocab_size",
+                  "max_seq_len", "rotary_base", "norm_epsilon", "init_method_std")
+        _non_negative("model", self, "moe_aux_loss_coeff", "seed")
+        _require(self.params_dtype in PARAMS_DTYPES, "model.params_dtype",
+                 f"{self.params_dtype!r} is not supported; use one of: {', '.join(PARAMS_DTYPES)}")
+        _require(self.moe_router_topk <= self.num_experts, "model.moe_router_topk",
+                 f"routes each token to {self.moe_router_topk} experts but model.num_experts is "
+                 f"{self.num_experts}; set model.moe_router_topk <= {self.num_experts}")
+        if self.kv_channels is None:  # an explicit head dim frees hidden_size from the heads
+            _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                     f"{self.hidden_size} is not divisible by model.num_attention_heads="
+                     f"{self.num_attention_heads}; change one of them or set model.kv_channels")
+        _require(self.num_attention_heads % self.num_query_groups == 0,
+                 "model.num_query_groups",
+                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                 f"{self.num_query_groups} query groups; set model.num_query_groups to a divisor "
+                 f"of {self.num_attention_heads}")
+
+
+@dataclass
+class ParallelConfig:
+    world_size: int | None = None  # number of workers; None = whatever the launcher started
+    expert_parallel_size: int | None = None  # ranks of the training EP group; None = all ranks
+    expert_tensor_parallel_size: int = 1  # tensor parallelism inside an expert (only 1 for now)
+    backend: Backend = Backend.AUTO  # torch.distributed backend
+    timeout_s: float = 300.0  # timeout of set-up and training collectives
+
+    def validate(self) -> None:
+        _positive("parallel", self, "world_size", "expert_parallel_size", "timeout_s")
+        _require(self.expert_tensor_parallel_size == 1, "parallel.expert_tensor_parallel_size",
+                 f"{self.expert_tensor_parallel_size} is not supported yet; set it to 1")
+
+
+@dataclass
+class RolloutConfig:
+    samples_per_prompt: int = 8  # responses generated per prompt (the GRPO group size)
+    max_new_tokens: int = 128  # response length cap
+    temperature: float = 1.0  # sampling temperature; 0 behaves as greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus sampling mass; 1 = off
+    greedy: bool = False  # argmax decoding, ignores temperature/top_k/top_p
+    stop_token_ids: list[int] = field(default_factory=list)  # end a response at any of these
+    max_batch_size: int = 64  # requests decoded at once, per rank
+    kv_budget_tokens: int | None = None  # KV-cache capacity per rank in tokens; None = unlimited
+    seed: int = 0  # base of the per-request RNG streams
+    progress: bool = True  # show a progress line while generating
+
+    def validate(self) -> None:
+        _positive("rollout", self, "samples_per_prompt", "max_new_tokens", "max_batch_size",
+                  "kv_budget_tokens")
+        _non_negative("rollout", self, "temperature", "top_k", "seed")
+        _in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        for i, t in enumerate(self.stop_token_ids):
+            _require(t >= 0, f"rollout.stop_token_ids[{i}]",
+                     f"token ids are >= 0, got {t}; remove it or use a valid token id")
+
+
+@dataclass
+class ElasticConfig:
+    release_policy: ReleasePolicy = ReleasePolicy.ELASTIC  # static EP or early release
+    min_active_ranks: int = 1  # the EP group never shrinks below this many ranks
+    collective_timeout_s: float = 120.0  # a rollout collective that takes longer is an error
+    check_interval_steps: int = 1  # engine steps between agreements on who is done
+
+    def validate(self) -> None:
+        _positive("elastic", self, "min_active_ranks", "collective_timeout_s",
+                  "check_interval_steps")
+
+
+@dataclass
+class SchedulerConfig:
+    placement: PlacementPolicy = PlacementPolicy.FLEXFLOOR  # how prompt groups go to ranks
+    prior_quantile: float = 0.5  # quantile of past lengths used for prompts with no history
+    migrate: bool = False  # move a rank's last requests to a survivor so it can leave earlier
+    migrate_max_requests: int = 2  # most requests a rank may hand over to leave
+
+    def validate(self) -> None:
+        _in_range("scheduler.prior_quantile", self.prior_quantile, 0.0, 1.0)
+        _non_negative("scheduler", self, "migrate_max_requests")
+
+
+@dataclass
+class TrainerConfig:
+    algorithm: Algorithm = Algorithm.GRPO  # advantage estimator and whether a critic is trained
+    steps: int = 20  # training steps (one rollout each)
+    prompts_per_step: int = 8  # prompts per rollout, over all ranks
+    micro_batch_size: int = 8  # responses per forward/backward
+    lr: float = 1e-4  # peak learning rate of the actor
+    min_lr: float = 0.0  # learning rate at the end of the cosine decay
+    lr_warmup_steps: int = 0  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    clip_grad: float = 1.0  # global grad-norm clip; 0 = off
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    ppo_epochs: int = 1  # passes over each rollout's data
+    clip_eps: float = 0.2  # policy ratio clip
+    kl_coef: float = 0.0  # weight of the KL to the reference policy; 0 = no reference model
+    kl_estimator: KLEstimator = KLEstimator.K3  # which KL approximation
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    adv_std_norm: bool = True  # GRPO: divide group-centred rewards by the group std
+    loss_agg: LossAgg = LossAgg.TOKEN_MEAN  # how token losses become one number
+    gamma: float = 1.0  # PPO discount
+    gae_lambda: float = 1.0  # PPO GAE lambda
+    critic_lr: float = 1e-4  # PPO critic learning rate
+    value_clip_eps: float = 0.2  # PPO value clip
+    nan_policy: NanPolicy = NanPolicy.STOP  # what a non-finite loss or grad norm does
+    sft_warmup_steps: int = 0  # supervised steps on the data before RL
+
+    def validate(self) -> None:
+        _positive("trainer", self, "steps", "prompts_per_step", "micro_batch_size", "lr",
+                  "ppo_epochs", "clip_eps", "critic_lr", "value_clip_eps")
+        _non_negative("trainer", self, "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad",
+                      "kl_coef", "entropy_coef", "sft_warmup_steps")
+        _require(self.min_lr <= self.lr, "trainer.min_lr",
+                 f"{self.min_lr} is above trainer.lr={self.lr}; set trainer.min_lr <= trainer.lr")
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            _require(0 <= v < 1, f"trainer.{name}", f"must be in [0, 1), got {v}; e.g. 0.9")
+        _in_range("trainer.gamma", self.gamma, 0.0, 1.0)
+        _in_range("trainer.gae_lambda", self.gae_lambda, 0.0, 1.0)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # verl-format parquet; [] = synthetic
+    synthetic_num_prompts: int = 64  # size of the synthetic task's prompt set
+    synthetic_seed: int = 0  # seed of the synthetic task
+    tokenizer: str | None = None  # tokenizer path; None = the bundled one
+    max_prompt_len: int = 64  # longer prompts are dropped, in tokens
+    shuffle: bool = True  # reshuffle prompts every epoch
+
+    def validate(self) -> None:
+        _positive("data", self, "synthetic_num_prompts", "max_prompt_len")
+        for i, f in enumerate(self.train_files):
+            _require(bool(f.strip()), f"data.train_files[{i}]",
+                     "is empty; remove it or give a parquet path")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # where checkpoints go; None = no checkpoints
+    save_interval: int = 0  # save every N steps; 0 = only at the end
+    load: str | None = None  # checkpoint to start from; None = random init
+    keep_last: int = 2  # older checkpoints are deleted
+
+    def validate(self) -> None:
+        _non_negative("checkpoint", self, "save_interval")
+        _positive("checkpoint", self, "keep_last")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/latest"  # metrics, timelines and plots of the run
+    tensorboard: bool = True  # write TensorBoard event files
+    timeline_plot: bool = True  # plot each rollout's per-rank timeline
+    log_interval: int = 1  # steps between metric lines
+
+    def validate(self) -> None:
+        _require(bool(self.run_dir.strip()), "logging.run_dir", "is empty; give a directory")
+        _positive("logging", self, "log_interval")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        """Field ranges of every section, then the combinations that cannot run."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        m, p, r, t = self.model, self.parallel, self.rollout, self.trainer
+        world = p.world_size
+        ep = p.expert_parallel_size if p.expert_parallel_size is not None else world
+        if world is not None and ep is not None:
+            _require(ep <= world, "parallel.expert_parallel_size",
+                     f"{ep} EP ranks but parallel.world_size={world}; set "
+                     f"parallel.expert_parallel_size <= {world} or launch more workers")
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            _require(world % ep == 0, "parallel.expert_parallel_size",
+                     f"parallel.world_size={world} is not a multiple of {ep}; set "
+                     f"parallel.expert_parallel_size to one of {divisors}")
+        if ep is not None:
+            _require(m.num_experts >= ep, "model.num_experts",
+                     f"{m.num_experts} experts are fewer than the {ep} EP ranks "
+                     f"(parallel.expert_parallel_size); set parallel.expert_parallel_size <= "
+                     f"{m.num_experts} or use a model with more experts")
+            _require(self.elastic.min_active_ranks <= ep, "elastic.min_active_ranks",
+                     f"{self.elastic.min_active_ranks} is more than the {ep} EP ranks "
+                     f"(parallel.expert_parallel_size); set elastic.min_active_ranks <= {ep}")
+        longest = self.data.max_prompt_len + r.max_new_tokens
+        _require(longest <= m.max_seq_len, "rollout.max_new_tokens",
+                 f"{r.max_new_tokens} new tokens after prompts of up to data.max_prompt_len="
+                 f"{self.data.max_prompt_len} exceed model.max_seq_len={m.max_seq_len}; set "
+                 f"rollout.max_new_tokens <= {m.max_seq_len - self.data.max_prompt_len}")
+        if r.kv_budget_tokens is not None:
+            _require(r.kv_budget_tokens >= longest, "rollout.kv_budget_tokens",
+                     f"{r.kv_budget_tokens} tokens cannot hold one request of up to {longest} "
+                     f"(data.max_prompt_len + rollout.max_new_tokens); set it >= {longest}")
+        for i, tok in enumerate(r.stop_token_ids):
+            _require(tok < m.vocab_size, f"rollout.stop_token_ids[{i}]",
+                     f"{tok} is outside model.vocab_size={m.vocab_size}; use an id below it")
+        global_batch = t.prompts_per_step * r.samples_per_prompt
+        _require(t.micro_batch_size <= global_batch, "trainer.micro_batch_size",
+                 f"{t.micro_batch_size} is larger than the {global_batch} responses of a step "
+                 f"(trainer.prompts_per_step * rollout.samples_per_prompt); set "
+                 f"trainer.micro_batch_size <= {global_batch}")
+
+    def resolve_world(self, world_size: int) -> Config:
+        """A validated copy for `world_size` workers; EP defaults to all of them."""
+        _require(isinstance(world_size, int) and world_size > 0, "parallel.world_size",
+                 f"the launcher reported {world_size!r} workers; start at least one")
+        configured = self.parallel.world_size
+        _require(configured in (None, world_size), "parallel.world_size",
+                 f"the config says {configured} but {world_size} workers were launched; set "
+                 f"parallel.world_size={world_size} (or null) or launch {configured} workers")
+        cfg = copy.deepcopy(self)
+        cfg.parallel.world_size = world_size
+        if cfg.parallel.expert_parallel_size is None:
+            cfg.parallel.expert_parallel_size = world_size
+        cfg.validate()
+        return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic typed loading: one walk over dataclass fields, driven by their type hints.
+
+_TYPE_HINTS = {int: "write a whole number without quotes (true/false are not numbers)",
+               float: "write a number without quotes, e.g. 0.5 or 1e-5",
+               bool: "write true or false",
+               str: "write text; quote it if YAML would read it as a number or bool"}
+
+
+def _unknown(name: str, what: str, key: Any, valid: list[str], valid_label: str) -> ConfigError:
+    guess = difflib.get_close_matches(str(key), valid, n=1)
+    hint = f"did you mean {guess[0]!r}? " if guess else ""
+    return ConfigError(name, f"unknown {what}; {hint}valid {valid_label}: {', '.join(valid)}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Instantiate dataclass `cls` from a mapping, checking every key and value."""
+    if data is None:  # an empty section in YAML
+        data = {}
+    what = "key" if prefix else "section"
+    if not isinstance(data, dict):
+        raise ConfigError(prefix or "config", f"expected a mapping of {what}s, got "
+                          f"{type(data).__name__} {data!r}; write `name: value` lines")
+    hints = get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in valid:
+            raise _unknown(name, what, key, valid, f"keys of {prefix}" if prefix else "sections")
+        kwargs[key] = _convert(value, hints[key], name)
+    return cls(**kwargs)
+
+
+def _convert(value: Any, tp: Any, name: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # only Optional[X] is used
+        if value is None:
+            return None
+        (inner,) = [a for a in get_args(tp) if a is not type(None)]
+        return _convert(value, inner, name)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        allowed = [e.value for e in tp]
+        if value not in allowed:
+            raise ConfigError(name, f"{value!r} is not allowed; use one of: {', '.join(allowed)}")
+        return tp(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(name, f"expected a list, got {type(value).__name__} {value!r}; "
+                              "write a list, e.g. [1, 2] or []")
+        return [_convert(v, get_args(tp)[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(name, f"expected {tp.__name__}, got {type(value).__name__} "
+                          f"{value!r}; {_TYPE_HINTS[tp]}")
+    return value
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, list):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-5` (no dot) as a float, as YAML 1.2 does."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _apply_preset(tree: dict) -> dict:
+    """Preset values under the model keys the user set explicitly."""
+    if not isinstance(tree, dict) or not isinstance(tree.get("model"), (dict, type(None))):
+        return tree  # _build reports the wrong type
+    model = dict(tree.get("model") or {})
+    preset = model.get("preset", ModelConfig.preset)
+    if not isinstance(preset, str):
+        raise ConfigError("model.preset", f"expected str, got {type(preset).__name__} "
+                          f"{preset!r}; use one of: {', '.join(MODEL_PRESETS)}")
+    if preset not in MODEL_PRESETS:
+        raise _unknown("model.preset", f"preset {preset!r}", preset, list(MODEL_PRESETS), "presets")
+    return {**tree, "model": {**MODEL_PRESETS[preset], **model}}
+
+
+def config_from_dict(d: dict) -> Config:
+    """Typed, validated Config from plain data (the shape config_to_dict returns)."""
+    cfg = _build(Config, _apply_preset(d if d is not None else {}), "")
+    cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain, YAML-serialisable data; config_from_dict(config_to_dict(c)) == c."""
+    return _to_plain(cfg)
+
+
+def _apply_override(tree: dict, override: str) -> None:
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    path = key.split(".")
+    if not sep or len(path) < 2 or not all(path):
+        raise ConfigError(key or override, f"override {override!r} is not "
+                          "section.field=value; write it like trainer.lr=1e-5")
+    try:
+        value = yaml.load(raw, Loader=_YamlLoader)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", e)
+        raise ConfigError(key, f"value {raw!r} is not valid YAML ({problem}); quote it or fix "
+                          "the brackets") from None
+    node = tree
+    for depth, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(path[:depth + 1]), f"is a value, not a section, so "
+                              f"{key} cannot be set; override {'.'.join(path[:depth + 1])} itself")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """Read YAML at `path` (None = defaults), apply `section.field=value` overrides, validate."""
+    tree: Any = {}
+    if path is not None:
+        with open(path) as f:
+            tree = yaml.load(f, Loader=_YamlLoader)
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise ConfigError("config", f"{path} holds a {type(tree).__name__}, not a mapping of "
+                              "sections; write `section:` lines with `field: value` under them")
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    for item in overrides:
+        _apply_override(tree, item)
+    return config_from_dict(tree)
