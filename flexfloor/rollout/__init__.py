@@ -1,0 +1,1 @@
+"""Rollout: the generation engine, the release protocol and the scheduler."""

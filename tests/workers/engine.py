@@ -1,0 +1,139 @@
+"""Rollout-engine cases on 4 gloo workers, one launch.
+
+Writes, per case, every result (tokens, log-probs, finish reason) gathered on rank 0, plus the
+no-cache full-recompute reference computed at EP=1 (each rank alone, the stock Megatron forward).
+
+Usage: torchrun --nproc-per-node 4 tests/workers/engine.py OUT_DIR
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flexfloor.config import ModelConfig
+from flexfloor.model import build_model, forward_logits
+from flexfloor.parallel import Parallel
+from flexfloor.rollout.engine import RolloutEngine, RolloutError, StaticMembership
+from flexfloor.rollout.types import Request, SamplingParams
+from megatron_ext.elastic_moe import PlacedMoE
+from megatron_ext.placement import contiguous_placement
+
+OUT = sys.argv[1]
+MODEL = ModelConfig()
+GREEDY = SamplingParams(greedy=True)
+SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+
+
+def workload(sampling, n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(n):
+        plen = int(torch.randint(3, 12, (1,), generator=g))
+        prompt = tuple(torch.randint(1, MODEL.vocab_size, (plen,), generator=g).tolist())
+        reqs.append(Request(prompt_uid=i // 2, sample_index=i % 2, prompt_ids=prompt,
+                            max_new_tokens=int(torch.randint(4, 20, (1,), generator=g)),
+                            sampling=sampling, seed=7, step=3))
+    return reqs
+
+
+def mine(reqs, rank, world, shift=0):
+    return [r for i, r in enumerate(reqs) if (i + shift) % world == rank]
+
+
+def run(par, model, reqs, **kw):
+    moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
+                    placement=contiguous_placement(MODEL.num_experts, par.ep_ranks))
+    engine = RolloutEngine(model, moe, rank=par.rank, **kw)
+    out = engine.generate(reqs, StaticMembership())
+    return out
+
+
+def gathered(out):
+    rows = [dict(id=r.request_id, tokens=r.token_ids, logprobs=r.logprobs,
+                 reason=r.finish_reason.value, rank=r.rank) for r in out.results]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {"results": rows, "record": out.record.as_dict()})
+    return parts
+
+
+def save0(name, obj):
+    if dist.get_rank() == 0:
+        with open(os.path.join(OUT, name + ".json"), "w") as f:
+            json.dump(obj, f)
+
+
+def recompute(model, results_by_rank):
+    """Teacher-forced full forward (no cache) over prompt + response: argmax and log-probs."""
+    ref = {}
+    for r in results_by_rank:
+        seq = list(r.prompt_ids) + r.token_ids
+        logits = forward_logits(model, torch.tensor([seq[:-1]]))[0].double()
+        resp = logits[len(r.prompt_ids) - 1:]
+        ref[r.request_id] = {
+            "argmax": resp.argmax(-1).tolist(),
+            "logprobs_t1": F.log_softmax(resp, -1).gather(1, torch.tensor(r.token_ids).view(-1, 1)).view(-1).tolist(),
+        }
+    return ref
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    greedy, sampled = workload(GREEDY), workload(SAMPLED, seed=1)
+
+    for dtype in ("float32", "float64"):
+        for ep in (1, 2, 4):
+            par = Parallel.build(expert_parallel_size=ep, timeout_s=60)
+            model = build_model(MODEL, par, params_dtype=dtype)
+            save0(f"greedy_{dtype}_ep{ep}", gathered(run(par, model, mine(greedy, rank, world))))
+            save0(f"sampled_{dtype}_ep{ep}", gathered(run(par, model, mine(sampled, rank, world))))
+            if dtype == "float64" and ep == 4:
+                # other batch sizes and another assignment of requests to ranks
+                for bs in (1, 3):
+                    save0(f"sampled_{dtype}_ep4_bs{bs}",
+                          gathered(run(par, model, mine(sampled, rank, world, shift=1), max_batch_size=bs)))
+                # a KV budget that holds about two requests at once
+                budget = 2 * 32 * run_kv_bytes(model)
+                out = run(par, model, mine(greedy, rank, world), kv_budget_bytes=budget)
+                save0("kv_budget", {"budget": budget, "parts": gathered(out)})
+            if ep == 1:
+                # no-cache reference: EP=1 means each rank runs the stock layer alone
+                out = run(par, model, mine(greedy, rank, world))
+                ref = recompute(model, out.results)
+                outs = run(par, model, mine(sampled, rank, world))
+                refs = recompute(model, outs.results)
+                parts = [None] * world
+                dist.all_gather_object(parts, {"greedy": ref, "sampled": refs})
+                save0(f"reference_{dtype}", parts)
+            del model
+
+    # bad input: a prompt longer than the context; an empty rollout
+    par = Parallel.build(expert_parallel_size=4, timeout_s=60)
+    model = build_model(MODEL, par)
+    errors = {}
+    long = Request(prompt_uid=99, sample_index=0, prompt_ids=tuple([5] * MODEL.max_seq_len),
+                   max_new_tokens=4, sampling=GREEDY)
+    try:
+        run(par, model, [long] if rank == 0 else [])
+    except RolloutError as e:
+        errors["long_prompt"] = str(e)
+    refused = [None] * world
+    dist.all_gather_object(refused, "long_prompt" in errors)
+    errors["refused_on_every_rank"] = all(refused)
+    out = run(par, model, [])
+    errors["empty_steps"] = out.record.steps
+    errors["empty_results"] = len(out.results)
+    save0("errors", errors)
+    par.destroy()
+
+
+def run_kv_bytes(model):
+    from flexfloor.rollout.engine import kv_bytes_per_token
+    return kv_bytes_per_token(model.config)
+
+
+if __name__ == "__main__":
+    main()
