@@ -34,6 +34,16 @@ def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int],
     return out
 
 
+def _clone(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of an expert module that shares (does not copy) its process groups."""
+    memo = {}
+    for m in module.modules():
+        for v in vars(m).values():
+            if isinstance(v, dist.ProcessGroup):
+                memo[id(v)] = v
+    return copy.deepcopy(module, memo)
+
+
 class PlacedMoE:
     """The MoE layers of a `GPTModel`, run with experts placed by a `Placement`.
 
@@ -83,12 +93,18 @@ class PlacedMoE:
 
     def host(self, layer: int, expert: int, state: dict[str, torch.Tensor]) -> None:
         """Host a borrowed expert: a copy of a local expert module loaded with `state`."""
-        template = next(iter(self.hosted[layer].values()))
-        module = copy.deepcopy(template)
-        module.load_state_dict(state, strict=True)
+        module = _clone(next(iter(self.hosted[layer].values())))
+        params = dict(module.named_parameters())
+        if set(params) != set(state):
+            raise PlacementError(
+                f"expert {expert} layer {layer}: got tensors {sorted(state)}, expected {sorted(params)}"
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state[name])
         self.hosted[layer][expert] = module
 
-    def drop_borrowed(self, trained: set[int] | None = None) -> None:
+    def drop_borrowed(self) -> None:
         """Forget every hosted expert that is not one of the model's own (resync)."""
         for mlp, hosted in zip(self.layers, self.hosted):
             own = set(mlp.local_expert_indices)
@@ -96,7 +112,8 @@ class PlacedMoE:
                 del hosted[e]
 
     def expert_state(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        return self.hosted[layer][expert].state_dict()
+        """The expert's weights by parameter name (what a transfer moves)."""
+        return {n: p.detach() for n, p in self.hosted[layer][expert].named_parameters()}
 
     # ---------------------------------------------------------------- forward
 

@@ -1,4 +1,6 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # tests/distributed.py
+sys.path.insert(0, os.path.dirname(HERE))  # the repository, also without `pip install -e .`

@@ -109,6 +109,9 @@ class StaticMembership:
         report = share_step_state(engine.moe.group, has_work, engine)
         return any(report.has_work), report
 
+    def close(self) -> None:
+        pass
+
 
 # --------------------------------------------------------------------------------------------
 # sampling
@@ -344,8 +347,8 @@ class RolloutEngine:
         """
         self._check_on_every_rank(requests)
         self.model.eval()
-        t0 = time.perf_counter()
-        record = RankRecord(rank=self.rank, requests=len(requests))
+        t0 = self._t0 = time.perf_counter()
+        record = self.record = RankRecord(rank=self.rank, requests=len(requests))
         queue = deque(requests)
         running: list[_Running] = []
         results: list[Result] = []
@@ -393,6 +396,7 @@ class RolloutEngine:
                 ))
                 kv_used -= r.cache.nbytes
                 record.local_finish_s = now
+                record.extra["local_finish_step"] = record.steps
                 self.finished_count += 1
             self.token_count += len(running)
             record.tokens += len(running)
@@ -403,8 +407,9 @@ class RolloutEngine:
                 bar.set_postfix(tok_s=f"{report.tokens / max(now, 1e-9):.0f}",
                                 active=sum(report.has_work), refresh=False)
                 bar.refresh()
-        end = time.perf_counter() - t0
-        record.release_s = end if record.release_s == 0.0 else record.release_s
+        if "release_step" not in record.extra:  # not released early: occupied to the end
+            record.release_s = time.perf_counter() - t0
+            record.extra["release_step"] = record.steps
         if bar is not None:
             bar.close()
         if running or queue:
@@ -414,6 +419,10 @@ class RolloutEngine:
             )
         self._check_complete(requests, results)
         return RolloutOutput(results=results, record=record)
+
+    def elapsed(self) -> float:
+        """Seconds since this rollout started on this rank."""
+        return time.perf_counter() - self._t0
 
     @staticmethod
     def _finish_reason(r: _Running, token: int) -> Optional[FinishReason]:

@@ -1,0 +1,173 @@
+"""The release protocol: ranks whose own responses are done leave the rollout at step boundaries.
+
+At every step boundary the active ranks agree on who is done (one small all-gather). When some
+are, every active rank computes the same plan (a pure function: new placement + transfers), the
+leavers send their experts to the survivors over the current group, the survivors build a group
+of their own (created by survivors only) and re-bind the MoE layers to it. Leavers record their
+release time and return from the rollout: they take part in no further rollout collective. After
+the rollout, `resync()` brings every rank back to the training layout.
+
+The release policy is a value: `ReleasePolicy.STATIC` (the verl-like baseline, `StaticMembership`)
+or `ReleasePolicy.ELASTIC` (`ElasticMembership`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from flexfloor.config import ReleasePolicy
+from flexfloor.rollout.engine import StaticMembership, share_step_state
+from megatron_ext.elastic_moe import PlacedMoE
+from megatron_ext.placement import initial_placement, plan_shrink
+from megatron_ext.resharding import transfer_experts
+
+
+class ReleaseError(RuntimeError):
+    pass
+
+
+@dataclass
+class ElasticMembership:
+    """Shrinks the EP group as ranks finish, down to `min_active_ranks` (the floor).
+
+    `capacity` (global rank -> most experts it can host) comes from the memory model; None means
+    every survivor can host any number.
+    """
+
+    parallel: object  # flexfloor.parallel.Parallel
+    min_active_ranks: int = 1
+    check_interval_steps: int = 1
+    capacity: Optional[dict[int, int]] = None
+    holding: Optional[dict[int, list[int]]] = None  # rank -> experts in its memory at start
+    rollout_id: str = "0"  # the same on every rank, unique in the job: names survivor groups
+    timeline: list[dict] = field(default_factory=list)  # one entry per shrink
+    _boundaries: int = 0
+    _groups: list = field(default_factory=list)  # survivors' groups this rank created
+
+    def close(self) -> None:
+        """Destroy the survivors' groups of this rollout (at resync, after re-binding)."""
+        for group in self._groups:
+            dist.destroy_process_group(group)
+        self._groups.clear()
+
+    def step_boundary(self, engine, has_work):
+        moe = engine.moe
+        report = share_step_state(moe.group, has_work, engine)
+        if not any(report.has_work):
+            return False, report
+        self._boundaries += 1
+        if self._boundaries % self.check_interval_steps:
+            return True, report
+        ranks = list(moe.placement.ranks)
+        done = [r for r, w in zip(ranks, report.has_work) if not w]
+        working = [r for r, w in zip(ranks, report.has_work) if w]
+        keep_idle = max(0, self.min_active_ranks - len(working))
+        leaving = done[keep_idle:]  # the lowest idle ranks stay when the floor needs them
+        if not leaving:
+            return True, report
+        self._release(engine, leaving, report)
+        return engine.rank not in leaving, report
+
+    def _release(self, engine, leaving, report) -> None:
+        moe, record = engine.moe, engine.record
+        t0 = time.perf_counter()
+        try:
+            new_placement, transfers = plan_shrink(
+                moe.placement, leaving, capacity=self.capacity, holding=self.holding
+            )
+        except ValueError:
+            # the floor: survivors cannot hold every expert; nobody leaves this time
+            return
+        t1 = time.perf_counter()
+        stats = transfer_experts(moe, transfers, moe.group)
+        t2 = time.perf_counter()
+        now = engine.elapsed()
+        if engine.rank in leaving:
+            record.release_s = now
+            record.extra["release_step"] = record.steps
+            moe.drop_borrowed()
+        else:
+            ranks = list(new_placement.ranks)
+            name = f"rollout{self.rollout_id}/ep_" + "_".join(map(str, ranks))
+            group = self.parallel.new_subgroup(ranks, name=name)
+            self._groups.append(group)
+            moe.rebind(group, new_placement)
+        t3 = time.perf_counter()
+        extra = record.extra
+        extra["plan_s"] = extra.get("plan_s", 0.0) + (t1 - t0)
+        extra["transfer_s"] = extra.get("transfer_s", 0.0) + (t2 - t1)
+        extra["switch_s"] = extra.get("switch_s", 0.0) + (t3 - t2)
+        extra["sent_bytes"] = extra.get("sent_bytes", 0) + stats["sent_bytes"]
+        self.timeline.append({"step": record.steps, "time_s": now, "leaving": list(leaving),
+                              "active": list(new_placement.ranks),
+                              "moved_experts": len(transfers)})
+
+
+@dataclass
+class RolloutLayout:
+    """The rollout's starting point: every rank in one EP group (data-parallel attention over
+    all ranks), each expert served by one rank that holds it in its training shard."""
+
+    group: dist.ProcessGroup
+    placement: object  # megatron_ext.placement.Placement
+    holding: dict[int, list[int]]
+    layout_id: int = 0  # unique in the job
+    rollouts: int = 0  # elastic rollouts started (every rank counts the same)
+
+    @classmethod
+    def gather(cls, model, parallel) -> "RolloutLayout":
+        """One all-gather of which experts each rank holds; same result on every rank."""
+        from torch.distributed import distributed_c10d as c10d
+
+        mine = list(model.decoder.layers[0].mlp.local_expert_indices)
+        # a job-unique id (the store outlives every group): names this layout's survivor groups
+        layout_id = c10d._get_default_store().add("flexfloor/layouts", 1) if parallel.rank == 0 else None
+        everyone = [None] * parallel.world_size
+        dist.all_gather_object(everyone, (mine, layout_id), group=parallel.world_group)
+        holding = {r: list(e) for r, (e, _) in enumerate(everyone)}
+        placement = initial_placement(model.config.num_moe_experts, holding)
+        return cls(group=parallel.world_group, placement=placement, holding=holding,
+                   layout_id=everyone[0][1])
+
+    def moe(self, model, parallel) -> PlacedMoE:
+        return PlacedMoE(model, rank=parallel.rank, group=self.group, placement=self.placement)
+
+
+def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elastic_cfg=None,
+                   capacity=None):
+    """The membership value for a release policy (a fresh one per rollout)."""
+    if policy == ReleasePolicy.STATIC:
+        return StaticMembership()
+    layout.rollouts += 1
+    return ElasticMembership(
+        rollout_id=f"{layout.layout_id}.{layout.rollouts}",
+        parallel=parallel,
+        min_active_ranks=elastic_cfg.min_active_ranks if elastic_cfg else 1,
+        check_interval_steps=elastic_cfg.check_interval_steps if elastic_cfg else 1,
+        capacity=capacity,
+        holding=layout.holding,
+    )
+
+
+def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
+           timeout_s: float = 3600.0) -> float:
+    """Every rank back to the starting layout after a rollout. Returns seconds spent here.
+
+    Released ranks arrive early and wait here, outside every rollout collective, on a WORLD
+    barrier (the first collective they enter after release). Survivors drop borrowed experts and
+    re-bind the MoE layers to the full group and the starting placement; the model's own expert
+    weights (the training shards) never left any rank.
+    """
+    t0 = time.perf_counter()
+    moe.drop_borrowed()
+    work = dist.barrier(group=parallel.world_group, async_op=True)
+    if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+        raise ReleaseError(f"rank {parallel.rank}: resync timed out after {timeout_s} s")
+    moe.rebind(layout.group, layout.placement)
+    membership.close()
+    return time.perf_counter() - t0

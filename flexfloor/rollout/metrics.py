@@ -1,0 +1,65 @@
+"""Rollout figures from per-rank records: the one place the headline metrics are computed.
+
+Used by the benchmark, the trainer's per-step log and the simulator, so every tool reports the
+same quantity under the same name (see DESIGN.md's vocabulary).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Iterable, Sequence
+
+
+def responses_sha256(results: Iterable) -> str:
+    """A digest of every response's token ids, keyed by request id, order-independent."""
+    rows = sorted((r.request_id, list(r.token_ids)) for r in results)
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def rollout_metrics(records: Sequence[dict], results: Sequence) -> dict:
+    """records: per-rank `RankRecord.as_dict()`; results: every `Result` of the rollout."""
+    occupied = [r["release_s"] - r["start_s"] for r in records]
+    tail = [max(0.0, r["release_s"] - r["local_finish_s"]) for r in records]
+    tokens = sum(len(r.token_ids) for r in results)
+    occ_s = sum(occupied)
+    occ_steps = sum(r["steps"] for r in records)
+    wall = max((r["release_s"] for r in records), default=0.0)
+    return {
+        "total_response_tokens": tokens,
+        "num_responses": len(results),
+        "occupied_worker_seconds": occ_s,
+        "occupied_worker_steps": occ_steps,
+        "tail_fraction": (sum(tail) / occ_s) if occ_s > 0 else 0.0,
+        "rollout_wall_seconds": wall,
+        "tokens_per_occupied_worker_second": tokens / occ_s if occ_s > 0 else 0.0,
+        "tokens_per_occupied_worker_step": tokens / occ_steps if occ_steps else 0.0,
+        "released_ranks": sum(1 for r in records if r["release_s"] < wall - 1e-9),
+        "responses_sha256": responses_sha256(results),
+        "per_rank": [
+            {
+                "rank": r["rank"],
+                "local_finish_s": r["local_finish_s"],
+                "release_s": r["release_s"],
+                "steps": r["steps"],
+                "busy_steps": r["busy_steps"],
+                "tokens": r["tokens"],
+                "requests": r["requests"],
+                **{k: r[k] for k in ("release_step", "local_finish_step") if k in r},
+            }
+            for r in sorted(records, key=lambda r: r["rank"])
+        ],
+    }
+
+
+def ratios(elastic: dict, static: dict) -> dict:
+    """FlexFloor / baseline for the figures the DESIGN contract names."""
+
+    def ratio(key):
+        return elastic[key] / static[key] if static[key] else float("nan")
+
+    return {
+        "tokens_per_occupied_worker_second": ratio("tokens_per_occupied_worker_second"),
+        "tokens_per_occupied_worker_step": ratio("tokens_per_occupied_worker_step"),
+        "rollout_wall_seconds": ratio("rollout_wall_seconds"),
+    }

@@ -1,0 +1,78 @@
+"""Elastic-EP cases on 4 gloo workers, one launch: static vs elastic tokens for shrink sequences
+4->2->1, 4->3->1, 4->3->2->1 with 8 and 6 experts, greedy and sampled; resync restores the
+training layout; released ranks take no further step.
+
+Usage: torchrun --nproc-per-node 4 tests/workers/elastic.py OUT_DIR
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flexfloor.config import ModelConfig, ReleasePolicy
+from flexfloor.model import build_model, forward_logits
+from flexfloor.parallel import Parallel
+from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
+from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.types import Request, SamplingParams
+
+OUT = sys.argv[1]
+# the response length of each rank's longest request: who finishes when
+SEQUENCES = {"4-2-1": [30, 20, 10, 10], "4-3-1": [30, 20, 20, 10], "4-3-2-1": [40, 30, 20, 10]}
+SAMPLING = {"greedy": SamplingParams(greedy=True), "sampled": SamplingParams(temperature=1.0, top_p=0.95)}
+
+
+def requests(rank, longest, sampling):
+    g = torch.Generator().manual_seed(rank)
+    lengths = [longest, max(1, longest - 3), 4]
+    return [Request(prompt_uid=rank * 10 + i, sample_index=0, seed=11, step=1,
+                    prompt_ids=tuple(torch.randint(1, 128, (4 + i,), generator=g).tolist()),
+                    max_new_tokens=64, target_len=n, sampling=sampling)
+            for i, n in enumerate(lengths)]
+
+
+def main():
+    rank = int(os.environ["RANK"])
+    results = {}
+    probe = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(50 + rank))
+    for experts, train_ep in ((8, 4), (6, 2)):
+        model_cfg = dataclasses.replace(ModelConfig(), num_experts=experts)
+        par = Parallel.build(expert_parallel_size=train_ep, timeout_s=60)
+        model = build_model(model_cfg, par)
+        layout = RolloutLayout.gather(model, par)
+        moe = layout.moe(model, par)
+        engine = RolloutEngine(model, moe, rank=rank, max_batch_size=8)
+        before = forward_logits(model, probe).detach()
+        for seq, lengths in SEQUENCES.items():
+            for kind, sampling in SAMPLING.items():
+                case = {}
+                for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
+                    membership = membership_for(policy, par, layout)
+                    out = engine.generate(requests(rank, lengths[rank], sampling), membership)
+                    resync(moe, layout, par, membership, timeout_s=60)
+                    case[policy.value] = {
+                        "tokens": {r.request_id: r.token_ids for r in out.results},
+                        "record": out.record.as_dict(),
+                        "timeline": getattr(membership, "timeline", []),
+                    }
+                parts = [None] * dist.get_world_size()
+                dist.all_gather_object(parts, case)
+                results[f"e{experts}_{seq}_{kind}"] = parts
+        after = forward_logits(model, probe).detach()
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, bool(torch.equal(before, after)))
+        results[f"e{experts}_resync_logits_equal"] = flags
+        results[f"e{experts}_initial_placement"] = layout.placement.as_dict()
+        del model, engine, moe
+    if rank == 0:
+        with open(os.path.join(OUT, "results.json"), "w") as f:
+            json.dump(results, f)
+    par.destroy()
+
+
+if __name__ == "__main__":
+    main()
