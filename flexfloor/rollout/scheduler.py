@@ -1,0 +1,330 @@
+"""Length history, prediction, a memory model and placement: so the ranks that can leave, do.
+
+Release alone only helps when the ranks meant to leave finish early. The scheduler predicts each
+prompt's response length (its own history from earlier epochs, else its siblings already finished
+in this rollout, else a running quantile of all lengths seen), then places prompt groups: the
+longest predicted work on the ranks meant to stay, the rest staggered so ranks leave one after
+another, every rank's concurrent batch within its KV budget. The baseline (verl-like) splits the
+batch into equal contiguous chunks.
+
+Everything here is plain Python on plain values, so the simulator drives the same objects as the
+real engine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from flexfloor.config import PlacementPolicy
+from flexfloor.rollout.types import Request
+
+
+# --------------------------------------------------------------------------------------------
+# history and prediction
+
+
+@dataclass
+class LengthHistory:
+    """Past response lengths per prompt uid (most recent epoch last), saved with checkpoints."""
+
+    lengths: dict[int, list[list[int]]] = field(default_factory=dict)  # uid -> epochs -> lengths
+    max_epochs: int = 4
+    _all: list[int] = field(default_factory=list)  # sorted, every length seen (for the prior)
+    max_prior_samples: int = 100_000
+
+    def record(self, uid: int, lengths: Sequence[int]) -> None:
+        epochs = self.lengths.setdefault(uid, [])
+        epochs.append(list(lengths))
+        del epochs[: -self.max_epochs]
+        for n in lengths:
+            bisect.insort(self._all, n)
+        if len(self._all) > self.max_prior_samples:
+            self._all = self._all[:: 2]
+
+    def record_results(self, results: Iterable) -> None:
+        by_uid: dict[int, list[int]] = {}
+        for r in results:
+            by_uid.setdefault(r.prompt_uid, []).append(len(r.token_ids))
+        for uid in sorted(by_uid):
+            self.record(uid, by_uid[uid])
+
+    def last(self, uid: int) -> Optional[list[int]]:
+        epochs = self.lengths.get(uid)
+        return epochs[-1] if epochs else None
+
+    def quantile(self, q: float) -> Optional[float]:
+        if not self._all:
+            return None
+        i = min(len(self._all) - 1, max(0, int(round(q * (len(self._all) - 1)))))
+        return float(self._all[i])
+
+    def state_dict(self) -> dict:
+        return {"lengths": {int(k): v for k, v in self.lengths.items()}, "all": list(self._all),
+                "max_epochs": self.max_epochs}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "LengthHistory":
+        h = cls(lengths={int(k): [list(e) for e in v] for k, v in state["lengths"].items()},
+                max_epochs=state["max_epochs"])
+        h._all = list(state["all"])
+        return h
+
+
+@dataclass
+class Predictor:
+    """Predicted response length of a prompt's samples.
+
+    Order of evidence: the prompt's own history (max and mean over its samples last time it was
+    seen), else siblings already finished in this rollout, else the global prior (a running
+    quantile), else `default` (nothing seen yet).
+    """
+
+    history: LengthHistory
+    prior_quantile: float = 0.5
+    default: float = 64.0
+
+    def predict(self, uid: int, siblings: Sequence[int] = ()) -> tuple[float, str]:
+        """(predicted longest sample of the group, source of the prediction)."""
+        past = self.history.last(uid)
+        if past:
+            return float(max(past)), "history"
+        if siblings:
+            return float(max(siblings)), "siblings"
+        prior = self.history.quantile(self.prior_quantile)
+        if prior is not None:
+            return prior, "prior"
+        return self.default, "default"
+
+
+def prediction_accuracy(predicted: dict[int, float], realised: dict[int, float]) -> dict:
+    """Spearman rank correlation and mean absolute error of predicted vs realised lengths."""
+    uids = sorted(set(predicted) & set(realised))
+    if len(uids) < 2:
+        return {"spearman": float("nan"), "mae": float("nan"), "n": len(uids)}
+
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        r = [0.0] * len(values)
+        i = 0
+        while i < len(order):  # average ranks for ties
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return r
+
+    p = ranks([predicted[u] for u in uids])
+    q = ranks([realised[u] for u in uids])
+    mp, mq = sum(p) / len(p), sum(q) / len(q)
+    cov = sum((a - mp) * (b - mq) for a, b in zip(p, q))
+    sp = math.sqrt(sum((a - mp) ** 2 for a in p) * sum((b - mq) ** 2 for b in q))
+    mae = sum(abs(predicted[u] - realised[u]) for u in uids) / len(uids)
+    return {"spearman": cov / sp if sp > 0 else float("nan"), "mae": mae, "n": len(uids)}
+
+
+# --------------------------------------------------------------------------------------------
+# memory
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes that bound a rank's batch: KV cache per token, expert weights, the rank's budget.
+
+    `kv_budget_bytes` is the KV room of a rank hosting only its own experts; each borrowed expert
+    costs `expert_bytes` of it.
+    """
+
+    kv_bytes_per_token: int
+    expert_bytes: int
+    kv_budget_bytes: Optional[int] = None  # None: unbounded
+
+    @classmethod
+    def from_model_config(cls, model_cfg, *, kv_budget_tokens: Optional[int] = None,
+                          dtype_bytes: int = 4) -> "MemoryModel":
+        head_dim = model_cfg.kv_channels or model_cfg.hidden_size // model_cfg.num_attention_heads
+        kv = 2 * model_cfg.num_layers * model_cfg.num_query_groups * head_dim * dtype_bytes
+        # gated MLP expert: fc1 [2F, H] + fc2 [H, F], per layer
+        expert = 3 * model_cfg.moe_ffn_hidden_size * model_cfg.hidden_size * dtype_bytes
+        expert *= model_cfg.num_layers
+        budget = None if kv_budget_tokens is None else kv_budget_tokens * kv
+        return cls(kv_bytes_per_token=kv, expert_bytes=expert, kv_budget_bytes=budget)
+
+    def kv_tokens(self, borrowed_experts: int = 0) -> Optional[int]:
+        """Tokens of KV a rank can hold while hosting `borrowed_experts` extra experts."""
+        if self.kv_budget_bytes is None:
+            return None
+        return max(0, (self.kv_budget_bytes - borrowed_experts * self.expert_bytes)
+                   // self.kv_bytes_per_token)
+
+    def max_borrowed(self, min_kv_tokens: int) -> Optional[int]:
+        """Most experts a rank can borrow and still hold `min_kv_tokens` of KV (None: no bound)."""
+        if self.kv_budget_bytes is None:
+            return None
+        room = self.kv_budget_bytes - min_kv_tokens * self.kv_bytes_per_token
+        return max(0, room // self.expert_bytes) if self.expert_bytes else None
+
+    def capacity(self, ranks: Sequence[int], own_experts: dict[int, int],
+                 min_kv_tokens: int) -> Optional[dict[int, int]]:
+        """Most experts each rank may host (its own plus borrowed) while keeping KV room."""
+        extra = self.max_borrowed(min_kv_tokens)
+        if extra is None:
+            return None
+        return {r: own_experts.get(r, 0) + extra for r in ranks}
+
+
+# --------------------------------------------------------------------------------------------
+# placement
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """The n samples of one prompt: placed together on one rank."""
+
+    uid: int
+    requests: tuple[Request, ...]
+
+
+@dataclass
+class RolloutPlan:
+    assignment: dict[int, list[Request]]  # rank -> its requests, in admission order
+    predicted: dict[int, float]  # uid -> predicted longest sample
+    sources: dict[str, int]  # how many predictions came from history / siblings / prior
+    expected_finish: dict[int, float]  # rank -> predicted steps to its local finish
+
+
+def simulate_rank_steps(lengths: Sequence[float], prompt_lens: Sequence[int], kv_tokens: Optional[int],
+                        max_batch: int) -> float:
+    """Predicted steps for one rank to finish `lengths` (admitted in this order) under its KV room
+    and batch limit: a small event simulation of the engine's admission."""
+    if not lengths:
+        return 0.0
+    running: list[float] = []  # finish step of each running request
+    now = 0.0
+    used = 0
+    pending = list(zip(lengths, prompt_lens))
+    reserved: list[tuple[float, int]] = []
+    while pending or running:
+        while pending and len(running) < max_batch:
+            n, p = pending[0]
+            need = int(n) + p
+            if kv_tokens is not None and used + need > kv_tokens and running:
+                break
+            pending.pop(0)
+            used += need
+            running.append(now + max(1.0, n))
+            reserved.append((now + max(1.0, n), need))
+        nxt = min(running)
+        now = nxt
+        running = [t for t in running if t > nxt]
+        used -= sum(need for t, need in reserved if t <= nxt)
+        reserved = [(t, need) for t, need in reserved if t > nxt]
+    return now
+
+
+@dataclass
+class Scheduler:
+    """Places prompt groups on ranks for one rollout, and learns lengths from its results."""
+
+    policy: PlacementPolicy
+    history: LengthHistory = field(default_factory=LengthHistory)
+    prior_quantile: float = 0.5
+    memory: Optional[MemoryModel] = None
+    max_batch_size: int = 64
+
+    @property
+    def predictor(self) -> Predictor:
+        return Predictor(self.history, self.prior_quantile)
+
+    def plan(self, groups: Sequence[PromptGroup], ranks: Sequence[int]) -> RolloutPlan:
+        ranks = sorted(ranks)
+        predicted, sources = {}, {"history": 0, "siblings": 0, "prior": 0, "default": 0}
+        for g in groups:
+            predicted[g.uid], src = self.predictor.predict(g.uid)
+            sources[src] += 1
+        if self.policy == PlacementPolicy.BASELINE:
+            assignment = self._baseline(groups, ranks)
+        else:
+            assignment = self._flexfloor(groups, ranks, predicted)
+        kv = self.memory.kv_tokens() if self.memory else None
+        expected = {
+            r: simulate_rank_steps([predicted[q.prompt_uid] for q in reqs],
+                                   [len(q.prompt_ids) for q in reqs], kv, self.max_batch_size)
+            for r, reqs in assignment.items()
+        }
+        return RolloutPlan(assignment, predicted, sources, expected)
+
+    @staticmethod
+    def _baseline(groups, ranks) -> dict[int, list[Request]]:
+        """verl-like: the batch in order, split into equal contiguous chunks (one per rank)."""
+        reqs = [r for g in groups for r in g.requests]
+        n = len(ranks)
+        base, extra = divmod(len(reqs), n)
+        out, start = {}, 0
+        for i, rank in enumerate(ranks):
+            size = base + (1 if i < extra else 0)
+            out[rank] = reqs[start : start + size]
+            start += size
+        return out
+
+    def _flexfloor(self, groups, ranks, predicted) -> dict[int, list[Request]]:
+        """Longest predicted groups on the ranks meant to stay (lowest ranks), each later rank a
+        shorter slice, so ranks leave one after another; a rank's share is capped so that its
+        predicted finish stays within the makespan bound (the longest single group, or the
+        baseline's predicted makespan when memory forces waves)."""
+        kv = self.memory.kv_tokens() if self.memory else None
+        order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
+
+        def finish(gs):
+            reqs = [r for g in gs for r in g.requests]
+            reqs.sort(key=lambda r: -predicted[r.prompt_uid])
+            return simulate_rank_steps([predicted[r.prompt_uid] for r in reqs],
+                                       [len(r.prompt_ids) for r in reqs], kv, self.max_batch_size)
+
+        baseline = self._baseline(order, ranks)
+        bound = max(
+            max((predicted[g.uid] for g in groups), default=0.0),
+            max((finish([g for g in groups if g.requests[0] in set(rs)]) for rs in baseline.values()),
+                default=0.0) if kv is not None else 0.0,
+        )
+        assigned: dict[int, list[PromptGroup]] = {r: [] for r in ranks}
+        # fill the ranks meant to stay first: each takes the longest remaining groups while its
+        # predicted finish stays within the bound; what is left goes to the next rank
+        remaining = list(order)
+        for i, rank in enumerate(ranks):
+            left_ranks = len(ranks) - i
+            if left_ranks == 1:
+                assigned[rank] = remaining
+                break
+            # at most a fair share of the groups: a lockstep step costs what the fullest rank's
+            # batch costs, so piling requests on the staying ranks would slow every step
+            share_cap = math.ceil(len(remaining) / left_ranks)
+            taken = []
+            for g in list(remaining):
+                if len(taken) >= share_cap:
+                    break
+                if taken and finish(taken + [g]) > bound:
+                    continue
+                taken.append(g)
+            for g in taken:
+                remaining.remove(g)
+            assigned[rank] = taken
+        out = {}
+        for rank, gs in assigned.items():
+            reqs = [r for g in gs for r in g.requests]
+            reqs.sort(key=lambda r: (-predicted[r.prompt_uid], r.prompt_uid, r.sample_index))
+            out[rank] = reqs  # within a rank: the longest first
+        return out
+
+    def observe(self, results: Iterable) -> None:
+        self.history.record_results(results)
+
+    def state_dict(self) -> dict:
+        return {"history": self.history.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = LengthHistory.from_state_dict(state["history"])
