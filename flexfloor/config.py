@@ -299,7 +299,7 @@ class DataConfig:
     synthetic_num_prompts: int = 64  # size of the synthetic task's prompt set
     synthetic_seed: int = 0  # seed of the synthetic task
     tokenizer: str | None = None  # tokenizer path; None = the bundled one
-    max_prompt_len: int = 64  # longer prompts are dropped, in tokens
+    max_prompt_len: int = 128  # in tokens; a longer prompt is an error that names it
     shuffle: bool = True  # reshuffle prompts every epoch
 
     def validate(self) -> None:
