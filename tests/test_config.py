@@ -350,8 +350,8 @@ def test_max_new_tokens_reaches_max_seq_len():
 
 
 def test_kv_budget_must_hold_one_request():
-    err = _error(["rollout.kv_budget_tokens=100"])  # 64 prompt + 128 new tokens
-    assert err.field == "rollout.kv_budget_tokens" and ">= 192" in str(err)
+    err = _error(["rollout.kv_budget_tokens=100"])  # 128 prompt + 128 new tokens
+    assert err.field == "rollout.kv_budget_tokens" and ">= 256" in str(err)
 
 
 def test_stop_token_outside_vocab():
