@@ -8,9 +8,11 @@ side asserts on them.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +34,22 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 600, check: b
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         os.path.join(REPO, "tests", "workers", script), *args,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # Output goes to files, not pipes, and the launch gets its own session: a worker killed on
+    # purpose can leave helper processes behind (dist-checkpointing's writer), which would hold a
+    # pipe open; the whole session is killed once torchrun returns.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+        try:
+            popen.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            popen.wait()
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, popen.returncode, out.read(), err.read())
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{script} on {nproc} workers exited {proc.returncode}\n"
