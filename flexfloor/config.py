@@ -278,9 +278,10 @@ class TrainerConfig:
     value_clip_eps: float = 0.2  # PPO value clip
     nan_policy: NanPolicy = NanPolicy.STOP  # what a non-finite loss or grad norm does
     sft_warmup_steps: int = 0  # supervised steps on the data before RL
+    sft_lr: float = 1e-3  # peak learning rate of the supervised warm start (cosine to 0)
 
     def validate(self) -> None:
-        _positive("trainer", self, "steps", "prompts_per_step", "micro_batch_size", "lr",
+        _positive("trainer", self, "steps", "prompts_per_step", "micro_batch_size", "lr", "sft_lr",
                   "ppo_epochs", "clip_eps", "critic_lr", "value_clip_eps")
         _non_negative("trainer", self, "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad",
                       "kl_coef", "entropy_coef", "sft_warmup_steps")

@@ -185,6 +185,7 @@ class RolloutEngine:
         max_batch_size: int = 64,
         kv_budget_bytes: Optional[int] = None,
         progress: bool = False,
+        valid_vocab: Optional[int] = None,
     ):
         self.model = model
         self.moe = moe  # megatron_ext.elastic_moe.PlacedMoE over the current EP group
@@ -193,6 +194,8 @@ class RolloutEngine:
         self.max_batch_size = max_batch_size
         self.kv_budget_bytes = kv_budget_bytes
         self.progress = progress
+        # the tokenizer's vocabulary when the model's is padded beyond it: never sample padding
+        self.valid_vocab = valid_vocab
         self.max_seq_len = model.max_sequence_length
         cfg = self.config
         self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -311,7 +314,8 @@ class RolloutEngine:
         last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=self.device)
         h = self.model.decoder.final_layernorm(x[last])
         logits, _ = self.model.output_layer(h)
-        return logits[:, 0].float() if logits.dtype != torch.float64 else logits[:, 0]
+        logits = logits[:, 0, : self.valid_vocab]
+        return logits.float() if logits.dtype != torch.float64 else logits
 
     def _empty_step(self) -> torch.Tensor:
         """A step with no own tokens: still enter every MoE layer's all-to-all, with 0 tokens."""
@@ -403,10 +407,10 @@ class RolloutEngine:
             running = still
             keep, report = membership.step_boundary(self, bool(running or queue))
             if bar is not None:
-                bar.total, bar.n = report.requests, report.finished
+                bar.total = report.requests
                 bar.set_postfix(tok_s=f"{report.tokens / max(now, 1e-9):.0f}",
-                                active=sum(report.has_work), refresh=False)
-                bar.refresh()
+                                active=len(report.has_work), refresh=False)
+                bar.update(report.finished - bar.n)
         if "release_step" not in record.extra:  # not released early: occupied to the end
             record.release_s = time.perf_counter() - t0
             record.extra["release_step"] = record.steps
@@ -453,4 +457,5 @@ class RolloutEngine:
             return None
         from tqdm import tqdm
 
-        return tqdm(desc="rollout", unit="resp", total=None, leave=False, dynamic_ncols=True)
+        return tqdm(desc="rollout", unit="resp", total=None, leave=False, dynamic_ncols=True,
+                    mininterval=1.0)

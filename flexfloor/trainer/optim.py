@@ -39,14 +39,19 @@ class TrainState:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def build_train_state(model, trainer_cfg, parallel, *, total_steps: int) -> TrainState:
-    """Wrap `model` in Megatron DDP and build Adam + a cosine LR schedule with warm-up."""
+def build_train_state(model, trainer_cfg, parallel, *, total_steps: int, ddp=None) -> TrainState:
+    """Wrap `model` in Megatron DDP and build Adam + a cosine LR schedule with warm-up.
+
+    Pass `ddp` (an existing wrapper of the same model) to get a second optimizer and schedule
+    over the same gradient buffers, e.g. for a supervised warm start before RL: a model must
+    never be wrapped twice (each wrapper hooks every parameter's gradient).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = model.config
-    ddp = DistributedDataParallel(
+    ddp = ddp or DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,

@@ -1,0 +1,395 @@
+"""The step loop: plan -> generate -> release -> resync -> reward -> advantages -> train ->
+checkpoint -> log. `Job.step()` reads as that sentence; the objects it calls do the work.
+
+Every rank runs the same loop (SPMD). Rollout results are gathered on every rank after resync and
+split evenly by request id for training, so training sees the same data whatever rank generated
+it: a step after a static rollout and one after an elastic rollout give the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from flexfloor.checkpoint import load_checkpoint, save_checkpoint
+from flexfloor.config import Algorithm, Config, NanPolicy, config_to_dict
+from flexfloor.data import compute_score, load_prompts, sft_response
+from flexfloor.model import build_model
+from flexfloor.parallel import Parallel
+from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
+from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.metrics import rollout_metrics
+from flexfloor.rollout.scheduler import MemoryModel, PromptGroup, Scheduler, prediction_accuracy
+from flexfloor.rollout.types import Request, SamplingParams
+from flexfloor.tokenizer import check_vocab, load_tokenizer
+from flexfloor.trainer import algorithms as alg
+from flexfloor.trainer.actor import Actor, Sample, split_even
+from flexfloor.trainer.optim import build_train_state
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+@dataclass
+class DataCursor:
+    """Where the run is in the prompt stream: epoch and position, reshuffled each epoch."""
+
+    num_prompts: int
+    seed: int
+    shuffle: bool
+    epoch: int = 0
+    position: int = 0
+
+    def order(self, epoch: int) -> list[int]:
+        idx = list(range(self.num_prompts))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
+        return idx
+
+    def next(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            if self.position >= self.num_prompts:
+                self.epoch, self.position = self.epoch + 1, 0
+            take = self.order(self.epoch)[self.position : self.position + n - len(out)]
+            out += take
+            self.position += len(take)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def gather_all(parallel, items: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank."""
+    parts = [None] * parallel.world_size
+    dist.all_gather_object(parts, items, group=parallel.world_group)
+    return [x for part in parts for x in part]
+
+
+class Job:
+    """One RL post-training run on this rank."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.parallel = Parallel.build(
+            expert_parallel_size=cfg.parallel.expert_parallel_size,
+            backend=cfg.parallel.backend.value,
+            timeout_s=cfg.parallel.timeout_s,
+        )
+        self.rank = self.parallel.rank
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        check_vocab(self.tokenizer, cfg.model.vocab_size)
+        self.examples = load_prompts(cfg.data.train_files, cfg.data.synthetic_num_prompts,
+                                     cfg.data.synthetic_seed)
+        self.prompt_ids = [self._encode_prompt(e) for e in self.examples]
+        self.model = build_model(cfg.model, self.parallel)
+        self.train_state = build_train_state(self.model, cfg.trainer, self.parallel,
+                                             total_steps=cfg.trainer.steps)
+        self.actor = Actor(self.train_state, cfg.trainer, self.parallel,
+                           valid_vocab=self.tokenizer.vocab_size)
+        self.layout = RolloutLayout.gather(self.model, self.parallel)
+        self.moe = self.layout.moe(self.model, self.parallel)
+        memory = MemoryModel.from_model_config(cfg.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)
+        self.engine = RolloutEngine(
+            self.model, self.moe, rank=self.rank, max_batch_size=cfg.rollout.max_batch_size,
+            kv_budget_bytes=memory.kv_budget_bytes, progress=cfg.rollout.progress,
+            valid_vocab=self.tokenizer.vocab_size,
+        )
+        self.scheduler = Scheduler(cfg.scheduler.placement, prior_quantile=cfg.scheduler.prior_quantile,
+                                   memory=memory, max_batch_size=cfg.rollout.max_batch_size)
+        self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
+        self.sampling = SamplingParams.from_rollout_config(cfg.rollout, eos_id=self.tokenizer.eos_id)
+        self.step_index = 0
+        self.log = RunLog(cfg, self.rank)
+        if cfg.checkpoint.load:
+            self._load(cfg.checkpoint.load)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        if self.step_index == 0 and self.cfg.trainer.sft_warmup_steps:
+            self.warm_start()
+        while self.step_index < self.cfg.trainer.steps:
+            self.step()
+        self.log.close(self)
+
+    def step(self) -> dict:
+        t0 = time.perf_counter()
+        groups = self.next_prompt_groups()                   # data
+        plan = self.scheduler.plan(groups, range(self.parallel.world_size))   # plan
+        membership = membership_for(self.cfg.elastic.release_policy, self.parallel, self.layout,
+                                    self.cfg.elastic)
+        out = self.engine.generate(plan.assignment[self.rank], membership)    # generate + release
+        resync_s = resync(self.moe, self.layout, self.parallel, membership)   # resync
+        results = gather_all(self.parallel, out.results)
+        records = gather_all(self.parallel, [out.record.as_dict()])
+        rewards = self.rewards(results)                      # reward
+        samples = self.advantages(results, rewards)          # advantages
+        train_metrics = self.train(samples)                  # train
+        self.scheduler.observe(results)
+        self.step_index += 1
+        metrics = self.step_metrics(results, rewards, records, plan, train_metrics,
+                                    time.perf_counter() - t0, resync_s, membership)
+        self.log.write(metrics, records)                     # log
+        if self._should_save():
+            self.save()                                      # checkpoint
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+
+    def next_prompt_groups(self) -> list[PromptGroup]:
+        cfg = self.cfg
+        groups = []
+        for idx in self.cursor.next(cfg.trainer.prompts_per_step):
+            ex = self.examples[idx]
+            reqs = tuple(
+                Request(prompt_uid=ex.uid, sample_index=s, prompt_ids=self.prompt_ids[idx],
+                        max_new_tokens=cfg.rollout.max_new_tokens, sampling=self.sampling,
+                        seed=cfg.rollout.seed, step=self.step_index)
+                for s in range(cfg.rollout.samples_per_prompt)
+            )
+            groups.append(PromptGroup(ex.uid, reqs))
+        return groups
+
+    def rewards(self, results) -> dict[str, float]:
+        by_uid = {e.uid: e for e in self.examples}
+        out = {}
+        for r in results:
+            ex = by_uid[r.prompt_uid]
+            ids = [t for t in r.token_ids if t != self.tokenizer.eos_id]
+            out[r.request_id] = compute_score(ex.data_source, self.tokenizer.decode(ids), ex.ground_truth)
+        return out
+
+    def advantages(self, results, rewards) -> list[Sample]:
+        """GRPO: group-normalised rewards. Results sorted by request id on every rank."""
+        results = sorted(results, key=lambda r: (r.prompt_uid, r.sample_index))
+        if self.cfg.trainer.algorithm != Algorithm.GRPO:
+            raise TrainingError(f"trainer.algorithm={self.cfg.trainer.algorithm.value} is not "
+                                "available in this version; use grpo")
+        scores = torch.tensor([rewards[r.request_id] for r in results], dtype=torch.float64)
+        uids = torch.tensor([r.prompt_uid for r in results])
+        adv = alg.grpo_advantages(scores, uids, std_norm=self.cfg.trainer.adv_std_norm)
+        return [Sample(r.prompt_ids, r.token_ids, float(a), r.logprobs) for r, a in zip(results, adv)]
+
+    def train(self, samples: list[Sample]) -> dict:
+        mine = split_even(samples, self.parallel.world_size)[self.rank]
+        global_tokens = sum(len(s.response_ids) for s in samples)
+        # old-policy log-probs recomputed on the training forward (the engine's are at the
+        # sampling temperature and from the KV-cache path)
+        for s, lp in zip(mine, self.actor.logprobs(mine)):
+            s.old_logprobs = lp
+        metrics = {}
+        for _ in range(self.cfg.trainer.ppo_epochs):
+            metrics = self.actor.train_policy(mine, global_tokens=global_tokens)
+            if not metrics["actor/applied"]:
+                self._non_finite(metrics)
+        return metrics
+
+    def warm_start(self) -> None:
+        """Supervised steps on correct answers before RL (cached in the run folder's parent)."""
+        cfg = self.cfg
+        cache = os.path.join(os.path.dirname(os.path.abspath(cfg.logging.run_dir)), "sft_cache",
+                             _warm_start_key(cfg))
+        if os.path.exists(os.path.join(cache, "latest")):
+            load_checkpoint(cache, model=self.model, model_cfg=cfg.model)
+            self.log.say(f"warm start: loaded the cached supervised model from {cache}")
+            return
+        import dataclasses
+
+        from tqdm import tqdm
+
+        rng = random.Random(cfg.data.synthetic_seed + 17)
+        steps = cfg.trainer.sft_warmup_steps
+        sft_cfg = dataclasses.replace(cfg.trainer, lr=cfg.trainer.sft_lr, min_lr=0.0,
+                                      lr_warmup_steps=min(10, steps // 10))
+        sft = Actor(build_train_state(self.model, sft_cfg, self.parallel, total_steps=steps,
+                                      ddp=self.train_state.model),
+                    sft_cfg, self.parallel, valid_vocab=self.tokenizer.vocab_size)
+        bar = tqdm(range(steps), desc="warm start (supervised)", disable=self.rank != 0,
+                   dynamic_ncols=True, mininterval=2.0)
+        per_step = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
+        for _ in bar:
+            picks = [rng.randrange(len(self.examples)) for _ in range(per_step)]
+            samples = [Sample(self.prompt_ids[i],
+                              self.tokenizer.encode(sft_response(self.examples[i])) + [self.tokenizer.eos_id])
+                       for i in picks]
+            loss = sft.train_sft(split_even(samples, self.parallel.world_size)[self.rank])
+            bar.set_postfix(loss=f"{loss:.3f}")
+        # RL keeps its own optimizer and schedule (untouched so far); the cache holds the weights
+        save_checkpoint(cache, 0, model=self.model, model_cfg=cfg.model)
+        self.log.say(f"warm start: {steps} supervised steps, cached in {cache}")
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def step_metrics(self, results, rewards, records, plan, train_metrics, step_s, resync_s,
+                     membership) -> dict:
+        roll = rollout_metrics(records, results)
+        lengths = [len(r.token_ids) for r in results]
+        realised = {}
+        for r in results:
+            realised[r.prompt_uid] = max(realised.get(r.prompt_uid, 0), len(r.token_ids))
+        acc = prediction_accuracy(plan.predicted, realised)
+        scores = list(rewards.values())
+        m = {
+            "step": self.step_index,
+            "reward/mean": float(np.mean(scores)),
+            "reward/max": float(np.max(scores)),
+            "reward/solved": float(np.mean([s == 1.0 for s in scores])),
+            "response_length/mean": float(np.mean(lengths)),
+            "response_length/max": int(np.max(lengths)),
+            "rollout/tokens_per_occupied_worker_second": roll["tokens_per_occupied_worker_second"],
+            "rollout/tokens_per_occupied_worker_step": roll["tokens_per_occupied_worker_step"],
+            "rollout/tail_fraction": roll["tail_fraction"],
+            "rollout/released_ranks": roll["released_ranks"],
+            "rollout/occupied_worker_steps": roll["occupied_worker_steps"],
+            "rollout/wall_seconds": roll["rollout_wall_seconds"],
+            "rollout/release_s": [p["release_s"] for p in roll["per_rank"]],
+            "rollout/local_finish_s": [p["local_finish_s"] for p in roll["per_rank"]],
+            "scheduler/spearman": acc["spearman"],
+            "scheduler/mae": acc["mae"],
+            "timing/resync_s": resync_s,
+            "timing/step_s": step_s,
+        }
+        m.update({k: v for k, v in train_metrics.items() if not isinstance(v, bool)})
+        return m
+
+    def _non_finite(self, metrics) -> None:
+        msg = (f"step {self.step_index}: non-finite loss or gradient ({metrics.get('actor/loss')}); "
+               "the update was not applied")
+        if self.cfg.trainer.nan_policy == NanPolicy.STOP:
+            raise TrainingError(msg + "; set trainer.nan_policy=skip to skip such steps")
+        self.log.say(msg + " (trainer.nan_policy=skip)")
+
+    def _should_save(self) -> bool:
+        c = self.cfg.checkpoint
+        if not c.dir:
+            return False
+        last = self.step_index == self.cfg.trainer.steps
+        return last or (c.save_interval > 0 and self.step_index % c.save_interval == 0)
+
+    def save(self) -> None:
+        extra = {
+            "step": self.step_index,
+            "cursor": self.cursor.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "train_state": self.train_state.state_dict(),
+            "config": config_to_dict(self.cfg),
+        }
+        path = save_checkpoint(self.cfg.checkpoint.dir, self.step_index, model=self.model,
+                               model_cfg=self.cfg.model, optimizer=self.train_state.optimizer,
+                               extra_state=extra, keep_last=self.cfg.checkpoint.keep_last)
+        self.log.say(f"checkpoint: {path}")
+
+    def _load(self, path: str) -> None:
+        step, extra = load_checkpoint(path, model=self.model, model_cfg=self.cfg.model,
+                                      optimizer=self.train_state.optimizer)
+        self.train_state.load_state_dict(extra["train_state"])
+        self.cursor.load_state_dict(extra["cursor"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.step_index = step
+        self.log.say(f"resumed from {path} at step {step}")
+
+    def close(self) -> None:
+        self.parallel.destroy()
+
+    def _encode_prompt(self, example) -> tuple[int, ...]:
+        ids = ([self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []) + \
+            self.tokenizer.encode(example.prompt)
+        if len(ids) > self.cfg.data.max_prompt_len:
+            raise TrainingError(
+                f"prompt uid {example.uid} has {len(ids)} tokens, more than data.max_prompt_len="
+                f"{self.cfg.data.max_prompt_len}; raise data.max_prompt_len (with "
+                "model.max_seq_len) or remove the prompt from the data")
+        return tuple(ids)
+
+
+def _warm_start_key(cfg: Config) -> str:
+    import hashlib
+
+    d = config_to_dict(cfg)
+    key = {k: d[k] for k in ("model", "data")}
+    key["sft"] = {k: d["trainer"][k] for k in ("sft_warmup_steps", "sft_lr", "prompts_per_step",
+                                               "micro_batch_size")}
+    key["samples"] = d["rollout"]["samples_per_prompt"]
+    key["world"] = d["parallel"]["world_size"]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class RunLog:
+    """metrics.jsonl, TensorBoard, a per-step line and the release timeline plot (rank 0)."""
+
+    def __init__(self, cfg: Config, rank: int):
+        self.rank = rank
+        self.run_dir = cfg.logging.run_dir
+        self.cfg = cfg
+        self.history: list[dict] = []
+        self.timelines: list[list[dict]] = []
+        self.writer = None
+        if rank != 0:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+            json.dump(config_to_dict(cfg), f, indent=1)
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"[flexfloor] {text}", flush=True)
+
+    def write(self, metrics: dict, records: list[dict]) -> None:
+        if self.rank != 0:
+            return
+        self.history.append(metrics)
+        self.timelines.append(records)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.writer is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
+                    self.writer.add_scalar(k, v, metrics["step"])
+        release = " ".join(f"r{i}:{t:.2f}s" for i, t in enumerate(metrics["rollout/release_s"]))
+        print(
+            f"step {metrics['step']:>4} | reward {metrics['reward/mean']:.3f} "
+            f"(solved {metrics['reward/solved']:.2f}) | len mean {metrics['response_length/mean']:.1f} "
+            f"max {metrics['response_length/max']} | tok/occ-worker-s "
+            f"{metrics['rollout/tokens_per_occupied_worker_second']:.0f} | tail "
+            f"{metrics['rollout/tail_fraction']:.2f} | released {metrics['rollout/released_ranks']} "
+            f"| release {release} | {metrics['timing/step_s']:.1f}s",
+            flush=True,
+        )
+
+    def close(self, job: Job) -> None:
+        if self.rank != 0:
+            return
+        if self.writer is not None:
+            self.writer.close()
+        if self.cfg.logging.timeline_plot and self.timelines:
+            from flexfloor.rollout.timeline import plot_rank_timeline
+
+            path = os.path.join(self.run_dir, "timeline.png")
+            plot_rank_timeline({"last step": self.timelines[-1]}, path,
+                               title=f"release timeline, step {self.history[-1]['step']}")
+        if self.history:
+            first, last = self.history[0], self.history[-1]
+            self.say(f"reward {first['reward/mean']:.3f} (step {first['step']}) -> "
+                     f"{last['reward/mean']:.3f} (step {last['step']})")
+        self.say(f"run folder: {os.path.abspath(self.run_dir)} (metrics.jsonl, tensorboard/, "
+                 "timeline.png)")

@@ -1,0 +1,52 @@
+"""The rank timeline of a rollout: busy, idle-but-occupied and released spans per rank."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+COLOURS = {"busy": "#2f7ed8", "idle but occupied": "#f28f43", "released": "#d9d9d9"}
+
+
+def rank_spans(record: dict, end_s: float) -> list[tuple[str, float, float]]:
+    """(kind, start, end) spans of one rank's record, in seconds from the rollout start."""
+    start, finish, release = record.get("start_s", 0.0), record["local_finish_s"], record["release_s"]
+    spans = [("busy", start, max(start, finish)), ("idle but occupied", finish, release)]
+    if release < end_s:
+        spans.append(("released", release, end_s))
+    return [(k, a, b) for k, a, b in spans if b > a]
+
+
+def plot_rank_timeline(modes: Mapping[str, Sequence[dict]], path: str, *, title: str = "",
+                       unit: str = "s") -> str:
+    """One panel per mode (e.g. static, elastic), one row per rank. `modes` maps a name to the
+    per-rank records (`RankRecord.as_dict()` or the simulator's equivalent). Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = list(modes)
+    end = max(max(r["release_s"] for r in recs) for recs in modes.values())
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.2 + 0.45 * max(len(v) for v in modes.values()) * len(names)),
+                             squeeze=False, sharex=True)
+    for ax, name in zip(axes[:, 0], names):
+        records = sorted(modes[name], key=lambda r: r["rank"])
+        mode_end = max(r["release_s"] for r in records)
+        for row, rec in enumerate(records):
+            for kind, a, b in rank_spans(rec, mode_end):
+                ax.barh(row, b - a, left=a, color=COLOURS[kind], edgecolor="white", height=0.8)
+        ax.set_yticks(range(len(records)))
+        ax.set_yticklabels([f"rank {r['rank']}" for r in records])
+        ax.invert_yaxis()
+        ax.set_xlim(0, end * 1.02 if end > 0 else 1)
+        ax.set_title(name, loc="left", fontsize=10)
+    axes[-1, 0].set_xlabel(f"time from rollout start ({unit})")
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right",
+               ncol=3, fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, x=0.02, ha="left", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

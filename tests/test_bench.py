@@ -1,0 +1,74 @@
+"""The rollout benchmark end to end on 4 gloo workers, small: the DESIGN.md JSON contract, identical
+responses, fewer occupied worker-steps with release, and the timeline plot."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIELDS = ("total_response_tokens", "occupied_worker_seconds", "occupied_worker_steps",
+          "tail_fraction", "rollout_wall_seconds", "tokens_per_occupied_worker_second",
+          "responses_sha256", "per_rank")
+RATIOS = ("tokens_per_occupied_worker_second", "tokens_per_occupied_worker_step",
+          "rollout_wall_seconds")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    out, png = d / "b.json", d / "b.png"
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_rollout.py", "--nproc", "4", "--num-prompts", "8",
+         "--samples-per-prompt", "2", "--epochs", "2", "--repeats", "1", "--length-median", "6",
+         "--out", str(out), "--plot", str(png)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    with open(out) as f:
+        return json.load(f), png, proc.stdout
+
+
+def test_json_has_the_design_contract(run):
+    report, _, _ = run
+    for mode in ("static", "elastic"):
+        assert all(k in report[mode] for k in FIELDS), sorted(report[mode])
+        per_rank = report[mode]["per_rank"]
+        assert [r["rank"] for r in per_rank] == [0, 1, 2, 3]
+        assert all(set(r) >= {"rank", "local_finish_s", "release_s", "steps"} for r in per_rank)
+    assert set(report["ratios"]) >= set(RATIOS)
+    assert report["summary_epochs"] == [2]
+    assert [e["epoch"] for e in report["per_epoch"]] == [1, 2]
+    assert report["caveat"] and "tail_stats" in report["workload"]
+    assert set(report["reconfiguration"]) >= {"plan_s", "transfer_s", "switch_s", "sent_bytes"}
+
+
+def test_identical_responses_and_fewer_occupied_steps(run):
+    report, _, _ = run
+    assert report["identical_responses"] is True
+    assert all(e["sha_match"] for e in report["per_epoch"])
+    assert report["static"]["responses_sha256"] == report["elastic"]["responses_sha256"]
+    assert report["static"]["total_response_tokens"] == report["elastic"]["total_response_tokens"]
+    assert report["elastic"]["occupied_worker_steps"] <= report["static"]["occupied_worker_steps"]
+    # epoch 2 places from history: its predictor saw every prompt before
+    assert report["per_epoch"][1]["predictor"]["sources"]["history"] == 8
+
+
+def test_table_and_plot(run):
+    _, png, stdout = run
+    assert "epoch 2/2" in stdout and "tokens_per_occupied_worker_step" in stdout
+    assert png.exists() and png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--length-dist", "uniform", "--length-median", "6"], "--length-median do not apply"),
+    (["--modes", "static,fast"], "unknown"),
+    (["--kv-budget-tokens", "50"], "cannot hold the longest request"),
+])
+def test_bad_options_fail_before_launching(tmp_path, flags, message):
+    proc = subprocess.run([sys.executable, "tools/bench_rollout.py", "--out",
+                           str(tmp_path / "b.json"), *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr

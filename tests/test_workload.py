@@ -1,0 +1,97 @@
+"""Length workloads: plain numpy, no process groups."""
+
+import numpy as np
+import pytest
+
+from flexfloor.rollout.workload import DISTRIBUTIONS, make_lengths, save_lengths, tail_stats
+
+# the rollout benchmark's defaults
+SIZES = dict(num_prompts=32, samples_per_prompt=8, epochs=4, max_len=200)
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "bimodal", "uniform"])
+def test_shape_range_and_determinism_per_seed(dist):
+    a = make_lengths(dist, seed=3, **SIZES)
+    assert a.shape == (4, 32, 8) and a.dtype.kind == "i"
+    assert a.min() >= 1 and a.max() <= 200
+    assert np.array_equal(a, make_lengths(dist, seed=3, **SIZES))
+    assert not np.array_equal(a, make_lengths(dist, seed=4, **SIZES))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_lognormal_default_is_long_tailed(seed):
+    stats = tail_stats(make_lengths("lognormal", seed=seed, **SIZES))
+    assert stats["p99_over_p50"] >= 8
+    assert stats["max"] <= 200
+
+
+def test_history_predicts_lengths_and_siblings_are_similar():
+    a = make_lengths("lognormal", seed=0, **SIZES).astype(float)
+    group_max = a.max(axis=2)  # [epochs, prompts]
+    # a prompt's longest sample last epoch ranks prompts like this epoch's (Spearman via ranks)
+    r0, r1 = (np.argsort(np.argsort(g)) for g in (group_max[0], group_max[1]))
+    assert np.corrcoef(r0, r1)[0, 1] > 0.9
+    # siblings spread far less than prompts do
+    spread = np.log(a).std(axis=2).mean()
+    assert spread < 0.35 < np.log(a).mean(axis=2).std()
+
+
+def test_bimodal_and_uniform_parameters():
+    b = make_lengths("bimodal", seed=0, short=4, long=100, long_frac=0.25, sample_sigma=0.0,
+                     drift_sigma=0.0, **SIZES)
+    assert sorted(set(b.ravel().tolist())) == [4, 100]
+    assert (b[0, :, 0] == 100).sum() == 8  # exactly a quarter of the prompts are long
+    u = make_lengths("uniform", seed=0, min_len=50, sample_sigma=0.0, drift_sigma=0.0, **SIZES)
+    assert u.min() >= 50 and u.max() <= 200
+
+
+def test_clipped_to_max_len():
+    a = make_lengths("lognormal", seed=0, median=100, sigma=1.0, **{**SIZES, "max_len": 64})
+    assert a.max() == 64 and a.min() >= 1
+
+
+def test_json_file_round_trip(tmp_path):
+    a = make_lengths("lognormal", seed=1, **SIZES)
+    path = tmp_path / "lengths.json"
+    save_lengths(str(path), a)
+    assert np.array_equal(make_lengths("file", path=str(path), seed=9, **SIZES), a)
+
+
+def test_json_file_per_prompt_repeats_every_epoch(tmp_path):
+    path = tmp_path / "lengths.json"
+    path.write_text('{"lengths": [[3, 4], [10, 12]]}')
+    a = make_lengths("file", path=str(path), num_prompts=2, samples_per_prompt=2, epochs=3,
+                     seed=0, max_len=11)
+    assert a.tolist() == [[[3, 4], [10, 11]]] * 3  # clipped to max_len
+    with pytest.raises(ValueError, match="do not cover"):
+        make_lengths("file", path=str(path), num_prompts=3, samples_per_prompt=2, epochs=1,
+                     seed=0, max_len=50)
+
+
+def test_text_file_gives_prompt_bases(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("# one base length per prompt\n5\n\n40\n7  # a comment\n")
+    a = make_lengths("file", path=str(path), num_prompts=3, samples_per_prompt=4, epochs=2,
+                     seed=0, max_len=200, sample_sigma=0.0, drift_sigma=0.0)
+    assert a[:, :, 0].tolist() == [[5, 40, 7]] * 2 and (a == a[:, :, :1]).all()
+    noisy = make_lengths("file", path=str(path), num_prompts=3, samples_per_prompt=4, epochs=2,
+                         seed=0, max_len=200)
+    assert noisy[0, 1].min() > 20  # samples stay around their prompt's base
+    with pytest.raises(ValueError, match="need at least num_prompts=4"):
+        make_lengths("file", path=str(path), num_prompts=4, samples_per_prompt=1, epochs=1,
+                     seed=0, max_len=200)
+
+
+def test_bad_names_list_the_choices():
+    with pytest.raises(ValueError) as e:
+        make_lengths("pareto", seed=0, **SIZES)
+    assert all(d in str(e.value) for d in DISTRIBUTIONS)
+    with pytest.raises(ValueError, match="median"):
+        make_lengths("uniform", seed=0, median=5, **SIZES)
+    with pytest.raises(ValueError, match="path"):
+        make_lengths("file", seed=0, **SIZES)
+
+
+def test_tail_stats():
+    s = tail_stats(np.array([[1, 2, 3, 4, 100]]))
+    assert s["p50"] == 3 and s["max"] == 100 and s["p99_over_p50"] == pytest.approx(s["p99"] / 3)
