@@ -21,7 +21,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from flexfloor.config import ReleasePolicy
-from flexfloor.rollout.engine import StaticMembership, share_step_state
+from flexfloor.rollout.engine import StaticMembership, collective_phase, share_step_state
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import initial_placement, plan_shrink
 from megatron_ext.resharding import transfer_experts
@@ -165,9 +165,10 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
     """
     t0 = time.perf_counter()
     moe.drop_borrowed()
-    work = dist.barrier(group=parallel.world_group, async_op=True)
-    if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
-        raise ReleaseError(f"rank {parallel.rank}: resync timed out after {timeout_s} s")
+    with collective_phase(parallel.rank, "resync"):
+        work = dist.barrier(group=parallel.world_group, async_op=True)
+        if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+            raise ReleaseError(f"rank {parallel.rank}: resync timed out after {timeout_s} s")
     moe.rebind(layout.group, layout.placement)
     membership.close()
     return time.perf_counter() - t0

@@ -21,6 +21,7 @@ baseline) keeps every rank stepping, with empty batches when it has no work, unt
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -36,6 +37,26 @@ from flexfloor.rollout.types import FinishReason, RankRecord, Request, Result, S
 
 class RolloutError(RuntimeError):
     """A request or rollout the engine refuses or cannot finish; the message names it."""
+
+
+class CollectiveError(RolloutError):
+    """A collective of the rollout failed or timed out (a peer died or hangs)."""
+
+
+@contextlib.contextmanager
+def collective_phase(rank: int, phase: str, step: int | None = None):
+    """Turn a failed or timed-out collective into an error naming the rank, phase and step.
+
+    Every group is created with a timeout (parallel.timeout_s), so a hang ends as an error here
+    instead of waiting forever; the launcher then sees the process exit non-zero.
+    """
+    try:
+        yield
+    except RolloutError:
+        raise
+    except (RuntimeError, dist.DistError) as e:
+        where = f"rank {rank}, phase '{phase}'" + (f", engine step {step}" if step is not None else "")
+        raise CollectiveError(f"{where}: collective failed ({type(e).__name__}: {e})") from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +370,8 @@ class RolloutEngine:
         All ranks of the EP group (`self.moe.group`) must call it together (with their own requests, possibly
         none). Requests are admitted in the order given when a slot and KV room are free.
         """
-        self._check_on_every_rank(requests)
+        with collective_phase(self.rank, "request check"):
+            self._check_on_every_rank(requests)
         self.model.eval()
         t0 = self._t0 = time.perf_counter()
         record = self.record = RankRecord(rank=self.rank, requests=len(requests))
@@ -360,7 +382,8 @@ class RolloutEngine:
         self.finished_count = self.token_count = 0
         self.request_count = len(requests)
         bar = self._progress_bar()
-        keep, report = membership.step_boundary(self, bool(queue))  # nobody has work: no step
+        with collective_phase(self.rank, "rollout start", 0):
+            keep, report = membership.step_boundary(self, bool(queue))  # nobody has work: no step
         while keep:
             # admit while a slot and KV room are free (longest-first order is the caller's)
             while queue and len(running) < self.max_batch_size:
@@ -377,7 +400,8 @@ class RolloutEngine:
                                         pending=list(req.prompt_ids)))
             record.kv_peak_bytes = max(record.kv_peak_bytes, kv_used)
 
-            logits = self.forward([(r.cache, r.pending) for r in running])
+            with collective_phase(self.rank, "decode (MoE all-to-all)", record.steps):
+                logits = self.forward([(r.cache, r.pending) for r in running])
             record.steps += 1
             if running:
                 record.busy_steps += 1
@@ -405,7 +429,8 @@ class RolloutEngine:
             self.token_count += len(running)
             record.tokens += len(running)
             running = still
-            keep, report = membership.step_boundary(self, bool(running or queue))
+            with collective_phase(self.rank, "step boundary (release)", record.steps):
+                keep, report = membership.step_boundary(self, bool(running or queue))
             if bar is not None:
                 bar.total = report.requests
                 bar.set_postfix(tok_s=f"{report.tokens / max(now, 1e-9):.0f}",

@@ -1,0 +1,15 @@
+"""No silent hang: a stalled peer becomes an error naming the rank, the phase and the step."""
+
+import os
+
+from distributed import torchrun
+
+
+def test_stalled_peer_fails_the_others_with_rank_phase_and_step(tmp_path):
+    proc = torchrun("hang.py", 3, str(tmp_path), check=False, timeout=240)
+    assert proc.returncode != 0
+    for rank in (0, 2):
+        with open(os.path.join(tmp_path, f"rank{rank}.txt")) as f:
+            seconds, message = f.read().split("\n", 1)
+        assert f"rank {rank}, phase 'step boundary (release)', engine step 3" in message
+        assert float(seconds) < 12  # the 4 s timeout fired before the 15 s stall ended

@@ -1,0 +1,57 @@
+"""A rank that stops answering mid-rollout: the others must fail within the timeout with an error
+that names the rank, the phase and the step, and exit non-zero (no silent hang).
+
+Usage: torchrun --nproc-per-node 3 tests/workers/hang.py OUT_DIR
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+from flexfloor.config import ModelConfig
+from flexfloor.model import build_model
+from flexfloor.parallel import Parallel
+from flexfloor.rollout.elastic import RolloutLayout
+from flexfloor.rollout.engine import RolloutEngine, RolloutError, StaticMembership
+from flexfloor.rollout.types import Request, SamplingParams
+
+OUT = sys.argv[1]
+MODEL = ModelConfig(num_experts=6)
+
+
+class StallsAtStep3(StaticMembership):
+    """Rank 1 stops answering at its third step boundary (a hung peer), for 15 s."""
+
+    def __init__(self, rank):
+        self.rank, self.calls = rank, 0
+
+    def step_boundary(self, engine, has_work):
+        self.calls += 1
+        if self.rank == 1 and self.calls == 4:
+            time.sleep(15)
+        return super().step_boundary(engine, has_work)
+
+
+def main():
+    par = Parallel.build(timeout_s=4)
+    rank = par.rank
+    model = build_model(MODEL, par)
+    layout = RolloutLayout.gather(model, par)
+    engine = RolloutEngine(model, layout.moe(model, par), rank=rank)
+    reqs = [Request(prompt_uid=rank, sample_index=0, prompt_ids=(1, 2, 3), max_new_tokens=30,
+                    target_len=30, sampling=SamplingParams(greedy=True))]
+    t0 = time.perf_counter()
+    try:
+        engine.generate(reqs, StallsAtStep3(rank))
+        msg = "no error"
+    except RolloutError as e:
+        msg = str(e)
+    with open(os.path.join(OUT, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{time.perf_counter() - t0:.1f}\n{msg}\n")
+    sys.exit(3)  # non-zero: the launcher sees the failure
+
+
+if __name__ == "__main__":
+    main()
