@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexfloor.checkpoint import load_checkpoint, save_checkpoint
+from flexfloor.checkpoint import iter_name, load_checkpoint, resolve_checkpoint, save_checkpoint
 from flexfloor.config import Algorithm, Config, NanPolicy, config_to_dict
 from flexfloor.data import compute_score, load_prompts, sft_response
 from flexfloor.model import build_model
@@ -33,6 +33,7 @@ from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.tokenizer import check_vocab, load_tokenizer
 from flexfloor.trainer import algorithms as alg
 from flexfloor.trainer.actor import Actor, Sample, split_even
+from flexfloor.trainer.critic import Critic
 from flexfloor.trainer.optim import build_train_state
 
 
@@ -101,6 +102,9 @@ class Job:
                                              total_steps=cfg.trainer.steps)
         self.actor = Actor(self.train_state, cfg.trainer, self.parallel,
                            valid_vocab=self.tokenizer.vocab_size)
+        self.critic = (Critic(cfg.model, cfg.trainer, self.parallel, total_steps=cfg.trainer.steps)
+                       if cfg.trainer.algorithm == Algorithm.PPO else None)
+        self.reference = None  # the frozen policy the KL is measured to (after the warm start)
         self.layout = RolloutLayout.gather(self.model, self.parallel)
         self.moe = self.layout.moe(self.model, self.parallel)
         memory = MemoryModel.from_model_config(cfg.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)
@@ -129,6 +133,7 @@ class Job:
 
     def step(self) -> dict:
         t0 = time.perf_counter()
+        self._freeze_reference()
         groups = self.next_prompt_groups()                   # data
         plan = self.scheduler.plan(groups, range(self.parallel.world_size))   # plan
         membership = membership_for(self.cfg.elastic.release_policy, self.parallel, self.layout,
@@ -175,29 +180,72 @@ class Job:
         return out
 
     def advantages(self, results, rewards) -> list[Sample]:
-        """GRPO: group-normalised rewards. Results sorted by request id on every rank."""
+        """Samples in request-id order (the same on every rank). GRPO: group-normalised rewards
+        here; PPO: GAE in `train`, once the critic has valued this rank's share."""
         results = sorted(results, key=lambda r: (r.prompt_uid, r.sample_index))
-        if self.cfg.trainer.algorithm != Algorithm.GRPO:
-            raise TrainingError(f"trainer.algorithm={self.cfg.trainer.algorithm.value} is not "
-                                "available in this version; use grpo")
-        scores = torch.tensor([rewards[r.request_id] for r in results], dtype=torch.float64)
-        uids = torch.tensor([r.prompt_uid for r in results])
-        adv = alg.grpo_advantages(scores, uids, std_norm=self.cfg.trainer.adv_std_norm)
-        return [Sample(r.prompt_ids, r.token_ids, float(a), r.logprobs) for r, a in zip(results, adv)]
+        scores = [rewards[r.request_id] for r in results]
+        samples = [Sample(r.prompt_ids, r.token_ids, score=s) for r, s in zip(results, scores)]
+        if self.cfg.trainer.algorithm == Algorithm.GRPO:
+            adv = alg.grpo_advantages(torch.tensor(scores, dtype=torch.float64),
+                                      torch.tensor([r.prompt_uid for r in results]),
+                                      std_norm=self.cfg.trainer.adv_std_norm)
+            for smp, a in zip(samples, adv.tolist()):
+                smp.advantage = a
+        return samples
 
     def train(self, samples: list[Sample]) -> dict:
+        cfg = self.cfg.trainer
         mine = split_even(samples, self.parallel.world_size)[self.rank]
         global_tokens = sum(len(s.response_ids) for s in samples)
+        batches = self.actor.micro_batches(mine)
         # old-policy log-probs recomputed on the training forward (the engine's are at the
-        # sampling temperature and from the KV-cache path)
-        for s, lp in zip(mine, self.actor.logprobs(mine)):
+        # sampling temperature, from the KV-cache path)
+        for s, lp in zip(mine, self.actor.logprobs(batches)):
             s.old_logprobs = lp
-        metrics = {}
-        for _ in range(self.cfg.trainer.ppo_epochs):
-            metrics = self.actor.train_policy(mine, global_tokens=global_tokens)
+        ref = self.actor.logprobs(batches, model=self.reference) if self.reference else None
+        metrics: dict = {}
+        values = None
+        if cfg.algorithm == Algorithm.PPO:
+            values = self.critic.values(batches)
+            returns = self._gae(mine, values, ref)
+        for _ in range(cfg.ppo_epochs):
+            metrics = self.actor.train_policy(
+                batches, global_tokens=global_tokens,
+                ref_logprobs=ref if cfg.algorithm == Algorithm.GRPO else None)
             if not metrics["actor/applied"]:
                 self._non_finite(metrics)
+            if values is not None:
+                metrics.update(self.critic.train(batches, values, returns,
+                                                 global_tokens=global_tokens))
         return metrics
+
+    def _gae(self, samples: list[Sample], values, ref) -> list[list[float]]:
+        """PPO: per-token rewards (the score on the last token, minus the KL to the reference
+        when trainer.kl_coef > 0), GAE, advantages whitened over every rank's tokens."""
+        cfg = self.cfg.trainer
+        returns, flat = [], []
+        for i, s in enumerate(samples):
+            n = len(s.response_ids)
+            mask = torch.ones(1, n, dtype=torch.float64)
+            kl = None
+            if ref is not None:
+                kl = alg.kl_penalty(torch.tensor([s.old_logprobs], dtype=torch.float64),
+                                    torch.tensor([ref[i]], dtype=torch.float64),
+                                    estimator=cfg.kl_estimator)
+            rew = alg.token_level_rewards(torch.tensor([s.score], dtype=torch.float64), mask,
+                                          kl=kl, kl_coef=cfg.kl_coef)
+            adv, ret = alg.gae(rew, torch.tensor([values[i]], dtype=torch.float64), mask,
+                               gamma=cfg.gamma, lam=cfg.gae_lambda)
+            s.advantages = adv[0].tolist()
+            returns.append(ret[0].tolist())
+            flat += s.advantages
+        stats = torch.tensor([sum(flat), sum(a * a for a in flat), float(len(flat))], dtype=torch.float64)
+        dist.all_reduce(stats, group=self.parallel.world_group)
+        mean = stats[0] / stats[2].clamp(min=1)
+        std = (stats[1] / stats[2].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
+        for s in samples:
+            s.advantages = [(a - float(mean)) / (float(std) + 1e-8) for a in s.advantages]
+        return returns
 
     def warm_start(self) -> None:
         """Supervised steps on correct answers before RL (cached in the run folder's parent)."""
@@ -228,7 +276,7 @@ class Job:
                               self.tokenizer.encode(sft_response(self.examples[i])) + [self.tokenizer.eos_id])
                        for i in picks]
             loss = sft.train_sft(split_even(samples, self.parallel.world_size)[self.rank])
-            bar.set_postfix(loss=f"{loss:.3f}")
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         # RL keeps its own optimizer and schedule (untouched so far); the cache holds the weights
         save_checkpoint(cache, 0, model=self.model, model_cfg=cfg.model)
         self.log.say(f"warm start: {steps} supervised steps, cached in {cache}")
@@ -267,6 +315,15 @@ class Job:
         m.update({k: v for k, v in train_metrics.items() if not isinstance(v, bool)})
         return m
 
+    def _freeze_reference(self) -> None:
+        """trainer.kl_coef > 0: a frozen copy of the starting policy (after the warm start; a
+        resumed run loads it from the checkpoint)."""
+        if self.cfg.trainer.kl_coef <= 0 or self.reference is not None:
+            return
+        self.reference = build_model(self.cfg.model, self.parallel)
+        self.reference.load_state_dict(self.model.state_dict())
+        self.reference.requires_grad_(False)
+
     def _non_finite(self, metrics) -> None:
         msg = (f"step {self.step_index}: non-finite loss or gradient ({metrics.get('actor/loss')}); "
                "the update was not applied")
@@ -289,14 +346,36 @@ class Job:
             "train_state": self.train_state.state_dict(),
             "config": config_to_dict(self.cfg),
         }
-        path = save_checkpoint(self.cfg.checkpoint.dir, self.step_index, model=self.model,
-                               model_cfg=self.cfg.model, optimizer=self.train_state.optimizer,
-                               extra_state=extra, keep_last=self.cfg.checkpoint.keep_last)
+        root, keep = self.cfg.checkpoint.dir, self.cfg.checkpoint.keep_last
+        # the critic and the reference first: the policy's checkpoint, written last, is the one
+        # whose presence marks the step complete
+        for name, model, optimizer in self._companions():
+            save_checkpoint(os.path.join(root, name), self.step_index, model=model,
+                            model_cfg=self.cfg.model, optimizer=optimizer, keep_last=keep)
+        path = save_checkpoint(root, self.step_index, model=self.model, model_cfg=self.cfg.model,
+                               optimizer=self.train_state.optimizer, extra_state=extra,
+                               keep_last=keep)
         self.log.say(f"checkpoint: {path}")
+
+    def _companions(self):
+        """(sub-folder, model, optimizer) saved beside the policy: the critic, the reference."""
+        out = []
+        if self.critic is not None:
+            out.append(("critic", self.critic.module, self.critic.state.optimizer))
+        if self.reference is not None:
+            out.append(("reference", self.reference, None))
+        return out
 
     def _load(self, path: str) -> None:
         step, extra = load_checkpoint(path, model=self.model, model_cfg=self.cfg.model,
                                       optimizer=self.train_state.optimizer)
+        if self.cfg.trainer.kl_coef > 0:
+            self.reference = build_model(self.cfg.model, self.parallel)
+            self.reference.requires_grad_(False)
+        root = os.path.dirname(os.path.abspath(resolve_checkpoint(path)))
+        for name, model, optimizer in self._companions():
+            load_checkpoint(os.path.join(root, name, iter_name(step)), model=model,
+                            model_cfg=self.cfg.model, optimizer=optimizer)
         self.train_state.load_state_dict(extra["train_state"])
         self.cursor.load_state_dict(extra["cursor"])
         self.scheduler.load_state_dict(extra["scheduler"])

@@ -114,8 +114,12 @@ def layer_spec(model_cfg, *, use_te: Optional[bool] = None):
     )
 
 
-def build_model(model_cfg, parallel, *, params_dtype: Optional[str] = None, use_te=None):
-    """A `GPTModel` on `parallel.device` with experts sharded over `parallel`'s EP group."""
+def build_model(model_cfg, parallel, *, params_dtype: Optional[str] = None, use_te=None,
+                post_process: bool = True):
+    """A `GPTModel` on `parallel.device` with experts sharded over `parallel`'s EP group.
+
+    `post_process=False` gives the trunk only (hidden states after the last layer, before the
+    final norm and the output layer): the body of a critic."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -133,7 +137,7 @@ def build_model(model_cfg, parallel, *, params_dtype: Optional[str] = None, use_
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_seq_len,
         pre_process=True,
-        post_process=True,
+        post_process=post_process,
         parallel_output=False,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",

@@ -32,3 +32,11 @@ def test_resume_continues_exactly(res):
         assert r["resumed_cursor"] == {"epoch": 0, "position": 4}
         assert r["resumed_history_uids"] == 4  # the length history came back too
         assert r["resume_equals_uninterrupted"] is True
+
+
+def test_ppo_trains_actor_and_critic_with_a_frozen_reference(res):
+    for r in res:
+        assert all(math.isfinite(x) for x in r["ppo_losses"])
+        assert r["ppo_actor_changed"] and r["ppo_critic_changed"]
+        assert r["ppo_kl_ref_frozen"] is True  # the reference is the starting policy, unchanged
+        assert r["ppo_resume_equals_uninterrupted"] is True  # critic + reference came back too

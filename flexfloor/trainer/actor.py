@@ -29,7 +29,9 @@ class Sample:
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
     advantage: float = 0.0  # GRPO: one per response
-    old_logprobs: Sequence[float] | None = None  # the engine's, or recomputed
+    old_logprobs: Sequence[float] | None = None  # recomputed on the training forward
+    score: float = 0.0  # the reward of the whole response
+    advantages: Sequence[float] | None = None  # PPO: one per response token (GAE)
 
 
 def pad_batch(samples: Sequence[Sample], *, device) -> dict[str, torch.Tensor]:
@@ -44,6 +46,15 @@ def pad_batch(samples: Sequence[Sample], *, device) -> dict[str, torch.Tensor]:
         start = len(smp.prompt_ids) - 1  # logits at t predict token t + 1
         mask[i, start : start + len(smp.response_ids)] = 1.0
     return {"tokens": tokens.to(device), "mask": mask.to(device)}
+
+
+def place_per_token(mb: Sequence[Sample], values, like: torch.Tensor) -> torch.Tensor:
+    """Per-response-token values at the target positions of a padded batch (B, S-1)."""
+    out = torch.zeros_like(like)
+    for i, (s, v) in enumerate(zip(mb, values)):
+        start = len(s.prompt_ids) - 1
+        out[i, start : start + len(s.response_ids)] = torch.tensor(list(v), dtype=like.dtype)
+    return out
 
 
 def split_even(items: list, parts: int) -> list[list]:
@@ -70,7 +81,7 @@ class Actor:
     def module(self):
         return self.state.model.module
 
-    def _micro_batches(self, samples: Sequence[Sample]) -> list[list[Sample]]:
+    def micro_batches(self, samples: Sequence[Sample]) -> list[list[Sample]]:
         """The same number of micro-batches on every rank (collectives in the MoE layers)."""
         n = max(1, math.ceil(len(samples) / self.cfg.micro_batch_size))
         counts = torch.tensor([n])
@@ -82,16 +93,18 @@ class Actor:
         return logits[:, :-1, : self.valid_vocab]
 
     @torch.no_grad()
-    def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Per-token log-probs of each response under the current weights (old-policy recompute)."""
-        self.module.eval()
+    def logprobs(self, batches: list[list[Sample]], model=None) -> list[list[float]]:
+        """Per-token log-probs of each response under the current weights (old-policy recompute),
+        or under `model` (the frozen reference)."""
+        model = model or self.module
+        model.eval()
         out: list[list[float]] = []
-        for mb in self._micro_batches(samples):
+        for mb in batches:
             if not mb:
-                self._empty_forward()
+                self._empty_forward(model)
                 continue
             b = pad_batch(mb, device=self.device)
-            lp = alg.token_logprobs(self._logits(self.module, b["tokens"]).float(), b["tokens"][:, 1:])
+            lp = alg.token_logprobs(self._logits(model, b["tokens"]).float(), b["tokens"][:, 1:])
             for i, s in enumerate(mb):
                 start = len(s.prompt_ids) - 1
                 out.append(lp[i, start : start + len(s.response_ids)].tolist())
@@ -103,7 +116,7 @@ class Actor:
         tokens = torch.zeros(1, 2, dtype=torch.long, device=self.device)
         return self._logits(model, tokens).sum() * 0.0
 
-    def train_policy(self, samples: Sequence[Sample], *, global_tokens: int,
+    def train_policy(self, batches: list[list[Sample]], *, global_tokens: int,
                      ref_logprobs: Sequence[Sequence[float]] | None = None) -> dict:
         """One optimizer step of the clipped policy loss over `samples` (this rank's share).
 
@@ -117,11 +130,11 @@ class Actor:
         model.module.train()
         self.state.zero_grad()
         dp = self.parallel.world_size
-        global_seqs = torch.tensor([float(len(samples))])
+        global_seqs = torch.tensor([float(sum(len(mb) for mb in batches))])
         dist.all_reduce(global_seqs, group=self.parallel.world_group)
         token_mean = alg.LossAgg(cfg.loss_agg) == alg.LossAgg.TOKEN_MEAN
         total_loss, stats_acc, n_mb, offset = 0.0, {}, 0, 0
-        for mb in self._micro_batches(samples):
+        for mb in batches:
             if not mb:
                 self._empty_forward(model).backward()
                 continue
@@ -129,15 +142,16 @@ class Actor:
             mask = b["mask"]  # (B, S-1)
             logits = self._logits(model, b["tokens"]).float()  # (B, S-1, V)
             logp = alg.token_logprobs(logits, b["tokens"][:, 1:])  # (B, S-1)
-            old = self._per_token(mb, [s.old_logprobs for s in mb], logp)
-            adv = self._per_token(mb, [[s.advantage] * len(s.response_ids) for s in mb], logp)
+            old = place_per_token(mb, [s.old_logprobs for s in mb], logp)
+            adv = place_per_token(mb, [s.advantages if s.advantages is not None
+                                       else [s.advantage] * len(s.response_ids) for s in mb], logp)
             loss, stats = alg.policy_loss(logp, old, adv, mask, clip_eps=cfg.clip_eps,
                                           agg=cfg.loss_agg)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * alg.aggregate(
                     alg.entropy_from_logits(logits), mask, cfg.loss_agg)
             if ref_logprobs is not None:
-                ref = self._per_token(mb, ref_logprobs[offset : offset + len(mb)], logp)
+                ref = place_per_token(mb, ref_logprobs[offset : offset + len(mb)], logp)
                 kl = alg.aggregate(alg.kl_penalty(logp, ref, estimator=cfg.kl_estimator), mask,
                                    cfg.loss_agg)
                 loss = loss + cfg.kl_coef * kl
@@ -160,15 +174,6 @@ class Actor:
         out.update({f"actor/{k}": v / max(1, n_mb) for k, v in stats_acc.items()})
         return out
 
-    @staticmethod
-    def _per_token(mb: Sequence[Sample], values: Sequence[Sequence[float]], like: torch.Tensor):
-        """Place per-response-token values at the target positions of a padded batch (B, S-1)."""
-        out = torch.zeros_like(like)
-        for i, (s, v) in enumerate(zip(mb, values)):
-            start = len(s.prompt_ids) - 1
-            out[i, start : start + len(s.response_ids)] = torch.tensor(list(v), dtype=like.dtype)
-        return out
-
     def train_sft(self, samples: Sequence[Sample]) -> float:
         """One supervised step (cross-entropy on response tokens): the warm start."""
         model = self.state.model
@@ -178,7 +183,7 @@ class Actor:
         dist.all_reduce(tokens, group=self.parallel.world_group)
         dp = self.parallel.world_size
         total = 0.0
-        for mb in self._micro_batches(samples):
+        for mb in self.micro_batches(samples):
             if not mb:
                 self._empty_forward(model).backward()
                 continue

@@ -91,6 +91,24 @@ def main():
     res["resume_equals_uninterrupted"] = same(weights(j), w2)
     j.parallel.destroy()
 
+    # 4. PPO with a critic and a KL to the reference: two steps, then resume in a fresh job
+    ppo = ["trainer.algorithm=ppo", "trainer.kl_coef=0.05", "trainer.kl_estimator=k1",
+           "trainer.gae_lambda=0.95", "trainer.critic_lr=1e-3"]
+    j = job(*ppo, f"checkpoint.dir={OUT}/ppo", "checkpoint.save_interval=1")
+    a0, c0 = weights(j), {n: p.detach().clone() for n, p in j.critic.module.named_parameters()}
+    p1 = j.step()
+    p2 = j.step()
+    res["ppo_losses"] = [p1["actor/loss"], p1["critic/loss"], p2["actor/loss"], p2["critic/loss"]]
+    res["ppo_actor_changed"] = not same(a0, weights(j))
+    res["ppo_critic_changed"] = not same(c0, {n: p.detach().clone() for n, p in j.critic.module.named_parameters()})
+    res["ppo_kl_ref_frozen"] = same(a0, {n: p.detach().clone() for n, p in j.reference.named_parameters()})
+    ppo_w2 = weights(j)
+    j.parallel.destroy()
+    j = job(*ppo, f"checkpoint.load={OUT}/ppo/iter_0000001")
+    j.step()
+    res["ppo_resume_equals_uninterrupted"] = same(weights(j), ppo_w2)
+    j.parallel.destroy()
+
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, res)
     if dist.get_rank() == 0:
