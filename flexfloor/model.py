@@ -125,6 +125,13 @@ def build_model(model_cfg, parallel, *, params_dtype: Optional[str] = None, use_
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     cpu_compat.apply()
+    ep_group_size = parallel.pg_collection.ep.size()
+    if ep_group_size != parallel.ep_size:
+        # Megatron-Core never compares expert_model_parallel_size with the group it is handed
+        raise ValueError(
+            f"the EP group passed to the model has {ep_group_size} ranks but the configured EP size "
+            f"is {parallel.ep_size} (parallel.expert_parallel_size); build both from one Parallel"
+        )
     # Dropout is 0 everywhere, so the tracker only has to exist; on CPU the inference tracker
     # avoids CUDA RNG states altogether.
     model_parallel_cuda_manual_seed(

@@ -273,9 +273,10 @@ class Scheduler:
 
     def _flexfloor(self, groups, ranks, predicted) -> dict[int, list[Request]]:
         """Longest predicted groups on the ranks meant to stay (lowest ranks), each later rank a
-        shorter slice, so ranks leave one after another; a rank's share is capped so that its
-        predicted finish stays within the makespan bound (the longest single group, or the
-        baseline's predicted makespan when memory forces waves)."""
+        shorter slice, so ranks leave one after another. A rank takes at most twice its fair share
+        of groups, and only while its predicted finish stays within the makespan bound: the
+        longest single group, or, when the KV budget forces waves, the baseline's predicted
+        makespan."""
         kv = self.memory.kv_tokens() if self.memory else None
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
 
@@ -285,12 +286,14 @@ class Scheduler:
             return simulate_rank_steps([predicted[r.prompt_uid] for r in reqs],
                                        [len(r.prompt_ids) for r in reqs], kv, self.max_batch_size)
 
-        baseline = self._baseline(order, ranks)
-        bound = max(
-            max((predicted[g.uid] for g in groups), default=0.0),
-            max((finish([g for g in groups if g.requests[0] in set(rs)]) for rs in baseline.values()),
-                default=0.0) if kv is not None else 0.0,
-        )
+        # the makespan the baseline would have: its chunks of the batch in the order given
+        baseline = self._baseline(groups, ranks)
+        bound = max(predicted[g.uid] for g in groups) if groups else 0.0
+        if kv is not None:
+            group_of = {id(r): g for g in groups for r in g.requests}
+            for reqs in baseline.values():
+                chunk = list({id(group_of[id(r)]): group_of[id(r)] for r in reqs}.values())
+                bound = max(bound, finish(chunk))
         assigned: dict[int, list[PromptGroup]] = {r: [] for r in ranks}
         # fill the ranks meant to stay first: each takes the longest remaining groups while its
         # predicted finish stays within the bound; what is left goes to the next rank
@@ -300,9 +303,10 @@ class Scheduler:
             if left_ranks == 1:
                 assigned[rank] = remaining
                 break
-            # at most a fair share of the groups: a lockstep step costs what the fullest rank's
-            # batch costs, so piling requests on the staying ranks would slow every step
-            share_cap = math.ceil(len(remaining) / left_ranks)
+            # at most twice a fair share of the groups: the staying ranks take more of the long
+            # work (so more ranks leave early), but a lockstep step costs what the fullest rank's
+            # batch costs, so piling everything on them would slow every step
+            share_cap = 2 * math.ceil(len(remaining) / left_ranks)
             taken = []
             for g in list(remaining):
                 if len(taken) >= share_cap:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-COLOURS = {"busy": "#2f7ed8", "idle but occupied": "#f28f43", "released": "#d9d9d9"}
+COLOURS = {"busy": "#2b7bba", "idle but occupied": "#e8743b", "released": "#cfd8dc"}
+LABELS = {
+    "busy": "decoding its own responses",
+    "idle but occupied": "done, still occupied (serving its experts)",
+    "released": "released",
+}
 
 
 def rank_spans(record: dict, end_s: float) -> list[tuple[str, float, float]]:
@@ -17,9 +22,10 @@ def rank_spans(record: dict, end_s: float) -> list[tuple[str, float, float]]:
 
 
 def plot_rank_timeline(modes: Mapping[str, Sequence[dict]], path: str, *, title: str = "",
-                       unit: str = "s") -> str:
+                       panel_titles: Mapping[str, str] | None = None, unit: str = "s") -> str:
     """One panel per mode (e.g. static, elastic), one row per rank. `modes` maps a name to the
-    per-rank records (`RankRecord.as_dict()` or the simulator's equivalent). Writes a PNG."""
+    per-rank records (`RankRecord.as_dict()`, the benchmark's `per_rank` rows or the
+    simulator's equivalent: rank, local_finish_s, release_s). Writes a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,13 +46,14 @@ def plot_rank_timeline(modes: Mapping[str, Sequence[dict]], path: str, *, title:
         ax.set_yticklabels([f"rank {r['rank']}" for r in records])
         ax.invert_yaxis()
         ax.set_xlim(0, end * 1.02 if end > 0 else 1)
-        ax.set_title(name, loc="left", fontsize=10)
+        ax.set_ylabel("worker")
+        ax.set_title((panel_titles or {}).get(name, name), loc="left", fontsize=10)
     axes[-1, 0].set_xlabel(f"time from rollout start ({unit})")
-    fig.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right",
-               ncol=3, fontsize=8, frameon=False)
+    fig.legend(handles=[Patch(color=COLOURS[k], label=LABELS[k]) for k in COLOURS],
+               loc="lower center", ncol=3, fontsize=9, frameon=False)
     if title:
-        fig.suptitle(title, x=0.02, ha="left", fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -1,0 +1,589 @@
+"""Rollout benchmark: static EP (the verl-like baseline) vs FlexFloor on the same long-tailed
+workload, in one run.
+
+    python tools/bench_rollout.py --nproc 4 --out b.json [--plot b.png]
+
+The parent launches itself under torchrun (`--worker`); every worker builds the tiny MoE model and
+runs, per epoch, both modes on the same prompts with the same per-request seeds:
+- static:  `PlacementPolicy.BASELINE` (equal contiguous chunks) + `ReleasePolicy.STATIC`;
+- elastic: `PlacementPolicy.FLEXFLOOR` (length history -> placement) + `ReleasePolicy.ELASTIC`.
+Requests carry the workload's length as `target_len` (the model is random: EOS is ignored until
+then), so both modes decode exactly the same tokens, and the response digests must match.
+After each epoch the FlexFloor scheduler observes every result, so from epoch 2 on it predicts
+from history; the headline figures sum epochs 2..E (`summary_epochs`). Each epoch runs
+`--repeats` times, alternating which mode goes first; timing figures are per-rank medians over
+repeats (tokens, steps and digests are deterministic and checked equal across repeats).
+Beyond the contract, each mode reports `rollout_wall_steps` (steps of the rank that stays
+longest) and `ratios` its elastic/static: the wall where each rank has its own accelerator.
+
+Rank 0 writes the JSON (fields: DESIGN.md, "Command contracts"); the parent prints a table, draws
+the optional timeline plot, and exits non-zero when the workers fail (their exit code) or when any
+epoch's static and elastic responses differ (3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from flexfloor.rollout.workload import (  # noqa: E402
+    DEFAULT_PARAMS, DISTRIBUTIONS, NOISE_PARAMS, make_lengths, tail_stats,
+)
+
+MODES = ("static", "elastic")
+EXIT_MISMATCH = 3
+CAVEAT = (
+    "On CPU the workers are processes sharing the machine's cores (4 workers on 2 cores in CI), "
+    "so seconds are noisy and depend on how the OS shares the cores: a released worker frees CPU "
+    "for the ones still decoding, and a lone survivor steps faster than four ranks in lockstep. "
+    "The occupied worker-step ratio is deterministic and machine-independent: it is the firm "
+    "figure. Where every rank has its own accelerator, the wall follows rollout_wall_steps (the "
+    "steps of the rank that stays longest) more than the CPU seconds."
+)
+# the distribution parameters each --length-dist takes: workload keyword -> command-line flag
+DIST_FLAGS = {
+    "lognormal": {"median": "length_median", "sigma": "length_sigma"},
+    "bimodal": {"short": "short", "long": "long", "long_frac": "long_frac"},
+    "uniform": {"min_len": "min_len"},
+    "file": {"path": "length_file"},
+}
+
+
+# --------------------------------------------------------------------------------------------
+# command line and workload (shared by the parent and the workers)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4, help="workers (ranks) to launch")
+    p.add_argument("--out", required=True, help="JSON file the results go to")
+    p.add_argument("--plot", default=None, help="PNG of the last epoch's per-rank timeline")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=32)
+    w.add_argument("--samples-per-prompt", type=int, default=8)
+    w.add_argument("--epochs", type=int, default=4)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--length-dist", default="lognormal", choices=DISTRIBUTIONS)
+    w.add_argument("--length-median", type=float, default=None, help="lognormal (default 16)")
+    w.add_argument("--length-sigma", type=float, default=None, help="lognormal (default 1.2)")
+    w.add_argument("--short", type=float, default=None, help="bimodal (default 8)")
+    w.add_argument("--long", type=float, default=None, help="bimodal (default 160)")
+    w.add_argument("--long-frac", type=float, default=None, help="bimodal (default 0.2)")
+    w.add_argument("--min-len", type=float, default=None, help="uniform (default 1)")
+    w.add_argument("--max-len", type=int, default=200,
+                   help="every response length is capped here (and uniform's upper bound)")
+    w.add_argument("--length-file", default=None,
+                   help="file: JSON {\"lengths\": [...]} or one base length per line "
+                        "(see flexfloor/rollout/workload.py)")
+    w.add_argument("--prompt-len", default="4-8", help="prompt tokens: N or LO-HI")
+    w.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
+    r = p.add_argument_group("model and engine")
+    r.add_argument("--num-experts", type=int, default=8, help="experts of the tiny preset")
+    r.add_argument("--kv-budget-tokens", type=int, default=None,
+                   help="KV cache per rank, in tokens (default: holds everything)")
+    r.add_argument("--max-batch-size", type=int, default=None,
+                   help="requests decoded at once per rank (default: every request)")
+    b = p.add_argument_group("measurement")
+    b.add_argument("--repeats", type=int, default=3, help="runs of each mode per epoch")
+    b.add_argument("--modes", default="static,elastic",
+                   help="comma-separated subset of static,elastic")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES] or ([] if args.modes else ["(none)"])
+    if bad:
+        p.error(f"--modes {bad} unknown; use a comma-separated subset of {list(MODES)}")
+    args.modes = [m for m in MODES if m in args.modes]  # static first, no duplicates
+    try:
+        lo, _, hi = args.prompt_len.partition("-")
+        args.prompt_len = (int(lo), int(hi or lo))
+    except ValueError:
+        p.error(f"--prompt-len {args.prompt_len!r}: write N or LO-HI, e.g. 4-8")
+    if not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
+        p.error(f"--prompt-len {args.prompt_len}: need 1 <= LO <= HI")
+    for name in ("nproc", "num_prompts", "samples_per_prompt", "epochs", "repeats", "max_len",
+                 "num_experts"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("kv_budget_tokens", "max_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1 (or left out)")
+    others = {flag for d, flags in DIST_FLAGS.items() if d != args.length_dist
+              for flag in flags.values()} - set(DIST_FLAGS[args.length_dist].values())
+    given = sorted(f for f in others if getattr(args, f) is not None)
+    if given:
+        p.error(f"{', '.join('--' + f.replace('_', '-') for f in given)} do not apply to "
+                f"--length-dist {args.length_dist}")
+    return args
+
+
+def workload(args) -> np.ndarray:
+    """The response lengths [epochs, prompts, samples]: the same on every rank and the parent."""
+    params = {k: getattr(args, f) for k, f in DIST_FLAGS[args.length_dist].items()
+              if getattr(args, f) is not None}
+    return make_lengths(args.length_dist, num_prompts=args.num_prompts,
+                        samples_per_prompt=args.samples_per_prompt, epochs=args.epochs,
+                        seed=args.seed, max_len=args.max_len, **params)
+
+
+# --------------------------------------------------------------------------------------------
+# the parent: launch, then report
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--"]:  # the worker's arguments come after "--" (see the launch below)
+        argv = argv[1:]
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    try:
+        lengths = workload(args)
+    except (ValueError, OSError) as e:
+        print(f"bench_rollout: workload: {e}", file=sys.stderr)
+        return 2
+    longest = args.prompt_len[1] + int(lengths.max())
+    if args.kv_budget_tokens is not None and args.kv_budget_tokens < longest:
+        print(f"bench_rollout: --kv-budget-tokens {args.kv_budget_tokens} cannot hold the longest "
+              f"request alone ({longest} tokens: prompt + response); raise it", file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.out)
+    if os.path.exists(out):
+        os.remove(out)  # a stale file must not pass for this run's result
+    worker_argv = [*argv, f"--out={out}"]  # the last --out wins: an absolute path
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+           # "--": torchrun's own parser must not read the benchmark's flags (--nproc is a
+           # prefix of its --nproc-per-node)
+           os.path.abspath(__file__), "--", "--worker", *worker_argv]
+    tail = tail_stats(lengths)
+    print(f"bench_rollout: {args.nproc} workers, {args.num_prompts} prompts x "
+          f"{args.samples_per_prompt} samples, {args.epochs} epochs x {args.repeats} repeats; "
+          f"{args.length_dist} lengths: p50 {tail['p50']:g}, p99 {tail['p99']:.0f}, "
+          f"p99/p50 {tail['p99_over_p50']:.1f}, max {tail['max']}", flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, env=env).returncode
+    seconds = time.perf_counter() - t0
+    if rc != 0 or not os.path.exists(out):
+        print(f"bench_rollout: the workers failed (exit code {rc}) after {seconds:.0f} s; "
+              "see their output above", file=sys.stderr)
+        return rc or 1
+    with open(out) as f:
+        report = json.load(f)
+    print(format_report(report))
+    print(f"took {seconds:.0f} s; results in {out}")
+    if args.plot:
+        plot_timeline(report, args.plot)
+        print(f"timeline plot in {os.path.abspath(args.plot)}")
+    if report.get("identical_responses") is False:
+        bad = [e["epoch"] for e in report["per_epoch"] if not e.get("sha_match", True)]
+        print(f"bench_rollout: static and elastic responses DIFFER in epochs {bad}",
+              file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fmt(x, digits=3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
+    return str(x)
+
+
+def format_report(report: dict) -> str:
+    """The summary a person reads: static, elastic and ratio columns."""
+    modes = [m for m in MODES if m in report]
+    rat = report.get("ratios", {})
+    rows = [
+        ("total_response_tokens", None),
+        ("occupied_worker_steps", None),
+        ("tokens_per_occupied_worker_step", "tokens_per_occupied_worker_step"),
+        ("occupied_worker_seconds", None),
+        ("tokens_per_occupied_worker_second", "tokens_per_occupied_worker_second"),
+        ("rollout_wall_seconds", "rollout_wall_seconds"),
+        ("rollout_wall_steps", "rollout_wall_steps"),
+        ("tail_fraction", None),
+    ]
+    epochs = report["summary_epochs"]
+    head = f"epochs {epochs[0]}..{epochs[-1]}" if len(epochs) > 1 else f"epoch {epochs[0]}"
+    lines = [f"\n{head:<36}" + "".join(f"{m:>14}" for m in modes)
+             + (f"{'elastic/static':>16}" if rat else "")]
+    for key, rkey in rows:
+        line = f"{key:<36}" + "".join(f"{_fmt(report[m][key]):>14}" for m in modes)
+        if rat:
+            line += f"{_fmt(rat[rkey]) if rkey else '':>16}"
+        lines.append(line)
+    repeats = report.get("setup", {}).get("repeats", 1)
+    lines.append(f"(seconds: per-rank medians over {repeats} repeats; steps, tokens: exact)")
+    for e in report["per_epoch"]:
+        parts = [f"{m} {e[m]['occupied_worker_steps']} steps" for m in modes]
+        if "ratios" in e:
+            r = e["ratios"]
+            parts.append(f"ratios step {r['tokens_per_occupied_worker_step']:.2f} "
+                         f"second {r['tokens_per_occupied_worker_second']:.2f} "
+                         f"wall {r['rollout_wall_seconds']:.2f} "
+                         f"(in steps {r['rollout_wall_steps']:.2f})")
+        if "predictor" in e:
+            parts.append(f"predictor spearman {_fmt(e['predictor']['spearman'], 2)} "
+                         f"({max(e['predictor']['sources'], key=e['predictor']['sources'].get)})")
+        if "sha_match" in e:
+            parts.append("same tokens" if e["sha_match"] else "TOKENS DIFFER")
+        lines.append(f"  epoch {e['epoch']}: " + ", ".join(parts))
+    if "reconfiguration" in report:
+        rc = report["reconfiguration"]
+        lines.append(f"reconfiguration (elastic, summed over ranks): plan {rc['plan_s']:.3f} s, "
+                     f"transfer {rc['transfer_s']:.3f} s, switch {rc['switch_s']:.3f} s, "
+                     f"{rc['sent_bytes'] / 2**20:.1f} MiB sent "
+                     f"({100 * rc['fraction_of_occupied_seconds']:.1f}% of occupied time)")
+    if "identical_responses" in report:
+        lines.append("responses identical in every epoch: "
+                     + ("yes" if report["identical_responses"] else "NO"))
+    lines.append(f"caveat: {report['caveat']}")
+    return "\n".join(lines)
+
+
+def plot_timeline(report: dict, path: str) -> None:
+    """Per mode, per rank: busy (start -> local finish), occupied but idle (-> release) and
+    released (-> rollout end), for the last epoch."""
+    from flexfloor.rollout.timeline import plot_rank_timeline
+
+    last = report["per_epoch"][-1]
+    modes = {m: last[m]["per_rank"] for m in MODES if m in last}
+    panels = {m: (f"{m}: {last[m]['occupied_worker_steps']} occupied worker-steps, "
+                  f"{last[m]['occupied_worker_seconds']:.2f} occupied worker-s, "
+                  f"tail fraction {last[m]['tail_fraction']:.2f}") for m in modes}
+    title = f"rollout timeline, epoch {last['epoch']}"
+    if "ratios" in report:
+        r = report["ratios"]
+        e = report["summary_epochs"]
+        span = f"epochs {e[0]}..{e[-1]}" if len(e) > 1 else f"epoch {e[0]}"
+        title += (f"\nelastic/static over {span}: tokens/occupied worker-step "
+                  f"x{r['tokens_per_occupied_worker_step']:.2f}, tokens/occupied worker-s "
+                  f"x{r['tokens_per_occupied_worker_second']:.2f},\nrollout wall "
+                  f"x{r['rollout_wall_seconds']:.2f} (in steps x{r['rollout_wall_steps']:.2f})")
+    plot_rank_timeline(modes, path, title=title, panel_titles=panels, unit="s")
+
+
+# --------------------------------------------------------------------------------------------
+# the workers
+
+
+def worker(args) -> None:
+    """One rank: every epoch, both modes `--repeats` times; rank 0 writes the JSON."""
+    bench = Bench(args)
+    epochs = [bench.epoch(e) for e in range(1, args.epochs + 1)]
+    report = summary(epochs, bench.kept, args)
+    report["per_epoch"] = epochs
+    report["workload"] = bench.workload_report()
+    report["setup"] = bench.setup_report()
+    report["caveat"] = CAVEAT if bench.par.backend == "gloo" else (
+        "Seconds are measured on the accelerators; the step ratio is the machine-independent twin.")
+    if bench.rank == 0:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(_finite(report), f, indent=1)
+        os.replace(tmp, args.out)
+    bench.par.barrier()
+    bench.par.destroy()
+
+
+class Bench:
+    """The model, engine and both schedulers of one rank, and the epochs they run."""
+
+    def __init__(self, args):
+        from flexfloor.config import ModelConfig, PlacementPolicy
+        from flexfloor.model import build_model
+        from flexfloor.parallel import Parallel
+        from flexfloor.rollout.elastic import RolloutLayout
+        from flexfloor.rollout.engine import RolloutEngine
+        from flexfloor.rollout.scheduler import LengthHistory, MemoryModel, Scheduler
+
+        self.args = args
+        self.t_start = time.perf_counter()
+        self.lengths = workload(args)  # [epochs, prompts, samples]
+        self.world = int(os.environ["WORLD_SIZE"])
+        base = ModelConfig()
+        self.model_cfg = dataclasses.replace(
+            base, num_experts=args.num_experts,
+            max_seq_len=max(base.max_seq_len, args.prompt_len[1] + args.max_len))
+        # the training EP size must divide the world and the experts; the rollout uses every rank
+        self.par = Parallel.build(expert_parallel_size=math.gcd(self.world, args.num_experts))
+        self.rank = self.par.rank
+        self.model = build_model(self.model_cfg, self.par)
+        self.layout = RolloutLayout.gather(self.model, self.par)
+        self.moe = self.layout.moe(self.model, self.par)
+        self.max_batch = args.max_batch_size or args.num_prompts * args.samples_per_prompt
+        memory = MemoryModel.from_model_config(self.model_cfg,
+                                               kv_budget_tokens=args.kv_budget_tokens)
+        self.engine = RolloutEngine(self.model, self.moe, rank=self.rank,
+                                    max_batch_size=self.max_batch,
+                                    kv_budget_bytes=memory.kv_budget_bytes)
+        self.schedulers = {
+            "static": Scheduler(PlacementPolicy.BASELINE, memory=memory,
+                                max_batch_size=self.max_batch),
+            "elastic": Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), memory=memory,
+                                 max_batch_size=self.max_batch),
+        }
+        rng = np.random.default_rng([args.seed, 1])
+        lo, hi = args.prompt_len
+        self.prompts = [tuple(int(t) for t in rng.integers(1, self.model_cfg.vocab_size,
+                                                           rng.integers(lo, hi + 1)))
+                        for _ in range(args.num_prompts)]
+        self.kept = []  # per summary epoch: mode -> (median records, results)
+
+    def epoch(self, epoch: int) -> dict:
+        """Plan both modes, run them alternately, report; the FlexFloor scheduler then learns."""
+        from flexfloor.rollout.metrics import ratios
+        from flexfloor.rollout.scheduler import prediction_accuracy
+
+        args, t0 = self.args, time.perf_counter()
+        groups = self.prompt_groups(epoch)
+        plans = {m: self.schedulers[m].plan(groups, range(self.world)) for m in args.modes}
+        runs = {m: [] for m in args.modes}
+        for rep in range(args.repeats):
+            for mode in (args.modes if rep % 2 == 0 else args.modes[::-1]):
+                runs[mode].append(self.rollout(mode, plans[mode].assignment[self.rank]))
+        entry = {"epoch": epoch, "history": epoch > 1, "seconds": time.perf_counter() - t0}
+        kept = {}
+        for mode in args.modes:
+            entry[mode], kept[mode] = mode_report(runs[mode], plans[mode], self.world)
+        if epoch > 1 or args.epochs == 1:
+            self.kept.append(kept)
+        if "elastic" in args.modes:
+            results = runs["elastic"][0]["results"]
+            realised = {}
+            for r in results:
+                realised[r.prompt_uid] = max(realised.get(r.prompt_uid, 0), len(r.token_ids))
+            plan = plans["elastic"]
+            entry["predictor"] = {**prediction_accuracy(plan.predicted, realised),
+                                  "sources": plan.sources}
+            # history for the next epoch: every rank observes the same (gathered) results
+            self.schedulers["elastic"].observe(results)
+        if len(args.modes) == 2:
+            st, el = entry["static"], entry["elastic"]
+            entry["ratios"] = with_wall_steps(ratios(el, st), el, st)
+            entry["sha_match"] = (st["responses_sha256"] == el["responses_sha256"]
+                                  and st["repeats_consistent"] and el["repeats_consistent"])
+        if self.rank == 0:
+            print(progress_line(entry, args), flush=True)
+        return entry
+
+    def prompt_groups(self, epoch: int) -> list:
+        """The epoch's batch: every prompt once (shuffled), its samples with the workload's
+        lengths as targets; the same uids every epoch, so the history applies."""
+        from flexfloor.rollout.scheduler import PromptGroup
+        from flexfloor.rollout.types import Request, SamplingParams
+
+        args = self.args
+        sampling = SamplingParams(greedy=args.greedy, temperature=1.0)
+        order = np.random.default_rng([args.seed, 2, epoch]).permutation(args.num_prompts)
+        return [PromptGroup(uid, tuple(
+            Request(prompt_uid=uid, sample_index=s, prompt_ids=self.prompts[uid],
+                    max_new_tokens=args.max_len, sampling=sampling, seed=args.seed, step=epoch,
+                    target_len=int(self.lengths[epoch - 1, uid, s]))
+            for s in range(args.samples_per_prompt))) for uid in map(int, order)]
+
+    def rollout(self, mode: str, requests) -> dict:
+        """One rollout of this rank's requests; every rank's records and results, gathered."""
+        import torch.distributed as dist
+
+        from flexfloor.config import ReleasePolicy
+        from flexfloor.rollout.elastic import membership_for, resync
+        from flexfloor.rollout.metrics import rollout_metrics
+
+        policy = ReleasePolicy.ELASTIC if mode == "elastic" else ReleasePolicy.STATIC
+        membership = membership_for(policy, self.par, self.layout)
+        out = self.engine.generate(requests, membership)
+        resync(self.moe, self.layout, self.par, membership)
+        records, results = [None] * self.world, [None] * self.world
+        dist.all_gather_object(records, out.record.as_dict(), group=self.par.world_group)
+        dist.all_gather_object(results, out.results, group=self.par.world_group)
+        results = [r for part in results for r in part]
+        return {"records": records, "results": results,
+                "metrics": rollout_metrics(records, results)}
+
+    def workload_report(self) -> dict:
+        args, lengths = self.args, self.lengths
+        lo, hi = args.prompt_len
+        return {
+            "length_dist": args.length_dist,
+            "params": {**DEFAULT_PARAMS[args.length_dist], **NOISE_PARAMS,
+                       **{k: getattr(args, f) for k, f in DIST_FLAGS[args.length_dist].items()
+                          if getattr(args, f) is not None}},
+            "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
+            "epochs": args.epochs, "seed": args.seed, "max_len": args.max_len,
+            "prompt_len": [lo, hi], "greedy": args.greedy,
+            "tail_stats": tail_stats(lengths),
+            "tail_stats_per_epoch": [tail_stats(e) for e in lengths],
+            "kv_budget_tokens": args.kv_budget_tokens, "max_batch_size": self.max_batch,
+            # KV tokens a rank reserves for its fair share of an epoch: sizes --kv-budget-tokens
+            "mean_kv_tokens_per_rank": float(
+                (lengths.sum(axis=(1, 2)).mean() + lengths[0].size * (lo + hi) / 2) / self.world),
+        }
+
+    def setup_report(self) -> dict:
+        return {"nproc": self.world, "backend": self.par.backend,
+                "num_experts": self.args.num_experts, "training_ep_size": self.par.ep_size,
+                "max_seq_len": self.model_cfg.max_seq_len, "repeats": self.args.repeats,
+                "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start}
+
+
+def mode_report(runs: list[dict], plan, world: int) -> tuple[dict, tuple]:
+    """One mode's figures for one epoch: `rollout_metrics` of the per-rank median records over
+    the repeats; returns (figures, (median records, results)) for the summary."""
+    from flexfloor.rollout.metrics import rollout_metrics
+
+    records = median_records([run["records"] for run in runs])
+    results = runs[0]["results"]
+    m = rollout_metrics(records, results)
+    # the steps of the rank that stayed longest: the wall's machine-independent twin
+    m["rollout_wall_steps"] = max((r["steps"] for r in m["per_rank"]), default=0)
+    m["repeats"] = {k: [run["metrics"][k] for run in runs] for k in (
+        "occupied_worker_seconds", "rollout_wall_seconds", "occupied_worker_steps",
+        "responses_sha256")}
+    m["repeats_consistent"] = all(len(set(m["repeats"][k])) == 1
+                                  for k in ("occupied_worker_steps", "responses_sha256"))
+    m["reconfiguration"] = reconfiguration(records, m["occupied_worker_seconds"])
+    m["placement"] = {
+        "requests_per_rank": [len(plan.assignment[r]) for r in range(world)],
+        "expected_finish_steps": [plan.expected_finish[r] for r in range(world)],
+    }
+    return m, (records, results)
+
+
+def median_records(repeats: list[list[dict]]) -> list[dict]:
+    """Per rank, the median over repeats of every timing field (deterministic fields are equal)."""
+    out = []
+    for per_rank in zip(*repeats):
+        rec = {}
+        for key in per_rank[0]:
+            values = [r.get(key) for r in per_rank]
+            if all(isinstance(v, (int, float)) for v in values) and len(set(values)) > 1:
+                rec[key] = statistics.median(values)
+            else:
+                rec[key] = values[0]
+        out.append(rec)
+    return out
+
+
+def reconfiguration(records: list[dict], occupied_s: float) -> dict:
+    """Seconds the release protocol spent (summed over ranks) and bytes the experts moved."""
+    out = {k: sum(r.get(k, 0.0) for r in records) for k in ("plan_s", "transfer_s", "switch_s")}
+    out["sent_bytes"] = int(sum(r.get("sent_bytes", 0) for r in records))
+    total = out["plan_s"] + out["transfer_s"] + out["switch_s"]
+    out["fraction_of_occupied_seconds"] = total / occupied_s if occupied_s else 0.0
+    return out
+
+
+def summary(epochs: list[dict], kept: list[dict], args) -> dict:
+    """The headline figures over the summary epochs (2..E: the scheduler has history).
+
+    Each rank's occupied time, tail, steps and tokens add up over epochs, so the metrics are
+    `rollout_metrics` of per-rank records summed over epochs; the rollout wall time is the sum of
+    the epochs' walls and the digest is one over the epochs' digests.
+    """
+    from flexfloor.rollout.metrics import ratios, rollout_metrics
+
+    first = 2 if args.epochs > 1 else 1
+    chosen = [e for e in epochs if e["epoch"] >= first]
+    report = {"summary_epochs": [e["epoch"] for e in chosen],
+              "summary_note": ("figures sum epochs 2..E, where the scheduler predicts from the "
+                               "length history of earlier epochs; epoch 1 (no history, default "
+                               "prediction) is only in per_epoch")
+              if first == 2 else "one epoch: no length history, default prediction"}
+    for mode in args.modes:
+        summed = summed_records([k[mode][0] for k in kept])
+        results = [r for k in kept for r in k[mode][1]]
+        m = rollout_metrics(summed, results)
+        m.pop("released_ranks")  # per epoch only
+        for key in ("rollout_wall_seconds", "rollout_wall_steps"):
+            m[key] = sum(e[mode][key] for e in chosen)
+        m["responses_sha256"] = hashlib.sha256(
+            ",".join(e[mode]["responses_sha256"] for e in chosen).encode()).hexdigest()
+        report[mode] = m
+    if len(args.modes) == 2:
+        report["ratios"] = with_wall_steps(ratios(report["elastic"], report["static"]),
+                                           report["elastic"], report["static"])
+        report["identical_responses"] = all(e["sha_match"] for e in epochs)
+    if "elastic" in args.modes:
+        recs = [rec for k in kept for rec in k["elastic"][0]]
+        report["reconfiguration"] = reconfiguration(
+            recs, report["elastic"]["occupied_worker_seconds"])
+    return report
+
+
+def summed_records(epochs: list[list[dict]]) -> list[dict]:
+    """Per rank, its records of several rollouts added up (times relative to each start)."""
+    summed = {}
+    for records in epochs:
+        for rec in records:
+            s = summed.setdefault(rec["rank"], {"rank": rec["rank"], "start_s": 0.0,
+                                                "local_finish_s": 0.0, "release_s": 0.0})
+            for key in ("steps", "busy_steps", "tokens", "requests"):
+                s[key] = s.get(key, 0) + rec[key]
+            s["local_finish_s"] += rec["local_finish_s"] - rec["start_s"]
+            s["release_s"] += rec["release_s"] - rec["start_s"]
+    return [summed[r] for r in sorted(summed)]
+
+
+def with_wall_steps(r: dict, elastic: dict, static: dict) -> dict:
+    """`ratios()` plus elastic/static of the wall in steps: where a released rank's step costs
+    the survivors nothing (one accelerator per rank), the wall follows this ratio; on shared CPU
+    cores the survivors' steps get cheaper as ranks leave, and the seconds ratio flatters."""
+    s = static["rollout_wall_steps"]
+    return {**r, "rollout_wall_steps": elastic["rollout_wall_steps"] / s if s else float("nan")}
+
+
+def progress_line(entry: dict, args) -> str:
+    parts = [f"{m} {entry[m]['occupied_worker_steps']} occupied steps" for m in args.modes]
+    if "ratios" in entry:
+        r = entry["ratios"]
+        parts.append(f"step ratio {r['tokens_per_occupied_worker_step']:.2f}, second ratio "
+                     f"{r['tokens_per_occupied_worker_second']:.2f}, wall ratio "
+                     f"{r['rollout_wall_seconds']:.2f} (in steps {r['rollout_wall_steps']:.2f})")
+        parts.append("same tokens" if entry["sha_match"] else "TOKENS DIFFER")
+    if "predictor" in entry:
+        p = entry["predictor"]
+        parts.append(f"predictor spearman {_fmt(p['spearman'], 2)}")
+    return f"epoch {entry['epoch']}/{args.epochs} ({entry['seconds']:.1f} s): " + ", ".join(parts)
+
+
+def _finite(obj):
+    """NaN/inf -> None, so the JSON is strict (e.g. a predictor with nothing to rank)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+if __name__ == "__main__":
+    sys.exit(main())
