@@ -289,11 +289,10 @@ class Scheduler:
         # the makespan the baseline would have: its chunks of the batch in the order given
         baseline = self._baseline(groups, ranks)
         bound = max(predicted[g.uid] for g in groups) if groups else 0.0
-        if kv is not None:
-            group_of = {id(r): g for g in groups for r in g.requests}
-            for reqs in baseline.values():
-                chunk = list({id(group_of[id(r)]): group_of[id(r)] for r in reqs}.values())
-                bound = max(bound, finish(chunk))
+        group_of = {id(r): g for g in groups for r in g.requests}
+        for reqs in baseline.values():  # waves, when the KV budget or the batch limit forces them
+            chunk = list({id(group_of[id(r)]): group_of[id(r)] for r in reqs}.values())
+            bound = max(bound, finish(chunk))
         assigned: dict[int, list[PromptGroup]] = {r: [] for r in ranks}
         # fill the ranks meant to stay first: each takes the longest remaining groups while its
         # predicted finish stays within the bound; what is left goes to the next rank
