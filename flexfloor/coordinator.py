@@ -137,7 +137,7 @@ class Job:
         groups = self.next_prompt_groups()                   # data
         plan = self.scheduler.plan(groups, range(self.parallel.world_size))   # plan
         membership = membership_for(self.cfg.elastic.release_policy, self.parallel, self.layout,
-                                    self.cfg.elastic)
+                                    self.cfg.elastic, scheduler_cfg=self.cfg.scheduler)
         out = self.engine.generate(plan.assignment[self.rank], membership)    # generate + release
         resync_s = resync(self.moe, self.layout, self.parallel, membership)   # resync
         results = gather_all(self.parallel, out.results)

@@ -69,3 +69,15 @@ def test_transfers_move_only_what_survivors_lack(res):
 @pytest.mark.parametrize("experts", [8, 6])
 def test_resync_restores_training_logits(res, experts):
     assert res[f"e{experts}_resync_logits_equal"] == [True] * 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_migrating_last_requests_keeps_tokens_and_releases_sooner(res, dtype):
+    parts = res[f"migrate_{dtype}"]
+    static, elastic = tokens(parts, "static"), tokens(parts, "elastic")
+    assert sorted(elastic) == sorted(static) and elastic == static  # re-prefilled, same stream
+    timeline = parts[0]["elastic"]["timeline"]
+    assert timeline[0]["migrated"] == {"1": 0, "2": 0, "3": 0}  # all hand over to rank 0
+    steps = [p["elastic"]["record"]["steps"] for p in parts]
+    assert steps[0] == 40 and max(steps[1:]) < 10  # without migration: 30, 20, 10
+    assert parts[0]["elastic"]["record"]["adopted"] == 6

@@ -45,6 +45,7 @@ class ElasticMembership:
     capacity: Optional[dict[int, int]] = None
     holding: Optional[dict[int, list[int]]] = None  # rank -> experts in its memory at start
     rollout_id: str = "0"  # the same on every rank, unique in the job: names survivor groups
+    migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
     timeline: list[dict] = field(default_factory=list)  # one entry per shrink
     _boundaries: int = 0
     _groups: list = field(default_factory=list)  # survivors' groups this rank created
@@ -64,14 +65,63 @@ class ElasticMembership:
         if self._boundaries % self.check_interval_steps:
             return True, report
         ranks = list(moe.placement.ranks)
-        done = [r for r, w in zip(ranks, report.has_work) if not w]
-        working = [r for r, w in zip(ranks, report.has_work) if w]
+        has = list(report.has_work)
+        if self.migrate_max_requests > 0:
+            has = self._migrate(engine, ranks, report, has)
+        done = [r for r, w in zip(ranks, has) if not w]
+        working = [r for r, w in zip(ranks, has) if w]
         keep_idle = max(0, self.min_active_ranks - len(working))
         leaving = done[keep_idle:]  # the lowest idle ranks stay when the floor needs them
         if not leaving:
             return True, report
         self._release(engine, leaving, report)
         return engine.rank not in leaving, report
+
+    def _migrate(self, engine, ranks, report, has) -> list[bool]:
+        """Beyond the paper: a rank whose last few requests (<= migrate_max_requests, none
+        queued) will end no later than the work of a rank that stays hands them to that rank
+        (re-prefilled there, same RNG stream: the same tokens) and leaves now.
+
+        The plan is a pure function of the shared report, so every rank computes the same one.
+        """
+        bytes_per = engine.kv_bytes_per_token
+        n = len(ranks)
+        order = sorted(range(n), key=lambda i: (-report.remaining[i], ranks[i]))
+        if len([i for i in range(n) if has[i]]) <= self.min_active_ranks:
+            return has
+        plan: dict[int, int] = {}  # giver index -> taker index
+        kv_taken: dict[int, int] = {}  # taker index -> KV bytes promised
+        n_taken: dict[int, int] = {}  # taker index -> requests promised
+        for i in range(n):
+            if i in n_taken or not (0 < report.running[i] <= self.migrate_max_requests
+                                    and report.queued[i] == 0):
+                continue
+            need = report.running[i] * bytes_per * engine.max_seq_len
+            for j in order:  # the rank with the most work left takes them, if it has room
+                if j == i or j in plan or not has[j] or report.remaining[j] < report.remaining[i]:
+                    continue
+                if report.kv_free[j] - kv_taken.get(j, 0) < need:
+                    continue
+                if report.running[j] + n_taken.get(j, 0) + report.running[i] > engine.max_batch_size:
+                    continue
+                plan[i] = j
+                kv_taken[j] = kv_taken.get(j, 0) + need
+                n_taken[j] = n_taken.get(j, 0) + report.running[i]
+                break
+        if len([i for i in range(n) if has[i] and i not in plan]) < self.min_active_ranks:
+            return has
+        if not plan:
+            return has
+        me = ranks.index(engine.rank)
+        payload = engine.export_running() if me in plan else []
+        everyone = [None] * n
+        dist.all_gather_object(everyone, payload, group=engine.moe.group)
+        mine = [p for giver, taker in sorted(plan.items()) if taker == me for p in everyone[giver]]
+        if mine:
+            engine.adopt(mine)
+        self.timeline.append({"step": engine.record.steps, "migrated": {
+            ranks[i]: ranks[j] for i, j in sorted(plan.items())}})
+        return [w and i not in plan for i, w in enumerate(has)]
 
     def _release(self, engine, leaving, report) -> None:
         moe, record = engine.moe, engine.record
@@ -139,7 +189,7 @@ class RolloutLayout:
 
 
 def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elastic_cfg=None,
-                   capacity=None):
+                   capacity=None, scheduler_cfg=None):
     """The membership value for a release policy (a fresh one per rollout)."""
     if policy == ReleasePolicy.STATIC:
         return StaticMembership()
@@ -151,6 +201,8 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
         check_interval_steps=elastic_cfg.check_interval_steps if elastic_cfg else 1,
         capacity=capacity,
         holding=layout.holding,
+        migrate_max_requests=(scheduler_cfg.migrate_max_requests
+                              if scheduler_cfg is not None and scheduler_cfg.migrate else 0),
     )
 
 

@@ -96,6 +96,10 @@ class StepReport:
     finished: int  # responses finished, all ranks
     tokens: int  # response tokens produced, all ranks
     requests: int  # responses asked for, all ranks
+    running: list[int]  # per rank of the group: requests decoding now
+    queued: list[int]  # per rank: requests waiting for admission
+    remaining: list[int]  # per rank: most tokens a running request may still produce
+    kv_free: list[int]  # per rank: KV bytes free
 
 
 class Membership(Protocol):
@@ -108,7 +112,8 @@ class Membership(Protocol):
 
 def share_step_state(group, has_work: bool, engine: "RolloutEngine") -> StepReport:
     mine = torch.tensor(
-        [int(has_work), engine.finished_count, engine.token_count, engine.request_count],
+        [int(has_work), engine.finished_count, engine.token_count, engine.request_count,
+         len(engine.running), len(engine.queue), engine.remaining_bound(), engine.kv_free_bytes()],
         dtype=torch.int64,
     )
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -119,6 +124,10 @@ def share_step_state(group, has_work: bool, engine: "RolloutEngine") -> StepRepo
         finished=int(table[:, 1].sum()),
         tokens=int(table[:, 2].sum()),
         requests=int(table[:, 3].sum()),
+        running=table[:, 4].tolist(),
+        queued=table[:, 5].tolist(),
+        remaining=table[:, 6].tolist(),
+        kv_free=table[:, 7].tolist(),
     )
 
 
@@ -230,6 +239,9 @@ class RolloutEngine:
         self.finished_count = 0
         self.token_count = 0
         self.request_count = 0
+        self.running: list[_Running] = []
+        self.queue: deque[Request] = deque()
+        self.kv_used = 0
 
     # ---------------------------------------------------------------- validation
 
@@ -375,31 +387,28 @@ class RolloutEngine:
         self.model.eval()
         t0 = self._t0 = time.perf_counter()
         record = self.record = RankRecord(rank=self.rank, requests=len(requests))
-        queue = deque(requests)
-        running: list[_Running] = []
+        self.queue: deque[Request] = deque(requests)
+        self.running: list[_Running] = []
+        self.kv_used = 0
+        self.migrated_out: list[str] = []  # request ids handed to another rank
+        self.adopted: list[Request] = []  # requests taken over from another rank
         results: list[Result] = []
-        kv_used = 0
         self.finished_count = self.token_count = 0
         self.request_count = len(requests)
         bar = self._progress_bar()
         with collective_phase(self.rank, "rollout start", 0):
-            keep, report = membership.step_boundary(self, bool(queue))  # nobody has work: no step
+            keep, report = membership.step_boundary(self, self.has_work)  # nobody has work: no step
         while keep:
             # admit while a slot and KV room are free (longest-first order is the caller's)
-            while queue and len(running) < self.max_batch_size:
-                need = queue[0].max_total_tokens * self.kv_bytes_per_token
-                if self.kv_budget_bytes is not None and kv_used + need > self.kv_budget_bytes:
+            while self.queue and len(self.running) < self.max_batch_size:
+                need = self.queue[0].max_total_tokens * self.kv_bytes_per_token
+                if self.kv_budget_bytes is not None and self.kv_used + need > self.kv_budget_bytes:
                     break
-                req = queue.popleft()
-                cache = KVCache(
-                    len(self.model.decoder.layers), req.max_total_tokens, self.groups,
-                    self.head_dim, self.dtype, self.device,
-                )
-                kv_used += cache.nbytes
-                running.append(_Running(req, cache, req.generator(), time.perf_counter() - t0,
-                                        pending=list(req.prompt_ids)))
-            record.kv_peak_bytes = max(record.kv_peak_bytes, kv_used)
+                req = self.queue.popleft()
+                self._start(req, req.generator(), pending=list(req.prompt_ids))
+            record.kv_peak_bytes = max(record.kv_peak_bytes, self.kv_used)
 
+            running = self.running
             with collective_phase(self.rank, "decode (MoE all-to-all)", record.steps):
                 logits = self.forward([(r.cache, r.pending) for r in running])
             record.steps += 1
@@ -422,15 +431,15 @@ class RolloutEngine:
                     token_ids=r.tokens, logprobs=r.logprobs, finish_reason=reason,
                     rank=self.rank, admitted_s=r.admitted_s, finished_s=now,
                 ))
-                kv_used -= r.cache.nbytes
+                self.kv_used -= r.cache.nbytes
                 record.local_finish_s = now
                 record.extra["local_finish_step"] = record.steps
                 self.finished_count += 1
             self.token_count += len(running)
             record.tokens += len(running)
-            running = still
+            self.running = still
             with collective_phase(self.rank, "step boundary (release)", record.steps):
-                keep, report = membership.step_boundary(self, bool(running or queue))
+                keep, report = membership.step_boundary(self, self.has_work)
             if bar is not None:
                 bar.total = report.requests
                 bar.set_postfix(tok_s=f"{report.tokens / max(now, 1e-9):.0f}",
@@ -441,13 +450,68 @@ class RolloutEngine:
             record.extra["release_step"] = record.steps
         if bar is not None:
             bar.close()
-        if running or queue:
+        if self.has_work:
             raise RolloutError(
-                f"rank {self.rank} left the rollout with {len(running)} running and {len(queue)} "
-                "queued requests"
+                f"rank {self.rank} left the rollout with {len(self.running)} running and "
+                f"{len(self.queue)} queued requests"
             )
-        self._check_complete(requests, results)
+        owed = [r for r in requests if r.request_id not in set(self.migrated_out)] + self.adopted
+        self._check_complete(owed, results)
+        self.running, self.queue = [], deque()
         return RolloutOutput(results=results, record=record)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.queue)
+
+    def _start(self, req: Request, gen: torch.Generator, *, pending: list[int],
+               tokens=(), logprobs=(), admitted_s: Optional[float] = None) -> None:
+        cache = KVCache(len(self.model.decoder.layers), req.max_total_tokens, self.groups,
+                        self.head_dim, self.dtype, self.device)
+        self.kv_used += cache.nbytes
+        self.running.append(_Running(
+            req, cache, gen, self.elapsed() if admitted_s is None else admitted_s,
+            tokens=list(tokens), logprobs=list(logprobs), pending=pending))
+
+    # ---------------------------------------------------------------- migration
+
+    def export_running(self) -> list[dict]:
+        """Hand over every running request (the queue must be empty): its tokens so far and
+        its RNG stream's state. This rank then has no work and can be released."""
+        if self.queue:
+            raise RolloutError(f"rank {self.rank}: cannot migrate with {len(self.queue)} queued")
+        out = [{"request": r.request, "tokens": r.tokens, "logprobs": r.logprobs,
+                "gen_state": r.gen.get_state(), "admitted_s": r.admitted_s}
+               for r in self.running]
+        for r in self.running:
+            self.kv_used -= r.cache.nbytes
+            self.migrated_out.append(r.request.request_id)
+        self.running = []
+        self.record.extra["migrated_out"] = self.record.extra.get("migrated_out", 0) + len(out)
+        return out
+
+    def adopt(self, payloads: list[dict]) -> None:
+        """Continue requests another rank started: re-prefill prompt + tokens so far, then keep
+        sampling from the same RNG stream, so the tokens are those the other rank would have
+        produced."""
+        for p in payloads:
+            gen = torch.Generator(device="cpu")
+            gen.set_state(p["gen_state"])
+            req = p["request"]
+            self._start(req, gen, pending=list(req.prompt_ids) + list(p["tokens"]),
+                        tokens=p["tokens"], logprobs=p["logprobs"], admitted_s=p["admitted_s"])
+            self.adopted.append(req)
+        self.record.extra["adopted"] = self.record.extra.get("adopted", 0) + len(payloads)
+
+    def kv_free_bytes(self) -> int:
+        if self.kv_budget_bytes is None:
+            return 1 << 62
+        return self.kv_budget_bytes - self.kv_used
+
+    def remaining_bound(self) -> int:
+        """Most tokens any running request of this rank may still produce (its reservation)."""
+        return max((r.request.max_total_tokens - len(r.request.prompt_ids) - len(r.tokens)
+                    for r in self.running), default=0)
 
     def elapsed(self) -> float:
         """Seconds since this rollout started on this rank."""

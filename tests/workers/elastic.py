@@ -62,6 +62,29 @@ def main():
                 parts = [None] * dist.get_world_size()
                 dist.all_gather_object(parts, case)
                 results[f"e{experts}_{seq}_{kind}"] = parts
+        if experts == 8:
+            # beyond the paper: ranks hand their last two requests to rank 0 and leave early
+            lengths = SEQUENCES["4-3-2-1"]
+            for dtype in ("float32", "float64"):
+                m = build_model(model_cfg, par, params_dtype=dtype) if dtype == "float64" else model
+                lay = RolloutLayout.gather(m, par)
+                moe_m = lay.moe(m, par)
+                eng = RolloutEngine(m, moe_m, rank=rank, max_batch_size=8)
+                case = {}
+                for policy, migrate in ((ReleasePolicy.STATIC, 0), (ReleasePolicy.ELASTIC, 2)):
+                    membership = membership_for(policy, par, lay)
+                    if migrate:
+                        membership.migrate_max_requests = migrate
+                    out = eng.generate(requests(rank, lengths[rank], SAMPLING["sampled"]), membership)
+                    resync(moe_m, lay, par, membership, timeout_s=60)
+                    case[policy.value] = {
+                        "tokens": {r.request_id: r.token_ids for r in out.results},
+                        "record": out.record.as_dict(),
+                        "timeline": getattr(membership, "timeline", []),
+                    }
+                parts = [None] * dist.get_world_size()
+                dist.all_gather_object(parts, case)
+                results[f"migrate_{dtype}"] = parts
         after = forward_logits(model, probe).detach()
         flags = [None] * dist.get_world_size()
         dist.all_gather_object(flags, bool(torch.equal(before, after)))
