@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV cache per rank, in tokens (default: holds everything)")
     r.add_argument("--max-batch-size", type=int, default=None,
                    help="requests decoded at once per rank (default: every request)")
+    r.add_argument("--migrate-max-requests", type=int, default=0,
+                   help="FlexFloor only: a rank with at most this many requests left (none "
+                        "queued) hands them to a staying rank and leaves (0 = off)")
     b = p.add_argument_group("measurement")
     b.add_argument("--repeats", type=int, default=3, help="runs of each mode per epoch")
     b.add_argument("--modes", default="static,elastic",
@@ -419,6 +422,8 @@ class Bench:
 
         policy = ReleasePolicy.ELASTIC if mode == "elastic" else ReleasePolicy.STATIC
         membership = membership_for(policy, self.par, self.layout)
+        if mode == "elastic":
+            membership.migrate_max_requests = self.args.migrate_max_requests
         out = self.engine.generate(requests, membership)
         resync(self.moe, self.layout, self.par, membership)
         records, results = [None] * self.world, [None] * self.world
