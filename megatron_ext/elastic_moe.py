@@ -111,6 +111,11 @@ class PlacedMoE:
             for e in [e for e in hosted if e not in own]:
                 del hosted[e]
 
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's weights over all layers (what hosting a borrowed one costs)."""
+        return sum(sum(p.nbytes for p in next(iter(h.values())).parameters()) for h in self.hosted)
+
     def expert_state(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """The expert's weights by parameter name (what a transfer moves)."""
         return {n: p.detach() for n, p in self.hosted[layer][expert].named_parameters()}

@@ -81,3 +81,13 @@ def test_migrating_last_requests_keeps_tokens_and_releases_sooner(res, dtype):
     steps = [p["elastic"]["record"]["steps"] for p in parts]
     assert steps[0] == 40 and max(steps[1:]) < 10  # without migration: 30, 20, 10
     assert parts[0]["elastic"]["record"]["adopted"] == 6
+
+
+def test_memory_floor_stops_the_shrink_and_keeps_tokens(res):
+    parts = res["memory_floor"]
+    assert tokens(parts, "elastic") == tokens(parts, "static")
+    timeline = parts[0]["elastic"]["timeline"]
+    # survivors' free KV room holds about two borrowed experts each: 4 -> 3 -> 2, then the floor
+    assert [t["active"] for t in timeline] == [[0, 1, 2], [0, 1]]
+    assert [p["elastic"]["record"]["steps"] for p in parts] == [40, 40, 20, 10]
+    assert parts[1]["elastic"]["record"]["floor_hits"] > 0  # rank 1 asked to leave, and stayed

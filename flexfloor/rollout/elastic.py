@@ -74,7 +74,8 @@ class ElasticMembership:
         leaving = done[keep_idle:]  # the lowest idle ranks stay when the floor needs them
         if not leaving:
             return True, report
-        self._release(engine, leaving, report)
+        if not self._release(engine, leaving, self._capacity(engine, report)):
+            return True, report  # at the floor: everyone stays in the group
         return engine.rank not in leaving, report
 
     def _migrate(self, engine, ranks, report, has) -> list[bool]:
@@ -123,18 +124,34 @@ class ElasticMembership:
             ranks[i]: ranks[j] for i, j in sorted(plan.items())}})
         return [w and i not in plan for i, w in enumerate(has)]
 
-    def _release(self, engine, leaving, report) -> None:
+    def _capacity(self, engine, report) -> Optional[dict[int, int]]:
+        """Most experts each active rank can host now: a fixed `capacity`, or, under a KV
+        budget, what it hosts plus what its free KV memory can hold (a borrowed expert takes
+        KV room from the survivor's requests). None: unbounded."""
+        if self.capacity is not None:
+            return self.capacity
+        if engine.kv_budget_bytes is None:
+            return None
+        moe = engine.moe
+        per = moe.expert_nbytes
+        return {r: len(moe.placement.experts_of(r)) + max(0, free) // per
+                for r, free in zip(moe.placement.ranks, report.kv_free)}
+
+    def _release(self, engine, leaving, capacity) -> bool:
+        """Plan, transfer and switch; False when the survivors cannot hold every expert."""
         moe, record = engine.moe, engine.record
         t0 = time.perf_counter()
         try:
             new_placement, transfers = plan_shrink(
-                moe.placement, leaving, capacity=self.capacity, holding=self.holding
+                moe.placement, leaving, capacity=capacity, holding=self.holding
             )
         except ValueError:
             # the floor: survivors cannot hold every expert; nobody leaves this time
-            return
+            record.extra["floor_hits"] = record.extra.get("floor_hits", 0) + 1
+            return False
         t1 = time.perf_counter()
         stats = transfer_experts(moe, transfers, moe.group)
+        engine.kv_used += stats["received"] * moe.expert_nbytes  # borrowed weights take KV room
         t2 = time.perf_counter()
         now = engine.elapsed()
         if engine.rank in leaving:
@@ -156,6 +173,7 @@ class ElasticMembership:
         self.timeline.append({"step": record.steps, "time_s": now, "leaving": list(leaving),
                               "active": list(new_placement.ranks),
                               "moved_experts": len(transfers)})
+        return True
 
 
 @dataclass

@@ -85,6 +85,24 @@ def main():
                 parts = [None] * dist.get_world_size()
                 dist.all_gather_object(parts, case)
                 results[f"migrate_{dtype}"] = parts
+        if experts == 8:
+            # a KV budget whose free room holds about two borrowed experts per survivor: the
+            # group stops shrinking at its memory floor (2 ranks), tokens unchanged
+            per_expert = moe.expert_nbytes
+            budget = 2 * per_expert + 60 * engine.kv_bytes_per_token + per_expert // 2
+            eng = RolloutEngine(model, moe, rank=rank, max_batch_size=8, kv_budget_bytes=budget)
+            case = {}
+            for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
+                membership = membership_for(policy, par, layout)
+                out = eng.generate(requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["greedy"]),
+                                   membership)
+                resync(moe, layout, par, membership, timeout_s=60)
+                case[policy.value] = {"tokens": {r.request_id: r.token_ids for r in out.results},
+                                      "record": out.record.as_dict(),
+                                      "timeline": getattr(membership, "timeline", [])}
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, case)
+            results["memory_floor"] = parts
         after = forward_logits(model, probe).detach()
         flags = [None] * dist.get_world_size()
         dist.all_gather_object(flags, bool(torch.equal(before, after)))
