@@ -127,15 +127,16 @@ class ElasticMembership:
     def _capacity(self, engine, report) -> Optional[dict[int, int]]:
         """Most experts each active rank can host now: a fixed `capacity`, or, under a KV
         budget, what it hosts plus what its free KV memory can hold (a borrowed expert takes
-        KV room from the survivor's requests). None: unbounded."""
+        KV room from the survivor's requests). A rank with queued requests borrows nothing: the
+        room is theirs. None: unbounded."""
         if self.capacity is not None:
             return self.capacity
         if engine.kv_budget_bytes is None:
             return None
         moe = engine.moe
         per = moe.expert_nbytes
-        return {r: len(moe.placement.experts_of(r)) + max(0, free) // per
-                for r, free in zip(moe.placement.ranks, report.kv_free)}
+        return {r: len(moe.placement.experts_of(r)) + (max(0, free) // per if queued == 0 else 0)
+                for r, free, queued in zip(moe.placement.ranks, report.kv_free, report.queued)}
 
     def _release(self, engine, leaving, capacity) -> bool:
         """Plan, transfer and switch; False when the survivors cannot hold every expert."""

@@ -403,6 +403,12 @@ class RolloutEngine:
             while self.queue and len(self.running) < self.max_batch_size:
                 need = self.queue[0].max_total_tokens * self.kv_bytes_per_token
                 if self.kv_budget_bytes is not None and self.kv_used + need > self.kv_budget_bytes:
+                    if not self.running:  # nothing will free room: fail instead of spinning
+                        raise RolloutError(
+                            f"rank {self.rank}: request {self.queue[0].request_id} needs {need} KV "
+                            f"bytes and only {self.kv_budget_bytes - self.kv_used} are free with "
+                            "nothing running (borrowed experts hold the rest); raise "
+                            "rollout.kv_budget_tokens or elastic.min_active_ranks")
                     break
                 req = self.queue.popleft()
                 self._start(req, req.generator(), pending=list(req.prompt_ids))
