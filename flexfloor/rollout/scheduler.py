@@ -243,16 +243,22 @@ class Scheduler:
     def plan(self, groups: Sequence[PromptGroup], ranks: Sequence[int]) -> RolloutPlan:
         ranks = sorted(ranks)
         predicted, sources = {}, {"history": 0, "siblings": 0, "prior": 0, "default": 0}
+        self._per_request = {}
         for g in groups:
             predicted[g.uid], src = self.predictor.predict(g.uid)
             sources[src] += 1
+            # each sample's own estimate: the group's past lengths, longest first (the samples
+            # of a prompt run on one rank, so which sample gets which length does not matter)
+            past = sorted(self.history.last(g.uid) or [predicted[g.uid]], reverse=True)
+            for i, req in enumerate(g.requests):
+                self._per_request[req.request_id] = float(past[i % len(past)])
         if self.policy == PlacementPolicy.BASELINE:
             assignment = self._baseline(groups, ranks)
         else:
             assignment = self._flexfloor(groups, ranks, predicted)
         kv = self.memory.kv_tokens() if self.memory else None
         expected = {
-            r: simulate_rank_steps([predicted[q.prompt_uid] for q in reqs],
+            r: simulate_rank_steps([self._per_request[q.request_id] for q in reqs],
                                    [len(q.prompt_ids) for q in reqs], kv, self.max_batch_size)
             for r, reqs in assignment.items()
         }
@@ -282,8 +288,8 @@ class Scheduler:
 
         def finish(gs):
             reqs = [r for g in gs for r in g.requests]
-            reqs.sort(key=lambda r: -predicted[r.prompt_uid])
-            return simulate_rank_steps([predicted[r.prompt_uid] for r in reqs],
+            reqs.sort(key=lambda r: -self._per_request[r.request_id])
+            return simulate_rank_steps([self._per_request[r.request_id] for r in reqs],
                                        [len(r.prompt_ids) for r in reqs], kv, self.max_batch_size)
 
         # the makespan the baseline would have: its chunks of the batch in the order given
@@ -319,7 +325,7 @@ class Scheduler:
         out = {}
         for rank, gs in assigned.items():
             reqs = [r for g in gs for r in g.requests]
-            reqs.sort(key=lambda r: (-predicted[r.prompt_uid], r.prompt_uid, r.sample_index))
+            reqs.sort(key=lambda r: (-self._per_request[r.request_id], r.prompt_uid, r.sample_index))
             out[rank] = reqs  # within a rank: the longest first
         return out
 
