@@ -25,7 +25,7 @@ import os
 import random
 import shutil
 from dataclasses import asdict, is_dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch

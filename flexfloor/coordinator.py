@@ -13,8 +13,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -1,6 +1,5 @@
 """Placement functions: pure, no process groups."""
 
-import itertools
 import random
 
 import pytest

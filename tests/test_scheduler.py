@@ -1,6 +1,5 @@
 """Scheduler: history, prediction, memory model and placement on hand-made cases (pure)."""
 
-import math
 
 import pytest
 

@@ -8,7 +8,6 @@ import os
 import sys
 import time
 
-import torch
 
 from flexfloor.config import ModelConfig
 from flexfloor.model import build_model
