@@ -35,6 +35,23 @@ def requests(rank, longest, sampling):
             for i, n in enumerate(lengths)]
 
 
+def static_vs_elastic(engine, layout, par, reqs, *, migrate=0):
+    """The same requests under the static and the elastic policy; every rank's view, gathered."""
+    case = {}
+    for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
+        membership = membership_for(policy, par, layout)
+        if policy == ReleasePolicy.ELASTIC:
+            membership.migrate_max_requests = migrate
+        out = engine.generate(reqs, membership)
+        resync(engine.moe, layout, par, membership, timeout_s=60)
+        case[policy.value] = {"tokens": {r.request_id: r.token_ids for r in out.results},
+                              "record": out.record.as_dict(),
+                              "timeline": getattr(membership, "timeline", [])}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, case)
+    return parts
+
+
 def main():
     rank = int(os.environ["RANK"])
     results = {}
@@ -49,60 +66,24 @@ def main():
         before = forward_logits(model, probe).detach()
         for seq, lengths in SEQUENCES.items():
             for kind, sampling in SAMPLING.items():
-                case = {}
-                for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
-                    membership = membership_for(policy, par, layout)
-                    out = engine.generate(requests(rank, lengths[rank], sampling), membership)
-                    resync(moe, layout, par, membership, timeout_s=60)
-                    case[policy.value] = {
-                        "tokens": {r.request_id: r.token_ids for r in out.results},
-                        "record": out.record.as_dict(),
-                        "timeline": getattr(membership, "timeline", []),
-                    }
-                parts = [None] * dist.get_world_size()
-                dist.all_gather_object(parts, case)
-                results[f"e{experts}_{seq}_{kind}"] = parts
+                results[f"e{experts}_{seq}_{kind}"] = static_vs_elastic(
+                    engine, layout, par, requests(rank, lengths[rank], sampling))
         if experts == 8:
             # beyond the paper: ranks hand their last two requests to rank 0 and leave early
-            lengths = SEQUENCES["4-3-2-1"]
             for dtype in ("float32", "float64"):
                 m = build_model(model_cfg, par, params_dtype=dtype) if dtype == "float64" else model
                 lay = RolloutLayout.gather(m, par)
-                moe_m = lay.moe(m, par)
-                eng = RolloutEngine(m, moe_m, rank=rank, max_batch_size=8)
-                case = {}
-                for policy, migrate in ((ReleasePolicy.STATIC, 0), (ReleasePolicy.ELASTIC, 2)):
-                    membership = membership_for(policy, par, lay)
-                    if migrate:
-                        membership.migrate_max_requests = migrate
-                    out = eng.generate(requests(rank, lengths[rank], SAMPLING["sampled"]), membership)
-                    resync(moe_m, lay, par, membership, timeout_s=60)
-                    case[policy.value] = {
-                        "tokens": {r.request_id: r.token_ids for r in out.results},
-                        "record": out.record.as_dict(),
-                        "timeline": getattr(membership, "timeline", []),
-                    }
-                parts = [None] * dist.get_world_size()
-                dist.all_gather_object(parts, case)
-                results[f"migrate_{dtype}"] = parts
-        if experts == 8:
+                eng = RolloutEngine(m, lay.moe(m, par), rank=rank, max_batch_size=8)
+                results[f"migrate_{dtype}"] = static_vs_elastic(
+                    eng, lay, par, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["sampled"]),
+                    migrate=2)
             # a KV budget whose free room holds about two borrowed experts per survivor: the
             # group stops shrinking at its memory floor (2 ranks), tokens unchanged
             per_expert = moe.expert_nbytes
             budget = 2 * per_expert + 60 * engine.kv_bytes_per_token + per_expert // 2
             eng = RolloutEngine(model, moe, rank=rank, max_batch_size=8, kv_budget_bytes=budget)
-            case = {}
-            for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
-                membership = membership_for(policy, par, layout)
-                out = eng.generate(requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["greedy"]),
-                                   membership)
-                resync(moe, layout, par, membership, timeout_s=60)
-                case[policy.value] = {"tokens": {r.request_id: r.token_ids for r in out.results},
-                                      "record": out.record.as_dict(),
-                                      "timeline": getattr(membership, "timeline", [])}
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, case)
-            results["memory_floor"] = parts
+            results["memory_floor"] = static_vs_elastic(
+                eng, layout, par, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["greedy"]))
         after = forward_logits(model, probe).detach()
         flags = [None] * dist.get_world_size()
         dist.all_gather_object(flags, bool(torch.equal(before, after)))
