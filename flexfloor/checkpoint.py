@@ -274,10 +274,6 @@ def load_checkpoint(
     return meta["step"], extra
 
 
-def model_shape_summary(meta: dict) -> str:
-    return json.dumps(meta.get("model_shape", {}), sort_keys=True)
-
-
 __all__ = [
     "CheckpointError",
     "save_checkpoint",

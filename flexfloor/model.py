@@ -210,9 +210,3 @@ def causal_positions(tokens: torch.Tensor) -> torch.Tensor:
 def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Causal LM logits [B, S, V] for tokens [B, S] (no padding: every row is full)."""
     return model(tokens, causal_positions(tokens), attention_mask=None)
-
-
-def count_parameters(model: torch.nn.Module) -> dict:
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    total = sum(p.numel() for p in model.parameters())
-    return {"total": total, "local_experts": experts, "dense": total - experts}

@@ -168,14 +168,6 @@ class MemoryModel:
         room = self.kv_budget_bytes - min_kv_tokens * self.kv_bytes_per_token
         return max(0, room // self.expert_bytes) if self.expert_bytes else None
 
-    def capacity(self, ranks: Sequence[int], own_experts: dict[int, int],
-                 min_kv_tokens: int) -> Optional[dict[int, int]]:
-        """Most experts each rank may host (its own plus borrowed) while keeping KV room."""
-        extra = self.max_borrowed(min_kv_tokens)
-        if extra is None:
-            return None
-        return {r: own_experts.get(r, 0) + extra for r in ranks}
-
 
 # --------------------------------------------------------------------------------------------
 # placement

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass
 class TrainState:
@@ -93,11 +91,3 @@ def build_train_state(model, trainer_cfg, parallel, *, total_steps: int, ddp=Non
         wd_incr_style="constant",
     )
     return TrainState(model=ddp, optimizer=optimizer, scheduler=scheduler)
-
-
-def grads_finite(train_state: TrainState) -> bool:
-    return all(
-        torch.isfinite(p.main_grad).all().item()
-        for p in train_state.model.module.parameters()
-        if getattr(p, "main_grad", None) is not None
-    )
