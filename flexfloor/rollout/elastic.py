@@ -31,6 +31,36 @@ class ReleaseError(RuntimeError):
     pass
 
 
+def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
+    """Who leaves at a step boundary: every done rank, except the lowest idle ones the floor
+    (`min_active_ranks`) still needs. Pure, so the simulator (`flexfloor.sim`) decides exactly
+    as the engine does."""
+    done = [r for r, w in zip(ranks, has_work) if not w]
+    working = [r for r, w in zip(ranks, has_work) if w]
+    keep_idle = max(0, min_active_ranks - len(working))
+    return done[keep_idle:]
+
+
+# Callbacks told when a rank leaves a rollout and when it is back after resync:
+# fn(event, rank, time_s, step) with event "released" or "rejoined". A launcher uses this to lend
+# a released worker's devices to other work until resync (see flexfloor/launch/).
+_release_listeners: list = []
+
+
+def add_release_listener(fn) -> None:
+    _release_listeners.append(fn)
+
+
+def remove_release_listener(fn) -> None:
+    if fn in _release_listeners:
+        _release_listeners.remove(fn)
+
+
+def _notify(event: str, rank: int, time_s: float, step: int) -> None:
+    for fn in list(_release_listeners):
+        fn(event, rank, time_s, step)
+
+
 @dataclass
 class ElasticMembership:
     """Shrinks the EP group as ranks finish, down to `min_active_ranks` (the floor).
@@ -68,10 +98,7 @@ class ElasticMembership:
         has = list(report.has_work)
         if self.migrate_max_requests > 0:
             has = self._migrate(engine, ranks, report, has)
-        done = [r for r, w in zip(ranks, has) if not w]
-        working = [r for r, w in zip(ranks, has) if w]
-        keep_idle = max(0, self.min_active_ranks - len(working))
-        leaving = done[keep_idle:]  # the lowest idle ranks stay when the floor needs them
+        leaving = choose_leavers(ranks, has, self.min_active_ranks)
         if not leaving:
             return True, report
         if not self._release(engine, leaving, self._capacity(engine, report)):
@@ -159,6 +186,7 @@ class ElasticMembership:
             record.release_s = now
             record.extra["release_step"] = record.steps
             moe.drop_borrowed()
+            _notify("released", engine.rank, now, record.steps)
         else:
             ranks = list(new_placement.ranks)
             name = f"rollout{self.rollout_id}/ep_" + "_".join(map(str, ranks))
@@ -242,4 +270,5 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
             raise ReleaseError(f"rank {parallel.rank}: resync timed out after {timeout_s} s")
     moe.rebind(layout.group, layout.placement)
     membership.close()
+    _notify("rejoined", parallel.rank, time.perf_counter() - t0, -1)
     return time.perf_counter() - t0
