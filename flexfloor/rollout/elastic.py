@@ -61,6 +61,34 @@ def _notify(event: str, rank: int, time_s: float, step: int) -> None:
         fn(event, rank, time_s, step)
 
 
+@dataclass(frozen=True)
+class RankLimits:
+    """What the release decision needs to know of the engines (the same on every rank)."""
+
+    kv_bytes_per_token: int
+    max_seq_len: int
+    max_batch_size: int
+    kv_budget_bytes: Optional[int]  # a rank's KV room hosting only its own experts; None: unbounded
+    expert_nbytes: int  # one expert's weights over all layers
+
+    @classmethod
+    def of(cls, engine) -> "RankLimits":
+        return cls(kv_bytes_per_token=engine.kv_bytes_per_token, max_seq_len=engine.max_seq_len,
+                   max_batch_size=engine.max_batch_size, kv_budget_bytes=engine.kv_budget_bytes,
+                   expert_nbytes=engine.moe.expert_nbytes)
+
+
+@dataclass
+class ReleaseDecision:
+    """Who hands requests to whom, who leaves, and the placement and transfers after it."""
+
+    migrate: dict = field(default_factory=dict)  # giving rank -> taking rank
+    leaving: list = field(default_factory=list)
+    placement: object = None  # megatron_ext.placement.Placement after the shrink
+    transfers: list = field(default_factory=list)
+    floor_hit: bool = False  # some could leave, but the survivors could not hold the experts
+
+
 @dataclass
 class ElasticMembership:
     """Shrinks the EP group as ranks finish, down to `min_active_ranks` (the floor).
@@ -87,36 +115,56 @@ class ElasticMembership:
         self._groups.clear()
 
     def step_boundary(self, engine, has_work):
-        moe = engine.moe
-        report = share_step_state(moe.group, has_work, engine)
+        report = share_step_state(engine.moe.group, has_work, engine)
         if not any(report.has_work):
             return False, report
+        t0 = time.perf_counter()
+        decision = self.decide(engine.moe.placement, report, RankLimits.of(engine))
+        plan_s = time.perf_counter() - t0
+        if decision.migrate:
+            self._migrate(engine, decision.migrate)
+        if decision.floor_hit:
+            engine.record.extra["floor_hits"] = engine.record.extra.get("floor_hits", 0) + 1
+        if not decision.leaving:
+            return True, report
+        self._release(engine, decision, plan_s)
+        return engine.rank not in decision.leaving, report
+
+    def decide(self, placement, report, limits: "RankLimits") -> "ReleaseDecision":
+        """The release decision at one step boundary, from the shared report alone: no
+        collective, the same on every rank. The simulator (`flexfloor.sim`) calls it too."""
         self._boundaries += 1
         if self._boundaries % self.check_interval_steps:
-            return True, report
-        ranks = list(moe.placement.ranks)
+            return ReleaseDecision()
+        ranks = list(placement.ranks)
         has = list(report.has_work)
+        migrate = {}
         if self.migrate_max_requests > 0:
-            has = self._migrate(engine, ranks, report, has)
+            migrate = self.migration_plan(ranks, report, limits)
+            has = [w and r not in migrate for r, w in zip(ranks, has)]
         leaving = choose_leavers(ranks, has, self.min_active_ranks)
         if not leaving:
-            return True, report
-        if not self._release(engine, leaving, self._capacity(engine, report)):
-            return True, report  # at the floor: everyone stays in the group
-        return engine.rank not in leaving, report
+            return ReleaseDecision(migrate=migrate)
+        try:
+            new_placement, transfers = plan_shrink(
+                placement, leaving, capacity=self.capacity_now(placement, report, limits),
+                holding=self.holding)
+        except ValueError:
+            # the floor: survivors cannot hold every expert; nobody leaves this time
+            return ReleaseDecision(migrate=migrate, floor_hit=True)
+        return ReleaseDecision(migrate=migrate, leaving=leaving, placement=new_placement,
+                               transfers=transfers)
 
-    def _migrate(self, engine, ranks, report, has) -> list[bool]:
+    def migration_plan(self, ranks, report, limits: "RankLimits") -> dict[int, int]:
         """Beyond the paper: a rank whose last few requests (<= migrate_max_requests, none
         queued) will end no later than the work of a rank that stays hands them to that rank
-        (re-prefilled there, same RNG stream: the same tokens) and leaves now.
-
-        The plan is a pure function of the shared report, so every rank computes the same one.
-        """
-        bytes_per = engine.kv_bytes_per_token
+        (re-prefilled there, same RNG stream: the same tokens) and leaves now. Returns
+        {giving rank: taking rank}; a pure function of the shared report."""
+        has = list(report.has_work)
         n = len(ranks)
         order = sorted(range(n), key=lambda i: (-report.remaining[i], ranks[i]))
         if len([i for i in range(n) if has[i]]) <= self.min_active_ranks:
-            return has
+            return {}
         plan: dict[int, int] = {}  # giver index -> taker index
         kv_taken: dict[int, int] = {}  # taker index -> KV bytes promised
         n_taken: dict[int, int] = {}  # taker index -> requests promised
@@ -124,59 +172,52 @@ class ElasticMembership:
             if i in n_taken or not (0 < report.running[i] <= self.migrate_max_requests
                                     and report.queued[i] == 0):
                 continue
-            need = report.running[i] * bytes_per * engine.max_seq_len
+            need = report.running[i] * limits.kv_bytes_per_token * limits.max_seq_len
             for j in order:  # the rank with the most work left takes them, if it has room
                 if j == i or j in plan or not has[j] or report.remaining[j] < report.remaining[i]:
                     continue
                 if report.kv_free[j] - kv_taken.get(j, 0) < need:
                     continue
-                if report.running[j] + n_taken.get(j, 0) + report.running[i] > engine.max_batch_size:
+                if report.running[j] + n_taken.get(j, 0) + report.running[i] > limits.max_batch_size:
                     continue
                 plan[i] = j
                 kv_taken[j] = kv_taken.get(j, 0) + need
                 n_taken[j] = n_taken.get(j, 0) + report.running[i]
                 break
         if len([i for i in range(n) if has[i] and i not in plan]) < self.min_active_ranks:
-            return has
-        if not plan:
-            return has
-        me = ranks.index(engine.rank)
-        payload = engine.export_running() if me in plan else []
-        everyone = [None] * n
-        dist.all_gather_object(everyone, payload, group=engine.moe.group)
-        mine = [p for giver, taker in sorted(plan.items()) if taker == me for p in everyone[giver]]
-        if mine:
-            engine.adopt(mine)
-        self.timeline.append({"step": engine.record.steps, "migrated": {
-            ranks[i]: ranks[j] for i, j in sorted(plan.items())}})
-        return [w and i not in plan for i, w in enumerate(has)]
+            return {}
+        return {ranks[i]: ranks[j] for i, j in sorted(plan.items())}
 
-    def _capacity(self, engine, report) -> Optional[dict[int, int]]:
+    def capacity_now(self, placement, report, limits: "RankLimits") -> Optional[dict[int, int]]:
         """Most experts each active rank can host now: a fixed `capacity`, or, under a KV
         budget, what it hosts plus what its free KV memory can hold (a borrowed expert takes
         KV room from the survivor's requests). A rank with queued requests borrows nothing: the
         room is theirs. None: unbounded."""
         if self.capacity is not None:
             return self.capacity
-        if engine.kv_budget_bytes is None:
+        if limits.kv_budget_bytes is None:
             return None
-        moe = engine.moe
-        per = moe.expert_nbytes
-        return {r: len(moe.placement.experts_of(r)) + (max(0, free) // per if queued == 0 else 0)
-                for r, free, queued in zip(moe.placement.ranks, report.kv_free, report.queued)}
+        per = limits.expert_nbytes
+        return {r: len(placement.experts_of(r)) + (max(0, free) // per if queued == 0 else 0)
+                for r, free, queued in zip(placement.ranks, report.kv_free, report.queued)}
 
-    def _release(self, engine, leaving, capacity) -> bool:
-        """Plan, transfer and switch; False when the survivors cannot hold every expert."""
+    def _migrate(self, engine, plan: dict[int, int]) -> None:
+        """Carry out a migration plan: givers export their running requests, takers adopt."""
+        ranks = list(engine.moe.placement.ranks)
+        payload = engine.export_running() if engine.rank in plan else []
+        everyone = [None] * len(ranks)
+        dist.all_gather_object(everyone, payload, group=engine.moe.group)
+        mine = [p for giver, taker in sorted(plan.items()) if taker == engine.rank
+                for p in everyone[ranks.index(giver)]]
+        if mine:
+            engine.adopt(mine)
+        self.timeline.append({"step": engine.record.steps, "migrated": dict(plan)})
+
+    def _release(self, engine, decision: "ReleaseDecision", plan_s: float) -> None:
+        """Transfer the leavers' experts, then switch: leavers record their release, survivors
+        build their group and re-bind."""
         moe, record = engine.moe, engine.record
-        t0 = time.perf_counter()
-        try:
-            new_placement, transfers = plan_shrink(
-                moe.placement, leaving, capacity=capacity, holding=self.holding
-            )
-        except ValueError:
-            # the floor: survivors cannot hold every expert; nobody leaves this time
-            record.extra["floor_hits"] = record.extra.get("floor_hits", 0) + 1
-            return False
+        leaving, new_placement, transfers = decision.leaving, decision.placement, decision.transfers
         t1 = time.perf_counter()
         stats = transfer_experts(moe, transfers, moe.group)
         engine.kv_used += stats["received"] * moe.expert_nbytes  # borrowed weights take KV room
@@ -195,14 +236,13 @@ class ElasticMembership:
             moe.rebind(group, new_placement)
         t3 = time.perf_counter()
         extra = record.extra
-        extra["plan_s"] = extra.get("plan_s", 0.0) + (t1 - t0)
+        extra["plan_s"] = extra.get("plan_s", 0.0) + plan_s
         extra["transfer_s"] = extra.get("transfer_s", 0.0) + (t2 - t1)
         extra["switch_s"] = extra.get("switch_s", 0.0) + (t3 - t2)
         extra["sent_bytes"] = extra.get("sent_bytes", 0) + stats["sent_bytes"]
         self.timeline.append({"step": record.steps, "time_s": now, "leaving": list(leaving),
                               "active": list(new_placement.ranks),
                               "moved_experts": len(transfers)})
-        return True
 
 
 @dataclass
