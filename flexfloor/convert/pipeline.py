@@ -1,0 +1,122 @@
+"""HF folder <-> FlexFloor checkpoint, on any EP layout (call on every rank of the job).
+
+`hf_to_flexfloor`: HF config -> model section; every tensor's shape checked from the headers
+(an error names the tensors, nothing is written); each rank reads only its own experts into
+`build_model`'s model; `save_checkpoint` writes atomically (iter_N.tmp -> iter_N). The model
+section and the source HF config travel in the checkpoint's extra state, so the way back needs
+no other input.
+
+`flexfloor_to_hf`: `load_checkpoint` at the current layout (any EP size), then every EP rank
+writes its experts as one safetensors shard (rank 0 the dense tensors too), atomically.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from flexfloor.checkpoint import (EXTRA_FILE, iter_name, load_checkpoint, resolve_checkpoint,
+                                  save_checkpoint)
+from flexfloor.config import ModelConfig
+from flexfloor.convert.families import (ConversionError, Family, family_of, model_config_dict,
+                                        model_config_from_dict)
+from flexfloor.convert.hf_io import HFCheckpoint, write_hf
+from flexfloor.model import build_model, global_param_name
+
+# the transformer-engine spec fuses the pre-attention norm into linear_qkv
+_TE_ALIASES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight"}
+
+
+def local_expert_ids(model_cfg: ModelConfig, parallel) -> list[int]:
+    """The training layout's experts of this rank (Megatron's contiguous blocks)."""
+    n = model_cfg.num_experts // parallel.ep_size
+    return list(range(parallel.ep_rank * n, (parallel.ep_rank + 1) * n))
+
+
+def _global_names(model, expert_ids: Sequence[int]) -> dict[str, torch.nn.Parameter]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = global_param_name(name, expert_ids)
+        for te, local in _TE_ALIASES.items():
+            g = g.replace(te, local) if g.endswith(te) else g
+        out[g] = p
+    return out
+
+
+def model_state(model, expert_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+    """This rank's parameters by layout-independent name (experts by global id)."""
+    return {g: p.detach() for g, p in _global_names(model, expert_ids).items()}
+
+
+@torch.no_grad()
+def load_state(model, state: Mapping[str, torch.Tensor], expert_ids: Sequence[int]) -> None:
+    """Copy `state` (global names) into the model: every parameter, exact shapes, nothing left."""
+    params = _global_names(model, expert_ids)
+    missing = sorted(set(params) - set(state))
+    extra = sorted(set(state) - set(params))
+    if missing or extra:
+        raise ConversionError(f"state does not match the model: missing {missing[:5]}, "
+                              f"unexpected {extra[:5]}")
+    for g, p in params.items():
+        t = state[g]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ConversionError(f"{g}: shape {list(t.shape)} but the model has {list(p.shape)}")
+        p.copy_(t)
+
+
+def read_hf(hf_dir: str, model_cfg: Optional[ModelConfig] = None):
+    """(checkpoint, family, model section) of an HF folder, every tensor shape checked."""
+    hf = HFCheckpoint(hf_dir)
+    family = family_of(hf.config)
+    cfg = model_cfg or family.model_config(hf.config)
+    family.check_hf_shapes(hf.shapes(), cfg)
+    return hf, family, cfg
+
+
+def hf_to_flexfloor(hf_dir: str, out_root: str, parallel, *, step: int = 0,
+                    model_cfg: Optional[ModelConfig] = None):
+    """Convert; returns (checkpoint directory, model section, the model as loaded)."""
+    hf, family, cfg = read_hf(hf_dir, model_cfg)
+    final = os.path.join(out_root, iter_name(step))
+    if os.path.exists(final) or os.path.exists(final + ".tmp"):
+        raise ConversionError(f"{final} exists already; checkpoints are never overwritten "
+                              "(choose another output or --step)")
+    model = build_model(cfg, parallel)
+    ids = local_expert_ids(cfg, parallel)
+    load_state(model, family.from_hf(hf.tensor, cfg, ids), ids)
+    extra = {"model_config": model_config_dict(cfg), "hf_config": hf.config}
+    directory = save_checkpoint(out_root, step, model=model, model_cfg=cfg, extra_state=extra)
+    return directory, cfg, model
+
+
+def checkpoint_model_config(ckpt: str) -> tuple[Optional[ModelConfig], Optional[dict]]:
+    """(model section, source HF config) stored by `hf_to_flexfloor`; (None, None) otherwise."""
+    extra = torch.load(os.path.join(resolve_checkpoint(ckpt), EXTRA_FILE), weights_only=False)
+    d = extra.get("model_config")
+    return (model_config_from_dict(d) if d else None), extra.get("hf_config")
+
+
+def flexfloor_to_hf(ckpt: str, out_dir: str, parallel, *, model_cfg: Optional[ModelConfig] = None,
+                    family: Optional[str] = None) -> ModelConfig:
+    """Convert a FlexFloor checkpoint (any step, saved at any EP size) to an HF folder."""
+    stored_cfg, hf_base = checkpoint_model_config(ckpt)
+    cfg = model_cfg or stored_cfg
+    if cfg is None:
+        raise ConversionError(f"{ckpt} does not say which model it holds (it was not made by "
+                              "this converter); pass the training config (--config)")
+    fam: Family = family_of(family or (hf_base or {}).get("model_type"))
+    if os.path.exists(out_dir):
+        raise ConversionError(f"{out_dir} exists already; choose a new output folder")
+    config = fam.hf_config(cfg, hf_base)  # refuses a model the family cannot express
+    model = build_model(cfg, parallel)
+    load_checkpoint(ckpt, model=model, model_cfg=cfg)
+    ids = local_expert_ids(cfg, parallel)
+    # one writer per EP rank (the first expert-DP replica); EP rank 0 also writes the dense part
+    writer = dist.get_rank(parallel.expt_dp_group) == 0
+    tensors = fam.to_hf(model_state(model, ids), cfg, ids, dense=parallel.ep_rank == 0) if writer else {}
+    write_hf(out_dir, config, tensors, shard=parallel.ep_rank if writer else -1,
+             num_shards=parallel.ep_size, group=parallel.world_group)
+    return cfg
