@@ -78,6 +78,19 @@ class NanPolicy(enum.Enum):
     STOP = "stop"  # raise
 
 
+class QKNorm(enum.Enum):
+    """RMSNorm of queries and keys (after the projection, before RoPE)."""
+
+    NONE = "none"  # Mixtral, DeepSeek
+    PER_HEAD = "per_head"  # over each head's dim, weight [head_dim] (Qwen3)
+    FULL_WIDTH = "full_width"  # over all heads at once, weight [heads * head_dim] (OLMoE)
+
+
+class Resume(enum.Enum):
+    AUTO = "auto"  # continue from checkpoint.dir/latest when it exists (a restarted job)
+    OFF = "off"  # start from checkpoint.load (or a random init) whatever checkpoint.dir holds
+
+
 class Backend(enum.Enum):
     AUTO = "auto"  # nccl with CUDA, gloo otherwise
     GLOO = "gloo"
@@ -94,17 +107,20 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                           moe_ffn_hidden_size=768, num_attention_heads=32, num_query_groups=4,
                           kv_channels=128, num_experts=128, moe_router_topk=8,
                           shared_expert_ffn_hidden_size=None, vocab_size=151936,
-                          max_seq_len=40960, rotary_base=1000000, norm_epsilon=1e-6),
+                          max_seq_len=40960, rotary_base=1000000, norm_epsilon=1e-6,
+                          qk_norm="per_head", moe_router_norm_topk=True),
     "mixtral-8x7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
                          moe_ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
                          kv_channels=None, num_experts=8, moe_router_topk=2,
                          shared_expert_ffn_hidden_size=None, vocab_size=32000,
-                         max_seq_len=32768, rotary_base=1000000, norm_epsilon=1e-5),
+                         max_seq_len=32768, rotary_base=1000000, norm_epsilon=1e-5,
+                         qk_norm="none", moe_router_norm_topk=True),
     "olmoe-1b-7b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=1024,
                         moe_ffn_hidden_size=1024, num_attention_heads=16, num_query_groups=16,
                         kv_channels=None, num_experts=64, moe_router_topk=8,
                         shared_expert_ffn_hidden_size=None, vocab_size=50304,
-                        max_seq_len=4096, rotary_base=10000, norm_epsilon=1e-5),
+                        max_seq_len=4096, rotary_base=10000, norm_epsilon=1e-5,
+                        qk_norm="full_width", moe_router_norm_topk=False),
     # DeepSeek-V2-Lite uses multi-head latent attention (MLA); here it is approximated by standard
     # attention of the same head count and head dim. ffn_hidden_size is its first, dense layer.
     "deepseek-v2-lite": dict(num_layers=27, hidden_size=2048, ffn_hidden_size=10944,
@@ -112,7 +128,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                              num_query_groups=16, kv_channels=None, num_experts=64,
                              moe_router_topk=6, shared_expert_ffn_hidden_size=2816,
                              vocab_size=102400, max_seq_len=32768, rotary_base=10000,
-                             norm_epsilon=1e-6),
+                             norm_epsilon=1e-6, qk_norm="none", moe_router_norm_topk=False),
 }
 
 PARAMS_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -163,6 +179,10 @@ class ModelConfig:
     max_seq_len: int = 256  # longest prompt + response, in tokens
     rotary_base: int = 10000  # RoPE theta
     norm_epsilon: float = 1e-6  # RMSNorm epsilon
+    qk_norm: QKNorm = QKNorm.NONE  # RMSNorm of queries and keys: none, per_head, full_width
+    # True: softmax over the top-k router logits (= the top-k probabilities renormalised to sum
+    # 1: Mixtral, Qwen3-30B-A3B); False: softmax over all experts, top-k kept as they are (OLMoE)
+    moe_router_norm_topk: bool = True
     params_dtype: str = "float32"  # one of PARAMS_DTYPES
     init_method_std: float = 0.02  # std of the random init (no checkpoint loaded)
     moe_aux_loss_coeff: float = 0.0  # router load-balancing loss weight
@@ -316,6 +336,7 @@ class CheckpointConfig:
     save_interval: int = 0  # save every N steps; 0 = only at the end
     load: str | None = None  # checkpoint to start from; None = random init
     keep_last: int = 2  # older checkpoints are deleted
+    resume: Resume = Resume.AUTO  # auto: checkpoint.dir/latest, when present, wins over load
 
     def validate(self) -> None:
         _non_negative("checkpoint", self, "save_interval")

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from flexfloor.config import QKNorm
 from megatron_ext import cpu_compat
 
 DTYPES = {
@@ -71,6 +72,9 @@ def transformer_config(model_cfg, *, ep_size: int, params_dtype: Optional[str] =
         moe_router_load_balancing_type="aux_loss" if model_cfg.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
         moe_router_dtype="fp64" if dtype == torch.float64 else "fp32",
+        # softmax over all experts then top-k (no renormalisation) vs top-k logits then softmax
+        moe_router_pre_softmax=not model_cfg.moe_router_norm_topk,
+        qk_layernorm=model_cfg.qk_norm != QKNorm.NONE,
         expert_model_parallel_size=ep_size,
         expert_tensor_parallel_size=1,
         tensor_model_parallel_size=1,
@@ -99,19 +103,44 @@ def transformer_config(model_cfg, *, ep_size: int, params_dtype: Optional[str] =
     )
 
 
+class FullWidthRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm over all heads of a token at once (OLMoE's q/k norm), weight [heads * head_dim].
+
+    Megatron applies q/k norms to [S, B, heads, head_dim] and builds them with hidden_size =
+    head_dim (a per-head norm, as Qwen3 has); `heads` widens this one to the whole projection.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, heads: int):
+        super().__init__(heads * hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view_as(x)
+
+
 def layer_spec(model_cfg, *, use_te: Optional[bool] = None):
     """The transformer layer spec: transformer-engine on GPU when available, local otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if use_te is None:
         use_te = have_transformer_engine()
+    qk = model_cfg.qk_norm != QKNorm.NONE
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=model_cfg.num_experts, moe_grouped_gemm=False
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model_cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=qk
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=model_cfg.num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
-    )
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=model_cfg.num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+            qk_layernorm=qk,
+        )
+    if model_cfg.qk_norm == QKNorm.FULL_WIDTH:
+        attn = spec.submodules.self_attention.submodules
+        attn.q_layernorm = ModuleSpec(module=FullWidthRMSNorm,
+                                      params={"heads": model_cfg.num_attention_heads})
+        attn.k_layernorm = ModuleSpec(module=FullWidthRMSNorm,
+                                      params={"heads": model_cfg.num_query_groups})
+    return spec
 
 
 def build_model(model_cfg, parallel, *, params_dtype: Optional[str] = None, use_te=None,
