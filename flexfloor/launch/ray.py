@@ -1,0 +1,309 @@
+"""Ray launcher: workers as Ray actors in a placement group, this process drives the step loop.
+
+    python -m flexfloor.launch.ray --config FILE --num-workers N [--address HOST:PORT]
+        [--cpus-per-worker C] [--gpus-per-worker G] [section.field=value ...]
+
+One bundle per worker ({"CPU": C} or {"CPU": C, "GPU": G}), PACK strategy, so workers fill a node
+before the next. Ranks follow the nodes (a node's workers hold consecutive ranks); rank 0 reports
+its node's IP and a free port, every worker sets the torchrun variables (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), initialises torch.distributed and builds
+a `Job`. The driver calls each phase on every worker (warm start, step, close) and reads rank 0's
+metrics; a worker that dies or fails ends the run with an error naming its rank, and every wait
+has a timeout. Released workers are reported to the resource pool (`flexfloor.launch.pool`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Worker:
+    """One FlexFloor worker (one rank) as a Ray actor."""
+
+    def __init__(self, pool_name: str):
+        import ray
+
+        self.pool = ray.get_actor(pool_name, namespace=NAMESPACE)
+        ctx = ray.get_runtime_context()
+        self.where = {
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cpus": ctx.get_assigned_resources().get("CPU", 0.0),
+        }
+        self.job = None
+        self._released = False
+        self._reports = []  # pool updates in flight
+
+    def locate(self) -> dict:
+        return self.where
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(self, cfg, *, env: dict, cwd: str) -> int:
+        """torch.distributed among the workers, then the Job. Returns its step index (a resumed
+        run starts past 0)."""
+        import datetime
+        import warnings
+
+        warnings.filterwarnings("ignore", module="megatron")
+        os.environ.update(env)
+        if os.path.isdir(cwd):  # relative paths in the config mean what they mean to the driver
+            os.chdir(cwd)
+        import torch
+        import torch.distributed as dist
+
+        from flexfloor.coordinator import Job
+        from flexfloor.rollout.elastic import add_release_listener
+
+        backend = cfg.parallel.backend.value
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            # Ray makes only this worker's accelerator visible, so it is device 0 whatever
+            # LOCAL_RANK says; the launcher opens the world group so Job reuses it as is.
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+        self.job = Job(cfg)
+        add_release_listener(self._report)
+        return self.job.step_index
+
+    def warm_start(self) -> None:
+        self.job.warm_start()
+
+    def step(self):
+        """One training step; rank 0 returns its metrics. The pool is up to date on return."""
+        import ray
+
+        metrics = self.job.step()
+        ray.get(self._reports)
+        self._reports = []
+        return metrics if self.job.rank == 0 else None
+
+    def finish(self) -> None:
+        import torch.distributed as dist
+
+        from flexfloor.rollout.elastic import remove_release_listener
+
+        remove_release_listener(self._report)
+        self.job.log.close(self.job)
+        self.job.close()
+        dist.destroy_process_group()
+
+    def _report(self, event: str, rank: int, time_s: float, engine_step: int) -> None:
+        """Release listener: "released" lends this worker's devices, "rejoined" takes them back.
+        Both happen inside Job.step, before it counts the step: the step is step_index + 1."""
+        step = self.job.step_index + 1
+        if event == "released":
+            self._released = True
+            entry = dict(self.where, rank=rank, step=step, engine_step=engine_step,
+                         release_s=time_s)
+            self._reports.append(self.pool.released.remote(entry))
+        elif event == "rejoined" and self._released:
+            self._released = False
+            self._reports.append(self.pool.rejoined.remote(rank, step))
+
+
+@dataclass
+class RunResult:
+    metrics: list[dict]                  # rank 0's metrics, one dict per step
+    workers: list[dict]                  # by rank: node_id, node_ip, pid, gpu_ids, cpus, local_rank
+    pool_events: list[dict] = field(default_factory=list)  # the pool's record (pool.events())
+
+
+def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
+           gpus_per_worker: float | None = None, timeout_s: float = 1800.0,
+           pool_name: str = POOL_NAME, say=print) -> RunResult:
+    """Run the job on `num_workers` Ray actors of the cluster `ray.init` connected to.
+
+    `cfg` is resolved for `num_workers` (`Config.resolve_world`). `gpus_per_worker=None`: one GPU
+    each when the cluster has GPUs, none otherwise. Every wait is bounded by `timeout_s`.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if gpus_per_worker is None:
+        gpus_per_worker = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+    pool = ray.remote(num_cpus=0)(ResourcePool).options(name=pool_name, namespace=NAMESPACE).remote()
+    pg = placement_group([bundle] * num_workers, strategy="PACK")
+    actors = []
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise LaunchError(
+                f"the cluster could not place {num_workers} workers of {bundle} within "
+                f"{timeout_s:.0f} s; it has {ray.cluster_resources()}: add nodes, or lower "
+                "--num-workers / --cpus-per-worker / --gpus-per-worker")
+        actor_cls = ray.remote(Worker)
+        actors = [actor_cls.options(
+            num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(pool_name) for i in range(num_workers)]
+        labels = {i: f"worker {i}" for i in range(num_workers)}
+        located = _gather({i: a.locate.remote() for i, a in enumerate(actors)}, labels,
+                          "start-up", timeout_s)
+        # ranks follow the nodes: a node's workers hold consecutive ranks, as under torchrun
+        nodes = list(dict.fromkeys(located[i]["node_id"] for i in range(num_workers)))
+        order = sorted(range(num_workers), key=lambda i: (nodes.index(located[i]["node_id"]), i))
+        actors = [actors[i] for i in order]
+        workers = [dict(located[i]) for i in order]
+        for rank, w in enumerate(workers):
+            on_node = [r for r, o in enumerate(workers) if o["node_id"] == w["node_id"]]
+            w.update(rank=rank, local_rank=on_node.index(rank), local_world_size=len(on_node))
+        labels = {r: f"rank {r} (node {w['node_ip']}, pid {w['pid']})" for r, w in enumerate(workers)}
+        port = _gather({0: actors[0].free_port.remote()}, labels, "start-up", timeout_s)[0]
+        for w in workers:
+            say(f"rank {w['rank']}: node {w['node_ip']} ({w['node_id'][:8]}) pid {w['pid']} "
+                f"local rank {w['local_rank']} gpus {w['gpu_ids'] or '-'} cpus {w['cpus']:g}")
+        env = lambda w: {"RANK": str(w["rank"]), "WORLD_SIZE": str(num_workers),  # noqa: E731
+                         "LOCAL_RANK": str(w["local_rank"]),
+                         "LOCAL_WORLD_SIZE": str(w["local_world_size"]),
+                         "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port)}
+        cwd = os.getcwd()
+        steps = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=cwd)
+                         for r, a in enumerate(actors)}, labels, "start-up", timeout_s)
+        step = steps[0]
+
+        def every(method: str, phase: str, *args):
+            return _gather({r: getattr(a, method).remote(*args) for r, a in enumerate(actors)},
+                           labels, phase, timeout_s)
+
+        if step == 0 and cfg.trainer.sft_warmup_steps:
+            every("warm_start", "warm start")
+        history = []
+        while step < cfg.trainer.steps:
+            t0 = time.perf_counter()
+            m = every("step", f"step {step + 1}")[0]
+            step = m["step"]
+            history.append(m)
+            lent = [e["rank"] for e in ray.get(pool.events.remote(), timeout=timeout_s)
+                    if e["event"] == "released" and e["step"] == step]
+            say(f"step {step}/{cfg.trainer.steps} | reward {m['reward/mean']:.3f} | "
+                f"released ranks {lent or '-'} (lent to the pool until resync) | "
+                f"{time.perf_counter() - t0:.1f}s")
+        every("finish", "close")
+        return RunResult(metrics=history, workers=workers,
+                         pool_events=ray.get(pool.events.remote(), timeout=timeout_s))
+    finally:
+        for a in actors:
+            ray.kill(a)
+        ray.kill(pool)
+        remove_placement_group(pg)
+
+
+def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
+    """Results of one call per worker, by key. The first failure ends the wait with an error
+    naming the worker; a dead worker is named before the peers that failed because of it."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    pending = {ref: key for key, ref in calls.items()}
+    results, failures = {}, {}
+    deadline = time.monotonic() + timeout_s
+    while pending and not failures:
+        ready, _ = ray.wait(list(pending), num_returns=1,
+                            timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise LaunchError(f"{phase}: no answer within {timeout_s:.0f} s from "
+                              + ", ".join(labels[k] for k in sorted(pending.values())))
+        for ref in ready:
+            key = pending.pop(ref)
+            try:
+                results[key] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - reported below with the worker's name
+                failures[key] = e
+    if failures:
+        # peers of a dead worker fail in their collectives first; give Ray a moment to report
+        # the death itself so the message names the cause, not a symptom
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=10.0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001
+                failures[pending[ref]] = e
+        dead = [k for k, e in failures.items() if isinstance(e, RayActorError)]
+        first = sorted(dead)[0] if dead else sorted(failures)[0]
+        what = "died" if dead else "failed"
+        others = sorted(k for k in failures if k != first)
+        raise LaunchError(
+            f"{labels[first]} {what} during {phase}: {_reason(failures[first])}"
+            + (f" (then also: {', '.join(labels[k] for k in others)})" if others else ""))
+    return results
+
+
+def _reason(e: Exception) -> str:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:600]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flexfloor.launch.ray",
+        description="Run a FlexFloor job on Ray: workers as actors in a placement group, this "
+        "process drives the steps; released workers are lent to a named resource pool.")
+    parser.add_argument("--config", help="YAML config (see examples/configs/)")
+    parser.add_argument("--num-workers", type=int, required=True, help="workers (ranks)")
+    parser.add_argument("--address", default=None,
+                        help="a running cluster (HOST:PORT or 'auto'); default: start one here")
+    parser.add_argument("--cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--gpus-per-worker", type=float, default=None,
+                        help="default: 1 when the cluster has GPUs, else 0")
+    parser.add_argument("--timeout-s", type=float, default=1800.0,
+                        help="longest wait for placement, start-up or one step")
+    parser.add_argument("--pool-name", default=POOL_NAME,
+                        help=f"name of the resource pool actor (namespace '{NAMESPACE}')")
+    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    args = parser.parse_args(argv)
+
+    from flexfloor.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides).resolve_world(args.num_workers)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # offline clusters: no usage report
+    import ray
+
+    local = {} if args.address else {
+        "num_cpus": max(os.cpu_count() or 1, int(args.num_workers * args.cpus_per_worker + 0.999))}
+    ray.init(address=args.address, namespace=NAMESPACE, include_dashboard=False, **local)
+    say = lambda text: print(f"[flexfloor.launch.ray] {text}", flush=True)  # noqa: E731
+    try:
+        result = launch(cfg, num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
+                        gpus_per_worker=args.gpus_per_worker, timeout_s=args.timeout_s,
+                        pool_name=args.pool_name, say=say)
+    except LaunchError as e:
+        print(f"[flexfloor.launch.ray] error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        ray.shutdown()
+    lent = sum(e["event"] == "released" for e in result.pool_events)
+    say(f"done: {len(result.metrics)} steps, {lent} releases lent to the pool")
+    return 0
+
+
+if __name__ == "__main__":
+    from flexfloor.launch.ray import main as _main  # the importable module, so actors pickle by name
+
+    sys.exit(_main())

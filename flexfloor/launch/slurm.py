@@ -1,0 +1,251 @@
+"""Slurm: the command lines of a multi-node job, built from the variables Slurm sets.
+
+The sbatch scripts (examples/slurm/) only call this module; each stage builds its command here
+and execs it, so what runs on a cluster is what the tests check:
+
+    python -m flexfloor.launch.slurm torchrun [--nproc-per-node P] [--port N] TRAIN_ARGS...
+        batch step: `srun` one task per node, each running the `torchrun-node` stage;
+    python -m flexfloor.launch.slurm torchrun-node --nproc-per-node P --port N TRAIN_ARGS...
+        on each node: `torchrun` with this node's rank and the first node as rendezvous endpoint;
+    python -m flexfloor.launch.slurm ray [--nproc-per-node P] [--port N] LAUNCH_ARGS...
+        batch step: `srun` the `ray-node` stage on every node (in the background), wait for the
+        head, then the Ray driver (`python -m flexfloor.launch.ray --address HEAD:PORT ...`);
+    python -m flexfloor.launch.slurm ray-node --nproc-per-node P --port N
+        on each node: `ray start --head` on the first node, `ray start --address HEAD:PORT` on the
+        others (after the head answers).
+
+`--dry-run` prints the command (JSON list) instead of running it. TRAIN_ARGS / LAUNCH_ARGS are
+passed through (`--config FILE section.field=value ...`; for `ray` also `--cpus-per-worker` etc.).
+Workers per node: `--nproc-per-node`, else SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE
+(one Slurm task slot per CPU worker), else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list -> host names, in order.
+
+    `gpu[01-03,07],cpu5` -> gpu01 gpu02 gpu03 gpu07 cpu5; zero padding is kept; several bracket
+    groups in one name expand as a product (`r[1-2]n[1-2]` -> r1n1 r1n2 r2n1 r2n2).
+    """
+    hosts, depth, start = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            if text[start:i].strip():
+                hosts += _expand_name(text[start:i].strip())
+            start = i + 1
+        if depth < 0 or depth > 1:
+            raise ValueError(f"host list {text!r}: unbalanced or nested brackets")
+    if depth:
+        raise ValueError(f"host list {text!r}: unbalanced brackets")
+    return hosts
+
+
+def _expand_name(name: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", name)
+    if not m:
+        return [name]
+    head, tail = name[: m.start()], name[m.end():]
+    out = []
+    for part in m.group(1).split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"host list range {part!r} in {name!r}: expected N or N-M")
+        width = len(lo)
+        for n in range(int(lo), int(hi or lo) + 1):
+            out += [head + str(n).zfill(width) + rest for rest in _expand_name(tail)]
+    return out
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The job's nodes and this node's place among them (from Slurm's variables)."""
+
+    job_id: int
+    nodes: tuple[str, ...]
+    node_rank: int
+    procs_per_node: int
+    cpus_on_node: int
+    gpus_on_node: int
+
+    @classmethod
+    def from_env(cls, env=None, *, procs_per_node: int | None = None) -> "Allocation":
+        env = os.environ if env is None else env
+        missing = [k for k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST") if not env.get(k)]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} not set: run inside a Slurm job (sbatch or "
+                             "salloc), or set them as Slurm would")
+        nodes = tuple(expand_hostlist(env["SLURM_JOB_NODELIST"]))
+        if env.get("SLURM_NNODES") and int(env["SLURM_NNODES"]) != len(nodes):
+            raise ValueError(f"SLURM_NNODES={env['SLURM_NNODES']} but SLURM_JOB_NODELIST "
+                             f"names {len(nodes)} nodes: {','.join(nodes)}")
+        # this node: by name where Slurm says it (SLURMD_NODENAME), else its node id
+        name = env.get("SLURMD_NODENAME")
+        node_rank = nodes.index(name) if name in nodes else int(env.get("SLURM_NODEID", 0))
+        gpus = _count(env.get("SLURM_GPUS_ON_NODE"))
+        procs = procs_per_node or gpus or _count(env.get("SLURM_NTASKS_PER_NODE")) or 1
+        return cls(job_id=int(env["SLURM_JOB_ID"]), nodes=nodes, node_rank=node_rank,
+                   procs_per_node=procs, cpus_on_node=_count(env.get("SLURM_CPUS_ON_NODE")) or 1,
+                   gpus_on_node=gpus)
+
+    @property
+    def head(self) -> str:
+        return self.nodes[0]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.nodes) * self.procs_per_node
+
+    def port(self, base: int) -> int:
+        """A port every node derives alike from the job id (jobs sharing a node differ)."""
+        return base + self.job_id % 2000
+
+
+def _count(value) -> int:
+    """SLURM_NTASKS_PER_NODE may read `4(x2)` and SLURM_GPUS_ON_NODE may be empty."""
+    m = re.match(r"\d+", value or "")
+    return int(m.group()) if m else 0
+
+
+TORCHRUN_PORT_BASE = 29500  # torchrun's default port and the 2000 above it
+RAY_PORT_BASE = 6379        # Ray's default GCS port and the 2000 above it
+
+
+def srun_command(alloc: Allocation, stage_args: list[str], python: str) -> list[str]:
+    """One task per node running a stage of this module; the job fails if any task fails."""
+    n = len(alloc.nodes)
+    return ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            python, "-m", "flexfloor.launch.slurm", *stage_args]
+
+
+def torchrun_command(alloc: Allocation, port: int, train_args: list[str], python: str) -> list[str]:
+    """This node's torchrun: static rendezvous at the first node, node rank = its place in the
+    node list, so ranks follow the nodes (rank 0 on the first) as in every run of the job."""
+    return [python, "-m", "torch.distributed.run", f"--nnodes={len(alloc.nodes)}",
+            f"--node-rank={alloc.node_rank}", f"--nproc-per-node={alloc.procs_per_node}",
+            "--rdzv-backend=static", f"--rdzv-endpoint={alloc.head}:{port}",
+            f"--rdzv-id={alloc.job_id}", "-m", "flexfloor.train", *train_args,
+            f"parallel.world_size={alloc.num_workers}"]
+
+
+def ray_node_command(alloc: Allocation, port: int, head_ip: str, ray_bin: str) -> list[str]:
+    """This node's `ray start`: the head on the first node, a worker node elsewhere."""
+    common = [f"--num-cpus={alloc.cpus_on_node}", f"--num-gpus={alloc.gpus_on_node}", "--block"]
+    if alloc.node_rank == 0:
+        return [ray_bin, "start", "--head", f"--node-ip-address={head_ip}", f"--port={port}",
+                "--include-dashboard=false", "--disable-usage-stats", *common]
+    return [ray_bin, "start", f"--address={head_ip}:{port}", *common]
+
+
+def ray_driver_command(alloc: Allocation, address: str, launch_args: list[str],
+                       python: str) -> list[str]:
+    return [python, "-m", "flexfloor.launch.ray", f"--address={address}",
+            f"--num-workers={alloc.num_workers}", *launch_args,
+            f"parallel.world_size={alloc.num_workers}"]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing answers at {host}:{port} after {timeout_s:.0f} s "
+                                   "(did the Ray head start? see the ray-node output)") from None
+            time.sleep(1.0)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flexfloor.launch.slurm",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("stage", choices=["torchrun", "torchrun-node", "ray", "ray-node"])
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="workers per node (default: SLURM_GPUS_ON_NODE, "
+                        "SLURM_NTASKS_PER_NODE, 1)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="rendezvous / Ray head port (default: derived from SLURM_JOB_ID)")
+    parser.add_argument("--head-timeout-s", type=float, default=300.0,
+                        help="how long nodes and the driver wait for the Ray head")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        alloc = Allocation.from_env(procs_per_node=args.nproc_per_node)
+    except ValueError as e:
+        print(f"slurm: {e}", file=sys.stderr)
+        return 2
+    python = sys.executable
+    ray_bin = os.path.join(os.path.dirname(python), "ray")
+    stage_opts = [f"--nproc-per-node={alloc.procs_per_node}"]
+    if args.stage == "torchrun":
+        port = args.port or alloc.port(TORCHRUN_PORT_BASE)
+        return _run(srun_command(alloc, ["torchrun-node", *stage_opts, f"--port={port}", *rest],
+                                 python), args.dry_run)
+    if args.stage == "torchrun-node":
+        port = args.port or alloc.port(TORCHRUN_PORT_BASE)
+        return _run(torchrun_command(alloc, port, rest, python), args.dry_run)
+    port = args.port or alloc.port(RAY_PORT_BASE)
+    if args.stage == "ray-node":
+        head_ip = _ip(alloc.head, args.dry_run)
+        if alloc.node_rank != 0 and not args.dry_run:
+            wait_for_port(head_ip, port, args.head_timeout_s)
+        return _run(ray_node_command(alloc, port, head_ip, ray_bin), args.dry_run)
+    # stage "ray": the Ray nodes in the background, then the driver here (the batch step)
+    nodes = srun_command(alloc, ["ray-node", *stage_opts, f"--port={port}",
+                                 f"--head-timeout-s={args.head_timeout_s}"], python)
+    head_ip = _ip(alloc.head, args.dry_run)
+    driver = ray_driver_command(alloc, f"{head_ip}:{port}", rest, python)
+    if args.dry_run:
+        print(json.dumps({"nodes": nodes, "driver": driver}))
+        return 0
+    cluster = subprocess.Popen(nodes)
+    try:
+        wait_for_port(head_ip, port, args.head_timeout_s)
+        return subprocess.call(driver)
+    finally:
+        cluster.terminate()  # srun passes it on: `ray start --block` stops its node
+        try:
+            cluster.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            cluster.kill()
+            cluster.wait()
+
+
+def _ip(host: str, dry_run: bool) -> str:
+    """The head's address for Ray (an IP: Ray binds and advertises it); a dry run away from the
+    cluster, where the name does not resolve, shows the name."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        if dry_run:
+            return host
+        raise
+
+
+def _run(cmd: list[str], dry_run: bool) -> int:
+    if dry_run:
+        print(json.dumps(cmd))
+        return 0
+    print("[flexfloor.launch.slurm] " + " ".join(cmd), flush=True)
+    sys.stdout.flush()
+    os.execvp(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""Launchers: the Slurm command builders and sbatch scripts, the resource pool, and the Ray
+launcher on a real local Ray cluster of two CPU nodes.
+
+One tiny GRPO job (4 workers, 2 steps) runs twice: once through examples/slurm/grpo_moe.sbatch on
+one node (a stand-in `srun` that records its arguments and starts the one task, as Slurm would on
+a one-node allocation; the torchrun it starts is real), once on Ray. Both must give the same
+metrics, and the resource pool must have seen the released ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from distributed import REPO, free_port
+
+from flexfloor.launch.pool import ResourcePool
+from flexfloor.launch.slurm import Allocation, expand_hostlist
+from flexfloor.launch.slurm import main as slurm_main
+
+CONFIG = os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml")
+TINY = [  # 4 prompts x 4 samples of at most 24 tokens: ranks 2 and 3 get no work and leave early
+    "trainer.steps=2", "trainer.sft_warmup_steps=0", "trainer.prompts_per_step=4",
+    "trainer.micro_batch_size=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
+    "rollout.progress=false", "data.synthetic_num_prompts=8", "logging.tensorboard=false",
+    "logging.timeline_plot=false", "parallel.expert_parallel_size=4",
+]
+# metrics that depend only on the tokens and the weights (not on seconds)
+SAME = ("step", "reward/", "response_length/", "actor/", "rollout/occupied_worker_steps",
+        "rollout/tokens_per_occupied_worker_step", "scheduler/mae")
+
+
+def deterministic(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k.startswith(SAME)}
+
+
+def same_numbers(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+# ------------------------------------------------------------------------------------- Slurm
+
+
+def test_hostlist_expansion():
+    assert expand_hostlist("gpu[01-03,07],cpu5") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]
+    assert expand_hostlist("node7") == ["node7"]
+    assert expand_hostlist("a[8-11]") == ["a8", "a9", "a10", "a11"]
+    assert expand_hostlist("r[1-2]n[01-02],login") == ["r1n01", "r1n02", "r2n01", "r2n02", "login"]
+    for bad in ("gpu[01-03", "gpu[a-b]", "gpu[1-[2]]"):
+        with pytest.raises(ValueError, match="host list"):
+            expand_hostlist(bad)
+
+
+def slurm_env(nodelist: str, nnodes: int, node: str, node_id: int, **extra) -> dict:
+    """What Slurm sets in a batch script / a job step (the parts the launcher reads)."""
+    return {"SLURM_JOB_ID": "734512", "SLURM_JOB_NODELIST": nodelist, "SLURM_NNODES": str(nnodes),
+            "SLURMD_NODENAME": node, "SLURM_NODEID": str(node_id), "SLURM_PROCID": str(node_id),
+            "SLURM_SUBMIT_DIR": REPO, **extra}
+
+
+def test_allocation_reads_slurm_variables():
+    env = slurm_env("gpu[01-03,07]", 4, "gpu07", 3, SLURM_GPUS_ON_NODE="8",
+                    SLURM_NTASKS_PER_NODE="1", SLURM_CPUS_ON_NODE="64")
+    a = Allocation.from_env(env)
+    assert (a.nodes, a.head, a.node_rank, a.procs_per_node, a.num_workers) == (
+        ("gpu01", "gpu02", "gpu03", "gpu07"), "gpu01", 3, 8, 32)
+    cpu = Allocation.from_env(slurm_env("c[1-2]", 2, "c2", 1, SLURM_NTASKS_PER_NODE="4(x2)"))
+    assert (cpu.node_rank, cpu.procs_per_node, cpu.gpus_on_node) == (1, 4, 0)
+    with pytest.raises(ValueError, match="SLURM_NNODES=3"):
+        Allocation.from_env(slurm_env("c[1-2]", 3, "c1", 0))
+    with pytest.raises(ValueError, match="SLURM_JOB_ID"):
+        Allocation.from_env({})
+
+
+@pytest.fixture
+def fake_srun(tmp_path):
+    """A stand-in `srun` on PATH: records its arguments; with SRUN_RUN=1 it starts the task once
+    with the step variables Slurm sets on the first node (a one-node allocation)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["SRUN_LOG"], "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if os.environ.get("SRUN_RUN") == "1":
+    task = next(i for i, a in enumerate(args) if not a.startswith("-"))
+    os.environ.update(SLURM_PROCID="0", SLURM_NODEID="0", SLURM_LOCALID="0", SLURM_STEP_ID="0")
+    os.execvp(args[task], args[task:])
+""")
+    srun.chmod(0o755)
+    log = tmp_path / "srun.jsonl"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_LOG=str(log),
+               PYTHON=sys.executable, PYTHONPATH=REPO, OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore", RAY_USAGE_STATS_ENABLED="0")
+    return env, log
+
+
+def node_stage(srun_args: list[str], env: dict, capsys) -> list:
+    """Run the per-node stage srun would start (its args after `python -m ...slurm`), dry."""
+    stage = srun_args[srun_args.index("flexfloor.launch.slurm") + 1:]
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        assert slurm_main(stage + ["--dry-run"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    return json.loads(capsys.readouterr().out)
+
+
+def sbatch(script: str, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = ["bash", os.path.join(REPO, "examples", "slurm", script), *args]
+    popen = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = popen.communicate(timeout=timeout)
+    finally:  # a real torchrun leaves nothing behind, even when the test fails
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        popen.wait()
+    return subprocess.CompletedProcess(cmd, popen.returncode, out, "")
+
+
+def test_torchrun_sbatch_on_four_nodes(fake_srun, capsys):
+    env, log = fake_srun
+    nodes = ["gpu01", "gpu02", "gpu03", "gpu07"]
+    batch = dict(env, **slurm_env("gpu[01-03,07]", 4, "gpu01", 0, SLURM_GPUS_ON_NODE="8",
+                                  SLURM_NTASKS_PER_NODE="1"))
+    proc = sbatch("grpo_moe.sbatch", batch, "trainer.steps=3")
+    assert proc.returncode == 0, proc.stdout
+    (srun,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert srun[:5] == ["--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                        sys.executable]
+    port = 29500 + 734512 % 2000
+    for rank, node in enumerate(nodes):
+        # inside the step Slurm sets the node's own name and id; GPUs per node stay visible
+        cmd = node_stage(srun, dict(env, **slurm_env("gpu[01-03,07]", 4, node, rank,
+                                                     SLURM_GPUS_ON_NODE="8")), capsys)
+        assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert cmd[3:9] == ["--nnodes=4", f"--node-rank={rank}", "--nproc-per-node=8",
+                            "--rdzv-backend=static", f"--rdzv-endpoint=gpu01:{port}",
+                            "--rdzv-id=734512"]
+        assert cmd[9:] == ["-m", "flexfloor.train", "--config", "examples/configs/grpo_tiny.yaml",
+                           "trainer.steps=3", "parallel.world_size=32"]
+
+
+def test_ray_sbatch_on_four_nodes(fake_srun, capsys):
+    env, log = fake_srun
+    batch = dict(env, **slurm_env("gpu[01-03,07]", 4, "gpu01", 0, SLURM_GPUS_ON_NODE="8",
+                                  SLURM_CPUS_ON_NODE="64"))
+    # the batch stage's plan (it would start the nodes with srun, then the driver)
+    proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.slurm", "ray", "--dry-run",
+                           "--config", "my.yaml", "--cpus-per-worker", "4", "trainer.steps=3"],
+                          env=batch, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    port = 6379 + 734512 % 2000
+    assert plan["nodes"][:5] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1",
+                                 "--kill-on-bad-exit=1"]
+    assert plan["driver"] == [sys.executable, "-m", "flexfloor.launch.ray", f"--address=gpu01:{port}",
+                              "--num-workers=32", "--config", "my.yaml", "--cpus-per-worker", "4",
+                              "trainer.steps=3", "parallel.world_size=32"]
+    for rank, node in enumerate(["gpu01", "gpu02", "gpu03", "gpu07"]):
+        cmd = node_stage(plan["nodes"][1:], dict(env, **slurm_env(
+            "gpu[01-03,07]", 4, node, rank, SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="64")), capsys)
+        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        tail = ["--num-cpus=64", "--num-gpus=8", "--block"]
+        if rank == 0:
+            assert cmd == [ray_bin, "start", "--head", f"--node-ip-address=gpu01", f"--port={port}",
+                           "--include-dashboard=false", "--disable-usage-stats", *tail]
+        else:
+            assert cmd == [ray_bin, "start", f"--address=gpu01:{port}", *tail]
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory):
+    """The tiny job through grpo_moe.sbatch on one node (4 CPU workers), for real."""
+    tmp = tmp_path_factory.mktemp("sbatch")
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    # the fixture above is function-scoped; this one needs its own stand-in
+    srun = bin_dir / "srun"
+    srun.write_text(f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["SRUN_LOG"], "a") as f:
+    f.write(json.dumps(args) + "\\n")
+task = next(i for i, a in enumerate(args) if not a.startswith("-"))
+os.environ.update(SLURM_PROCID="0", SLURM_NODEID="0", SLURM_LOCALID="0", SLURM_STEP_ID="0")
+os.execvp(args[task], args[task:])
+""")
+    srun.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               SRUN_LOG=str(tmp / "srun.jsonl"), PYTHON=sys.executable, PYTHONPATH=REPO,
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PORT=str(free_port()),
+               **slurm_env("localhost", 1, "localhost", 0, SLURM_NTASKS_PER_NODE="4",
+                           SLURM_CPUS_ON_NODE="2"))
+    t0 = time.perf_counter()
+    proc = sbatch("grpo_moe.sbatch", env, *TINY, f"logging.run_dir={tmp}/run")
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    with open(tmp / "run" / "metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f]
+    return {"metrics": metrics, "stdout": proc.stdout, "seconds": time.perf_counter() - t0,
+            "srun": [json.loads(x) for x in (tmp / "srun.jsonl").read_text().splitlines()]}
+
+
+def test_torchrun_sbatch_runs_on_one_node(torchrun_run):
+    (srun,) = torchrun_run["srun"]
+    assert srun[:2] == ["--nodes=1", "--ntasks=1"]
+    assert "--nproc-per-node=4" in srun  # from SLURM_NTASKS_PER_NODE
+    assert [m["step"] for m in torchrun_run["metrics"]] == [1, 2]
+    assert "--rdzv-endpoint=localhost:" in torchrun_run["stdout"]  # the command it printed
+
+
+# ------------------------------------------------------------------------------ resource pool
+
+
+def test_resource_pool_lends_until_rejoin():
+    async def scenario():
+        pool = ResourcePool()
+        entry = {"rank": 3, "step": 1, "node_id": "n1", "node_ip": "10.0.0.2", "gpu_ids": ["5"],
+                 "cpus": 1.0, "engine_step": 0, "release_s": 0.01}
+        claim = asyncio.create_task(pool.claim("eval"))   # waits: nothing is free yet
+        await asyncio.sleep(0)
+        assert not claim.done()
+        lease = await pool.released(entry)
+        lent = await claim
+        assert (lent["rank"], lent["lease"], lent["claimed_by"]) == (3, lease, "eval")
+        assert await pool.claim("other", timeout_s=0.01) is None  # one borrower per release
+        back = asyncio.create_task(pool.wait_rejoined(lease))
+        await asyncio.sleep(0)
+        assert not back.done() and [e["rank"] for e in await pool.free()] == [3]
+        await pool.rejoined(3, 1)
+        assert await back is True and await pool.free() == []
+        return [(e["event"], e["rank"], e["step"], e["claimed_by"]) for e in await pool.events()]
+
+    assert asyncio.run(scenario()) == [("released", 3, 1, None), ("claimed", 3, 1, "eval"),
+                                       ("rejoined", 3, 1, "eval")]
+
+
+# -------------------------------------------------------------------------------------- Ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real Ray cluster of two CPU nodes (2 logical CPUs each) on this machine; always shut
+    down, and no worker process may outlive it."""
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 2, "include_dashboard": False})
+    pids = []
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        yield cluster, pids
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    deadline = time.monotonic() + 60
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = [p for p in pids if _alive(p)]
+    assert not alive, f"worker processes left after the cluster shut down: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchrun_run, tmp_path):
+    import ray
+
+    from flexfloor.config import load_config
+    from flexfloor.launch.pool import NAMESPACE
+    from flexfloor.launch.ray import launch
+
+    cluster, pids = ray_cluster
+    ray.init(address=cluster.address, namespace=NAMESPACE)
+
+    @ray.remote(num_cpus=0)
+    def borrow(pool_name):
+        """Other Ray work: find the pool by name, wait for a released worker, hold it until it
+        rejoins."""
+        from flexfloor.launch.pool import get_pool
+
+        while True:
+            try:
+                pool = get_pool(pool_name)
+                break
+            except ValueError:  # the job has not created it yet
+                time.sleep(0.2)
+        lent = ray.get(pool.claim.remote("test-borrower", timeout_s=300))
+        back = ray.get(pool.wait_rejoined.remote(lent["lease"], timeout_s=300))
+        return lent, back
+
+    borrower = borrow.remote("test-pool")
+    cfg = load_config(CONFIG, TINY + [f"logging.run_dir={tmp_path}/run"]).resolve_world(4)
+    try:
+        result = launch(cfg, num_workers=4, timeout_s=300, pool_name="test-pool")
+        lent, back = ray.get(borrower, timeout=60)
+    finally:
+        pids += [w["pid"] for w in result.workers] if "result" in locals() else []
+        ray.shutdown()
+
+    # placement: PACK fills a node before the next; ranks follow the nodes
+    nodes = [w["node_id"] for w in result.workers]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+    assert [w["local_rank"] for w in result.workers] == [0, 1, 0, 1]
+    assert all(w["cpus"] == 1.0 and w["gpu_ids"] == [] for w in result.workers)
+
+    # the same job under torchrun: the same tokens, rewards, losses, step for step
+    ours, ref = result.metrics, torchrun_run["metrics"]
+    assert [m["step"] for m in ours] == [1, 2]
+    for a, b in zip(ours, ref):
+        a, b = deterministic(a), deterministic(b)
+        assert a.keys() == b.keys() and len(a) >= 10
+        assert all(same_numbers(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+    # the pool saw ranks 2 and 3 released in both steps, each back at its step's resync
+    events = [(e["event"], e["rank"], e["step"]) for e in result.pool_events if e["event"] != "claimed"]
+    for step in (1, 2):
+        released = {r for ev, r, s in events if ev == "released" and s == step}
+        rejoined = {r for ev, r, s in events if ev == "rejoined" and s == step}
+        assert released == rejoined == {2, 3}, events
+    for ev, rank, step in events:  # a rank rejoins only after it was released, per step
+        if ev == "rejoined":
+            assert events.index(("released", rank, step)) < events.index((ev, rank, step))
+    released = [e for e in result.pool_events if e["event"] == "released"]
+    # entries name where the free devices are: rank 3 sits on the second node
+    assert {e["rank"] for e in released} == {2, 3}
+
+    # the borrower got one of them and held it until that rank rejoined
+    assert (lent["rank"], lent["claimed_by"], back) in {(2, "test-borrower", True),
+                                                        (3, "test-borrower", True)}
+    assert lent["node_id"] == result.workers[lent["rank"]]["node_id"]
+    assert lent["cpus"] == 1.0 and lent["step"] in (1, 2)
+    claimed = [e for e in result.pool_events if e["event"] == "claimed"]
+    assert [(e["rank"], e["lease"]) for e in claimed] == [(lent["rank"], lent["lease"])]
+
+
+def test_ray_worker_death_ends_the_driver_with_its_rank(ray_cluster, tmp_path):
+    """Rank 1's process is killed mid-run: the driver exits 1 naming it, in bounded time."""
+    cluster, pids = ray_cluster
+    cmd = [sys.executable, "-m", "flexfloor.launch.ray", "--config", CONFIG, "--num-workers", "2",
+           "--address", cluster.address, "--timeout-s", "120", "--pool-name", "death-pool",
+           *TINY, "trainer.steps=1000", "parallel.expert_parallel_size=2",
+           "parallel.world_size=2", f"logging.run_dir={tmp_path}/run"]
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    driver = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: [lines.put(x) for x in driver.stdout], daemon=True),
+               threading.Thread(target=lambda: err.extend(driver.stderr), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        seen, victim = [], None
+        while True:  # the job runs: rank 1's pid is printed, then a first step completes
+            line = lines.get(timeout=240)
+            seen.append(line)
+            if line.startswith("[flexfloor.launch.ray] rank "):
+                pid = int(line.split(" pid ")[1].split()[0])
+                pids.append(pid)
+                if line.startswith("[flexfloor.launch.ray] rank 1:"):
+                    victim = pid
+            if line.startswith("[flexfloor.launch.ray] step 1/"):
+                break
+        assert victim is not None, seen
+        os.kill(victim, signal.SIGKILL)
+        rc = driver.wait(timeout=180)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    for t in readers:  # the pipes close with the driver
+        t.join(timeout=30)
+    message = "".join(err)
+    assert rc == 1, message[-3000:]
+    assert f"rank 1 (node " in message and f"pid {victim}) died during step" in message, message[-3000:]
