@@ -108,19 +108,19 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                           kv_channels=128, num_experts=128, moe_router_topk=8,
                           shared_expert_ffn_hidden_size=None, vocab_size=151936,
                           max_seq_len=40960, rotary_base=1000000, norm_epsilon=1e-6,
-                          qk_norm="per_head", moe_router_norm_topk=True),
+                          qk_norm=QKNorm.PER_HEAD, moe_router_norm_topk=True),
     "mixtral-8x7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
                          moe_ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
                          kv_channels=None, num_experts=8, moe_router_topk=2,
                          shared_expert_ffn_hidden_size=None, vocab_size=32000,
                          max_seq_len=32768, rotary_base=1000000, norm_epsilon=1e-5,
-                         qk_norm="none", moe_router_norm_topk=True),
+                         qk_norm=QKNorm.NONE, moe_router_norm_topk=True),
     "olmoe-1b-7b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=1024,
                         moe_ffn_hidden_size=1024, num_attention_heads=16, num_query_groups=16,
                         kv_channels=None, num_experts=64, moe_router_topk=8,
                         shared_expert_ffn_hidden_size=None, vocab_size=50304,
                         max_seq_len=4096, rotary_base=10000, norm_epsilon=1e-5,
-                        qk_norm="full_width", moe_router_norm_topk=False),
+                        qk_norm=QKNorm.FULL_WIDTH, moe_router_norm_topk=False),
     # DeepSeek-V2-Lite uses multi-head latent attention (MLA); here it is approximated by standard
     # attention of the same head count and head dim. ffn_hidden_size is its first, dense layer.
     "deepseek-v2-lite": dict(num_layers=27, hidden_size=2048, ffn_hidden_size=10944,
@@ -128,7 +128,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                              num_query_groups=16, kv_channels=None, num_experts=64,
                              moe_router_topk=6, shared_expert_ffn_hidden_size=2816,
                              vocab_size=102400, max_seq_len=32768, rotary_base=10000,
-                             norm_epsilon=1e-6, qk_norm="none", moe_router_norm_topk=False),
+                             norm_epsilon=1e-6, qk_norm=QKNorm.NONE, moe_router_norm_topk=False),
 }
 
 PARAMS_DTYPES = ("float32", "bfloat16", "float16", "float64")
