@@ -76,8 +76,16 @@ def test_bad_checkpoints_fail_naming_the_tensor_and_write_nothing(results):
     assert "model.layers.0.self_attn.v_proj.weight" in e["missing"]["error"]
     assert "model.vocab_size" in e["to_hf_vocab"]["error"]
     assert "exists already" in e["to_hf_exists"]["error"] and e["to_hf_exists"]["unchanged"]
-    for case in e.values():
-        assert not case["written"]
+    for name in ("shape", "vocab", "missing", "to_hf_vocab", "to_hf_exists"):
+        assert not e[name]["written"]
+
+
+def test_bfloat16_round_trip_keeps_dtype_and_bits(results):
+    if results["_ep"] != 1:
+        pytest.skip("runs in the EP=1 launch")
+    rt = results["errors"]["bf16"]
+    assert rt["params_dtype"] == "bfloat16"
+    assert rt["tensors"] > 0 and rt["differ"] == [] and rt["missing"] == [] and rt["config_equal"]
 
 
 # ------------------------------------------------------------------ pure rules, no processes

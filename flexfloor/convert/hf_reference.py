@@ -26,11 +26,18 @@ TINY = {
 }
 
 
-def tiny_hf_model(family: str, seed: int = 0, dtype=torch.float32):
-    """A randomly initialised tiny `transformers` model of `family` (an HF model_type)."""
+# `small`: the same families 4x wider, 2x deeper, 8x the vocabulary (benchmarks)
+SMALL_SCALE = dict(hidden_size=4, intermediate_size=4, moe_intermediate_size=4, head_dim=2,
+                   num_hidden_layers=2, vocab_size=8)
+
+
+def tiny_hf_model(family: str, seed: int = 0, dtype=torch.float32, *, size: str = "tiny"):
+    """A randomly initialised `transformers` model of `family` (an HF model_type)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = dict(TINY[family])
+    if size == "small":
+        kw.update({k: kw[k] * f for k, f in SMALL_SCALE.items() if k in kw})
     theta = kw.pop("rope_theta", 10000.0)
     config = AutoConfig.for_model(family, **kw)
     config.rope_parameters = {"rope_type": "default", "rope_theta": theta}

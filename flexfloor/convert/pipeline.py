@@ -24,7 +24,7 @@ from flexfloor.config import ModelConfig
 from flexfloor.convert.families import (ConversionError, Family, family_of, model_config_dict,
                                         model_config_from_dict)
 from flexfloor.convert.hf_io import HFCheckpoint, write_hf
-from flexfloor.model import build_model, global_param_name
+from flexfloor.model import DTYPES, build_model, global_param_name
 
 # the transformer-engine spec fuses the pre-attention norm into linear_qkv
 _TE_ALIASES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight"}
@@ -84,6 +84,7 @@ def hf_to_flexfloor(hf_dir: str, out_root: str, parallel, *, step: int = 0,
     if os.path.exists(final) or os.path.exists(final + ".tmp"):
         raise ConversionError(f"{final} exists already; checkpoints are never overwritten "
                               "(choose another output or --step)")
+    parallel.barrier()  # every rank has looked before rank 0 starts iter_N.tmp
     model = build_model(cfg, parallel)
     ids = local_expert_ids(cfg, parallel)
     load_state(model, family.from_hf(hf.tensor, cfg, ids), ids)
@@ -117,6 +118,8 @@ def flexfloor_to_hf(ckpt: str, out_dir: str, parallel, *, model_cfg: Optional[Mo
     # one writer per EP rank (the first expert-DP replica); EP rank 0 also writes the dense part
     writer = dist.get_rank(parallel.expt_dp_group) == 0
     tensors = fam.to_hf(model_state(model, ids), cfg, ids, dense=parallel.ep_rank == 0) if writer else {}
+    # Megatron keeps torch norms in fp32 in a bf16 model; HF files hold one dtype
+    tensors = {k: t.to(DTYPES[cfg.params_dtype]) for k, t in tensors.items()}
     write_hf(out_dir, config, tensors, shard=parallel.ep_rank if writer else -1,
              num_shards=parallel.ep_size, group=parallel.world_group)
     return cfg

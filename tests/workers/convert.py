@@ -180,6 +180,14 @@ def error_cases():
     attempt("to_hf_exists", lambda: flexfloor_to_hf(os.path.join(OUT, "mixtral", "flexfloor"),
                                                     existing, par), os.path.join(OUT, "nothing"))
     out["to_hf_exists"]["unchanged"] = sorted(os.listdir(existing)) == before
+
+    # published checkpoints are bfloat16: the round trip keeps dtype and bits
+    src16 = os.path.join(OUT, "bf16", "hf")
+    tiny_hf_model("olmoe", seed=7, dtype=torch.bfloat16).save_pretrained(src16)
+    _, cfg16, _ = hf_to_flexfloor(src16, os.path.join(OUT, "bf16", "flexfloor"), par)
+    flexfloor_to_hf(os.path.join(OUT, "bf16", "flexfloor"), os.path.join(OUT, "bf16", "back"), par)
+    out["bf16"] = {"params_dtype": cfg16.params_dtype,
+                   **compare_round_trip(src16, os.path.join(OUT, "bf16", "back"))}
     par.destroy()
     return out
 
