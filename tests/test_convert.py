@@ -19,14 +19,30 @@ FAMILY_NAMES = sorted(FAMILIES)
 TOL = 1e-5  # fp32 logits, max |FlexFloor - transformers|
 
 
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """Results of the worker on n processes (EP = n), launched once per n."""
+    done = {}
+
+    def get(n):
+        if n not in done:
+            out = tmp_path_factory.mktemp(f"convert_ep{n}")
+            torchrun("convert.py", n, str(out), timeout=300)
+            with open(out / "results.json") as f:
+                done[n] = {**json.load(f), "_ep": n}
+        return done[n]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["ep1", "ep2"])
-def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"convert_ep{request.param}")
-    torchrun("convert.py", request.param, str(out), timeout=300)
-    with open(out / "results.json") as f:
-        res = json.load(f)
-    res["_ep"] = request.param
-    return res
+def results(request, launch):
+    return launch(request.param)
+
+
+@pytest.fixture(scope="module")
+def errors(launch):
+    return launch(1)["errors"]  # the error cases run in the EP=1 launch
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -64,10 +80,8 @@ def test_features_of_each_family(results):
     assert results["mixtral"]["qk_norm"] == "none" and results["mixtral"]["norm_topk"]
 
 
-def test_bad_checkpoints_fail_naming_the_tensor_and_write_nothing(results):
-    if results["_ep"] != 1:
-        pytest.skip("error cases run in the EP=1 launch")
-    e = results["errors"]
+def test_bad_checkpoints_fail_naming_the_tensor_and_write_nothing(errors):
+    e = errors
     assert e["shape"]["type"] == "ConversionError"
     assert "model.layers.1.block_sparse_moe.experts.5.w3.weight" in e["shape"]["error"]
     assert "[47, 64]" in e["shape"]["error"] and "[48, 64]" in e["shape"]["error"]
@@ -80,10 +94,8 @@ def test_bad_checkpoints_fail_naming_the_tensor_and_write_nothing(results):
         assert not e[name]["written"]
 
 
-def test_bfloat16_round_trip_keeps_dtype_and_bits(results):
-    if results["_ep"] != 1:
-        pytest.skip("runs in the EP=1 launch")
-    rt = results["errors"]["bf16"]
+def test_bfloat16_round_trip_keeps_dtype_and_bits(errors):
+    rt = errors["bf16"]
     assert rt["params_dtype"] == "bfloat16"
     assert rt["tensors"] > 0 and rt["differ"] == [] and rt["missing"] == [] and rt["config_equal"]
 
