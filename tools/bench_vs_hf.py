@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""FlexFloor's generation engine vs `transformers` on the same converted model and prompts.
+
+For each model: convert the HF folder to a FlexFloor checkpoint (tools/convert_checkpoint.py's
+code), then decode the same prompts greedily with transformers' `generate` and with FlexFloor's
+`RolloutEngine` (one process, EP=1), `--batch` prompts at a time for both. Reports decode
+tokens/s of each, their ratio (FlexFloor / transformers) and how many responses are identical.
+
+Decode tokens/s excludes prefill: each side runs once with 1 new token and once with
+`--new-tokens`, and decode rate = (tokens of the long run - tokens of the short run) / (time of
+the long run - time of the short run). Best of `--repeats` runs each.
+
+    python tools/bench_vs_hf.py                                    # tiny random models, all families
+    python tools/bench_vs_hf.py --family olmoe --size small --batch 8 --out b.json
+    python tools/bench_vs_hf.py --hf path/to/hf_folder              # a real checkpoint
+
+With --batch > 1 transformers pads prompts on the left (its batched path); its tokens may then
+differ from unpadded decoding in the last bits of a logit, so only --batch 1 is expected to
+match token for token (tests/test_convert.py checks that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf", help="HF model folder; default: tiny random models of --family")
+    p.add_argument("--family", action="append", choices=["mixtral", "qwen3_moe", "olmoe"],
+                   help="families for random models (repeatable; default all)")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny",
+                   help="random model size: tiny (hidden 64) or small (hidden 256, 4 layers)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together, both sides")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    p.add_argument("--out", help="write the figures as JSON here")
+    return p.parse_args(argv)
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (int(torch.randint(4, 17, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def hf_generate(model, prompts, new_tokens: int, batch: int):
+    """Greedy tokens per prompt and seconds; batches left-padded."""
+    import torch
+
+    pad = model.config.pad_token_id or 0
+    out, t0 = [], time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i: i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            seq = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+            out += seq[:, width:].tolist()
+    return out, time.perf_counter() - t0
+
+
+def flexfloor_generate(engine, prompts, new_tokens: int):
+    from flexfloor.rollout.engine import StaticMembership
+    from flexfloor.rollout.types import Request, SamplingParams
+
+    reqs = [Request(prompt_uid=i, sample_index=0, prompt_ids=tuple(p), max_new_tokens=new_tokens,
+                    sampling=SamplingParams(greedy=True)) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    res = engine.generate(reqs, StaticMembership()).results
+    seconds = time.perf_counter() - t0
+    by_id = {r.prompt_uid: r.token_ids for r in res}
+    return [by_id[i] for i in range(len(prompts))], seconds
+
+
+def decode_rate(run, prompts, new_tokens: int, repeats: int):
+    """(tokens per prompt, decode tokens/s): best long run minus best 1-token run."""
+    run(prompts[:1], 2)  # warm-up
+    short = min(run(prompts, 1)[1] for _ in range(repeats))
+    long_runs = [run(prompts, new_tokens) for _ in range(repeats)]
+    tokens, _ = long_runs[0]
+    long = min(s for _, s in long_runs)
+    decoded = len(prompts) * (new_tokens - 1)
+    return tokens, decoded / max(long - short, 1e-9), long
+
+
+def bench_one(hf_dir: str, label: str, args, par) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from flexfloor.convert import hf_to_flexfloor
+    from flexfloor.rollout.engine import RolloutEngine
+    from megatron_ext.elastic_moe import PlacedMoE
+    from megatron_ext.placement import contiguous_placement
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    with tempfile.TemporaryDirectory() as ckpt:
+        _, cfg, model = hf_to_flexfloor(hf_dir, ckpt, par)
+    model.eval()
+    moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
+                    placement=contiguous_placement(cfg.num_experts, par.ep_ranks))
+    engine = RolloutEngine(model, moe, rank=par.rank, max_batch_size=args.batch)
+    prompts = make_prompts(args.prompts, cfg.vocab_size)
+    hf_tokens, hf_rate, hf_s = decode_rate(
+        lambda p, n: hf_generate(hf, p, n, args.batch), prompts, args.new_tokens, args.repeats)
+    ff_tokens, ff_rate, ff_s = decode_rate(
+        lambda p, n: flexfloor_generate(engine, p, n), prompts, args.new_tokens, args.repeats)
+    same = sum(a == b for a, b in zip(hf_tokens, ff_tokens))
+    return {
+        "model": label, "params_dtype": cfg.params_dtype, "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
+        "prompts": len(prompts), "new_tokens": args.new_tokens, "batch": args.batch,
+        "threads": args.threads,
+        "hf_decode_tokens_per_s": hf_rate, "flexfloor_decode_tokens_per_s": ff_rate,
+        "ratio_flexfloor_over_hf": ff_rate / hf_rate,
+        "hf_generate_s": hf_s, "flexfloor_generate_s": ff_s,
+        "identical_responses": same, "responses": len(prompts),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    warnings.filterwarnings("ignore")
+    if "RANK" not in os.environ:  # one process: its own one-rank gloo world
+        from tools.convert_checkpoint import _free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    import torch
+
+    from flexfloor.convert.hf_reference import tiny_hf_model
+    from flexfloor.parallel import Parallel
+
+    torch.set_num_threads(args.threads)
+    par = Parallel.build(expert_parallel_size=1, backend="gloo")
+    rows = []
+    try:
+        if args.hf:
+            rows.append(bench_one(args.hf, args.hf, args, par))
+        else:
+            for family in args.family or ["mixtral", "qwen3_moe", "olmoe"]:
+                with tempfile.TemporaryDirectory() as d:
+                    tiny_hf_model(family, seed=0, size=args.size).save_pretrained(d)
+                    rows.append(bench_one(d, f"{family} ({args.size}, random)", args, par))
+    finally:
+        par.destroy()
+    print(f"{'model':28s} {'HF tok/s':>10s} {'FlexFloor tok/s':>16s} {'ratio':>7s} {'identical':>10s}")
+    for r in rows:
+        print(f"{r['model']:28s} {r['hf_decode_tokens_per_s']:10.1f} "
+              f"{r['flexfloor_decode_tokens_per_s']:16.1f} {r['ratio_flexfloor_over_hf']:7.2f} "
+              f"{r['identical_responses']:>4d}/{r['responses']:<5d}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"runs": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
