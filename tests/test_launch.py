@@ -14,6 +14,7 @@ import json
 import math
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -82,14 +83,9 @@ def test_allocation_reads_slurm_variables():
         Allocation.from_env({})
 
 
-@pytest.fixture
-def fake_srun(tmp_path):
-    """A stand-in `srun` on PATH: records its arguments; with SRUN_RUN=1 it starts the task once
-    with the step variables Slurm sets on the first node (a one-node allocation)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    srun = bin_dir / "srun"
-    srun.write_text(f"""#!{sys.executable}
+STAND_IN_SRUN = f"""#!{sys.executable}
+# srun stand-in: records its arguments; with SRUN_RUN=1 it starts the task once, with the step
+# variables Slurm sets on the first node (a one-node allocation)
 import json, os, sys
 args = sys.argv[1:]
 with open(os.environ["SRUN_LOG"], "a") as f:
@@ -98,13 +94,25 @@ if os.environ.get("SRUN_RUN") == "1":
     task = next(i for i, a in enumerate(args) if not a.startswith("-"))
     os.environ.update(SLURM_PROCID="0", SLURM_NODEID="0", SLURM_LOCALID="0", SLURM_STEP_ID="0")
     os.execvp(args[task], args[task:])
-""")
-    srun.chmod(0o755)
-    log = tmp_path / "srun.jsonl"
+"""
+
+
+def stand_in_env(tmp) -> tuple[dict, object]:
+    """An environment with the stand-in `srun` first on PATH, and the file it records to."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(STAND_IN_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    log = tmp / "srun.jsonl"
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_LOG=str(log),
                PYTHON=sys.executable, PYTHONPATH=REPO, OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore", RAY_USAGE_STATS_ENABLED="0")
     return env, log
+
+
+@pytest.fixture
+def fake_srun(tmp_path):
+    return stand_in_env(tmp_path)
 
 
 def node_stage(srun_args: list[str], env: dict, capsys) -> list:
@@ -159,7 +167,7 @@ def test_torchrun_sbatch_on_four_nodes(fake_srun, capsys):
 
 
 def test_ray_sbatch_on_four_nodes(fake_srun, capsys):
-    env, log = fake_srun
+    env, _ = fake_srun
     batch = dict(env, **slurm_env("gpu[01-03,07]", 4, "gpu01", 0, SLURM_GPUS_ON_NODE="8",
                                   SLURM_CPUS_ON_NODE="64"))
     # the batch stage's plan (it would start the nodes with srun, then the driver)
@@ -180,7 +188,7 @@ def test_ray_sbatch_on_four_nodes(fake_srun, capsys):
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         tail = ["--num-cpus=64", "--num-gpus=8", "--block"]
         if rank == 0:
-            assert cmd == [ray_bin, "start", "--head", f"--node-ip-address=gpu01", f"--port={port}",
+            assert cmd == [ray_bin, "start", "--head", "--node-ip-address=gpu01", f"--port={port}",
                            "--include-dashboard=false", "--disable-usage-stats", *tail]
         else:
             assert cmd == [ray_bin, "start", f"--address=gpu01:{port}", *tail]
@@ -190,23 +198,8 @@ def test_ray_sbatch_on_four_nodes(fake_srun, capsys):
 def torchrun_run(tmp_path_factory):
     """The tiny job through grpo_moe.sbatch on one node (4 CPU workers), for real."""
     tmp = tmp_path_factory.mktemp("sbatch")
-    bin_dir = tmp / "bin"
-    bin_dir.mkdir()
-    # the fixture above is function-scoped; this one needs its own stand-in
-    srun = bin_dir / "srun"
-    srun.write_text(f"""#!{sys.executable}
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["SRUN_LOG"], "a") as f:
-    f.write(json.dumps(args) + "\\n")
-task = next(i for i, a in enumerate(args) if not a.startswith("-"))
-os.environ.update(SLURM_PROCID="0", SLURM_NODEID="0", SLURM_LOCALID="0", SLURM_STEP_ID="0")
-os.execvp(args[task], args[task:])
-""")
-    srun.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               SRUN_LOG=str(tmp / "srun.jsonl"), PYTHON=sys.executable, PYTHONPATH=REPO,
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PORT=str(free_port()),
+    env, log = stand_in_env(tmp)
+    env.update(SRUN_RUN="1", PORT=str(free_port()),
                **slurm_env("localhost", 1, "localhost", 0, SLURM_NTASKS_PER_NODE="4",
                            SLURM_CPUS_ON_NODE="2"))
     t0 = time.perf_counter()
@@ -215,7 +208,7 @@ os.execvp(args[task], args[task:])
     with open(tmp / "run" / "metrics.jsonl") as f:
         metrics = [json.loads(line) for line in f]
     return {"metrics": metrics, "stdout": proc.stdout, "seconds": time.perf_counter() - t0,
-            "srun": [json.loads(x) for x in (tmp / "srun.jsonl").read_text().splitlines()]}
+            "srun": [json.loads(x) for x in log.read_text().splitlines()]}
 
 
 def test_torchrun_sbatch_runs_on_one_node(torchrun_run):
@@ -224,6 +217,16 @@ def test_torchrun_sbatch_runs_on_one_node(torchrun_run):
     assert "--nproc-per-node=4" in srun  # from SLURM_NTASKS_PER_NODE
     assert [m["step"] for m in torchrun_run["metrics"]] == [1, 2]
     assert "--rdzv-endpoint=localhost:" in torchrun_run["stdout"]  # the command it printed
+
+
+def wait_gone(pids: list[int], timeout_s: float = 60) -> list[int]:
+    """The pids still alive after waiting up to `timeout_s` for them to exit."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in pids if _alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = [p for p in alive if _alive(p)]
+    return alive
 
 
 # ------------------------------------------------------------------------------ resource pool
@@ -274,11 +277,7 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
-    deadline = time.monotonic() + 60
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.5)
-        alive = [p for p in pids if _alive(p)]
+    alive = wait_gone(pids)
     assert not alive, f"worker processes left after the cluster shut down: {alive}"
 
 
@@ -365,43 +364,68 @@ def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchru
     assert [(e["rank"], e["lease"]) for e in claimed] == [(lent["rank"], lent["lease"])]
 
 
-def test_ray_worker_death_ends_the_driver_with_its_rank(ray_cluster, tmp_path):
-    """Rank 1's process is killed mid-run: the driver exits 1 naming it, in bounded time."""
-    cluster, pids = ray_cluster
-    cmd = [sys.executable, "-m", "flexfloor.launch.ray", "--config", CONFIG, "--num-workers", "2",
-           "--address", cluster.address, "--timeout-s", "120", "--pool-name", "death-pool",
-           *TINY, "trainer.steps=1000", "parallel.expert_parallel_size=2",
-           "parallel.world_size=2", f"logging.run_dir={tmp_path}/run"]
-    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    driver = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
+    """grpo_moe_ray.sbatch for real on one node (`ray start --head` through srun, the driver, 2
+    workers); rank 1's process is killed after step 1: the job exits non-zero with an error
+    naming rank 1, and neither the Ray node nor any worker outlives it."""
+    env, log = stand_in_env(tmp_path)
+    port = free_port()
+    env.update(SRUN_RUN="1", PORT=str(port),
+               **slurm_env("localhost", 1, "localhost", 0, SLURM_NTASKS_PER_NODE="2",
+                           SLURM_CPUS_ON_NODE="2"))
+    cmd = ["bash", os.path.join(REPO, "examples", "slurm", "grpo_moe_ray.sbatch"), *TINY,
+           "trainer.steps=1000", "parallel.expert_parallel_size=2", f"logging.run_dir={tmp_path}/run"]
+    job = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda: [lines.put(x) for x in driver.stdout], daemon=True),
-               threading.Thread(target=lambda: err.extend(driver.stderr), daemon=True)]
-    for t in readers:
-        t.start()
+    out: list[str] = []
+
+    def read():
+        for line in job.stdout:
+            out.append(line)
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    pids, victim = [], None
     try:
-        seen, victim = [], None
-        while True:  # the job runs: rank 1's pid is printed, then a first step completes
+        while True:  # the job runs: the ranks' pids are printed, then a first step completes
             line = lines.get(timeout=240)
-            seen.append(line)
             if line.startswith("[flexfloor.launch.ray] rank "):
-                pid = int(line.split(" pid ")[1].split()[0])
-                pids.append(pid)
+                pids.append(int(line.split(" pid ")[1].split()[0]))
                 if line.startswith("[flexfloor.launch.ray] rank 1:"):
-                    victim = pid
+                    victim = pids[-1]
             if line.startswith("[flexfloor.launch.ray] step 1/"):
                 break
-        assert victim is not None, seen
+        assert victim is not None, "".join(out)
         os.kill(victim, signal.SIGKILL)
-        rc = driver.wait(timeout=180)
+        rc = job.wait(timeout=180)
     finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-    for t in readers:  # the pipes close with the driver
-        t.join(timeout=30)
-    message = "".join(err)
-    assert rc == 1, message[-3000:]
-    assert f"rank 1 (node " in message and f"pid {victim}) died during step" in message, message[-3000:]
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        reader.join(timeout=30)
+    text = "".join(out)
+    assert rc == 1, text[-4000:]
+    assert re.search(rf"error: rank 1 \(node [0-9.]+, pid {victim}\) died during step \d+", text), \
+        text[-4000:]
+    (srun,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert srun[srun.index("flexfloor.launch.slurm") + 1] == "ray-node"
+    assert f"ray start --head --node-ip-address=127.0.0.1 --port={port}" in text
+    assert len(pids) == 2 and wait_gone(pids) == []
+    # the Ray node's own processes (ray start, GCS, raylet, ...) name its port: none may be left
+    assert wait_gone(processes_matching(rf"(:|port=){port}\b")) == []
+
+
+def processes_matching(pattern: str) -> list[int]:
+    """Processes (other than this one) whose command line matches `pattern`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if re.search(pattern, f.read().replace(b"\0", b" ").decode(errors="replace")):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids

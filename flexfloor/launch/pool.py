@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Optional
 
 NAMESPACE = "flexfloor"
 POOL_NAME = "flexfloor-pool"
@@ -64,7 +63,7 @@ class ResourcePool:
         """The released workers now, claimed or not, by rank."""
         return sorted((dict(e) for e in self._free.values()), key=lambda e: e["rank"])
 
-    async def claim(self, borrower: str, timeout_s: Optional[float] = None) -> Optional[dict]:
+    async def claim(self, borrower: str, timeout_s: float | None = None) -> dict | None:
         """Wait for an unclaimed free worker and mark it as `borrower`'s; None after `timeout_s`."""
         def unclaimed():
             return next((e for _, e in sorted(self._free.items()) if e["claimed_by"] is None), None)
@@ -80,7 +79,7 @@ class ResourcePool:
             self._events.append(self._event("claimed", entry))
             return dict(entry)
 
-    async def wait_rejoined(self, lease: int, timeout_s: Optional[float] = None) -> bool:
+    async def wait_rejoined(self, lease: int, timeout_s: float | None = None) -> bool:
         """Wait until the lease ends (its rank rejoined); False after `timeout_s`."""
         async with self._changed:
             try:

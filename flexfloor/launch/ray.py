@@ -15,6 +15,7 @@ has a timeout. Released workers are reported to the resource pool (`flexfloor.la
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -115,8 +116,13 @@ class Worker:
                          release_s=time_s)
             self._reports.append(self.pool.released.remote(entry))
         elif event == "rejoined" and self._released:
+            # an async actor may run calls out of order: let the release land first (the rank
+            # was idle at resync until now, so the round trip costs the job nothing)
+            import ray
+
+            ray.get(self._reports)
             self._released = False
-            self._reports.append(self.pool.rejoined.remote(rank, step))
+            self._reports = [self.pool.rejoined.remote(rank, step)]
 
 
 @dataclass
@@ -172,12 +178,12 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         for w in workers:
             say(f"rank {w['rank']}: node {w['node_ip']} ({w['node_id'][:8]}) pid {w['pid']} "
                 f"local rank {w['local_rank']} gpus {w['gpu_ids'] or '-'} cpus {w['cpus']:g}")
-        env = lambda w: {"RANK": str(w["rank"]), "WORLD_SIZE": str(num_workers),  # noqa: E731
-                         "LOCAL_RANK": str(w["local_rank"]),
-                         "LOCAL_WORLD_SIZE": str(w["local_world_size"]),
-                         "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port)}
-        cwd = os.getcwd()
-        steps = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=cwd)
+        def env(w):  # what torchrun would set for this worker
+            return {"RANK": str(w["rank"]), "WORLD_SIZE": str(num_workers),
+                    "LOCAL_RANK": str(w["local_rank"]), "LOCAL_WORLD_SIZE": str(w["local_world_size"]),
+                    "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port)}
+
+        steps = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
                          for r, a in enumerate(actors)}, labels, "start-up", timeout_s)
         step = steps[0]
 
@@ -239,7 +245,7 @@ def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
             except Exception as e:  # noqa: BLE001
                 failures[pending[ref]] = e
         dead = [k for k, e in failures.items() if isinstance(e, RayActorError)]
-        first = sorted(dead)[0] if dead else sorted(failures)[0]
+        first = min(dead) if dead else min(failures)
         what = "died" if dead else "failed"
         others = sorted(k for k in failures if k != first)
         raise LaunchError(
@@ -286,9 +292,12 @@ def main(argv=None) -> int:
     import ray
 
     local = {} if args.address else {
-        "num_cpus": max(os.cpu_count() or 1, int(args.num_workers * args.cpus_per_worker + 0.999))}
+        "num_cpus": max(os.cpu_count() or 1, math.ceil(args.num_workers * args.cpus_per_worker))}
     ray.init(address=args.address, namespace=NAMESPACE, include_dashboard=False, **local)
-    say = lambda text: print(f"[flexfloor.launch.ray] {text}", flush=True)  # noqa: E731
+
+    def say(text: str) -> None:
+        print(f"[flexfloor.launch.ray] {text}", flush=True)
+
     try:
         result = launch(cfg, num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
                         gpus_per_worker=args.gpus_per_worker, timeout_s=args.timeout_s,
@@ -304,6 +313,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from flexfloor.launch.ray import main as _main  # the importable module, so actors pickle by name
+    # run the importable module's main, so that actors pickle by module name, not by value
+    from flexfloor.launch.ray import main as _main
 
     sys.exit(_main())

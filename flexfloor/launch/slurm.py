@@ -84,7 +84,7 @@ class Allocation:
     gpus_on_node: int
 
     @classmethod
-    def from_env(cls, env=None, *, procs_per_node: int | None = None) -> "Allocation":
+    def from_env(cls, env=None, *, procs_per_node: int | None = None) -> Allocation:
         env = os.environ if env is None else env
         missing = [k for k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST") if not env.get(k)]
         if missing:
@@ -159,6 +159,18 @@ def ray_driver_command(alloc: Allocation, address: str, launch_args: list[str],
             f"parallel.world_size={alloc.num_workers}"]
 
 
+def ray_auth_env(ray_bin: str) -> dict:
+    """The same Ray token on every node and the driver: `ray start` turns token authentication
+    on by itself where a token file exists, a driver given an address does not, and a home
+    directory need not be shared. RAY_AUTH_MODE=disabled (set by the user) is respected."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return {}
+    token = os.environ.get("RAY_AUTH_TOKEN") or subprocess.run(
+        [ray_bin, "get-auth-token", "--generate"], capture_output=True, text=True,
+        check=True).stdout.strip()
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+
 def wait_for_port(host: str, port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -214,10 +226,11 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(json.dumps({"nodes": nodes, "driver": driver}))
         return 0
-    cluster = subprocess.Popen(nodes)
+    env = dict(os.environ, **ray_auth_env(ray_bin))
+    cluster = subprocess.Popen(nodes, env=env)
     try:
         wait_for_port(head_ip, port, args.head_timeout_s)
-        return subprocess.call(driver)
+        return subprocess.call(driver, env=env)
     finally:
         cluster.terminate()  # srun passes it on: `ray start --block` stops its node
         try:
