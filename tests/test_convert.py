@@ -158,3 +158,43 @@ def test_unsupported_features_are_refused_by_name():
         family_of({"model_type": "llama"})
     with pytest.raises(ConversionError, match="qk_norm"):
         family_of("olmoe").hf_config(_cfg("mixtral"))
+
+
+# config.json of the published checkpoints (transformers 4.x layout, structural keys)
+PUBLISHED = {
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", attention_bias=False, decoder_sparse_step=1, head_dim=128,
+        hidden_act="silu", hidden_size=2048, intermediate_size=6144, max_position_embeddings=40960,
+        mlp_only_layers=[], moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32,
+        num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4,
+        rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000.0, sliding_window=None,
+        tie_word_embeddings=False, torch_dtype="bfloat16", use_sliding_window=False,
+        vocab_size=151936),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", hidden_act="silu", hidden_size=4096, intermediate_size=14336,
+        max_position_embeddings=32768, num_attention_heads=32, num_experts_per_tok=2,
+        num_hidden_layers=32, num_key_value_heads=8, num_local_experts=8, rms_norm_eps=1e-05,
+        rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False,
+        torch_dtype="bfloat16", vocab_size=32000),
+    "olmoe-1b-7b": dict(
+        model_type="olmoe", attention_bias=False, clip_qkv=None, hidden_act="silu",
+        hidden_size=2048, intermediate_size=1024, max_position_embeddings=4096,
+        norm_topk_prob=False, num_attention_heads=16, num_experts=64, num_experts_per_tok=8,
+        num_hidden_layers=16, num_key_value_heads=16, rms_norm_eps=1e-05, rope_scaling=None,
+        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32", vocab_size=50304),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_presets_match_the_published_configs(preset):
+    from flexfloor.config import MODEL_PRESETS
+    from flexfloor.convert.families import head_dim_of
+
+    hf = PUBLISHED[preset]
+    cfg = family_of(hf["model_type"]).model_config(hf)
+    assert cfg.preset == preset
+    for key, value in MODEL_PRESETS[preset].items():
+        if key == "kv_channels":
+            assert head_dim_of(cfg) == (value or cfg.hidden_size // cfg.num_attention_heads)
+        else:
+            assert getattr(cfg, key) == value, key
