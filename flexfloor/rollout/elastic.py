@@ -9,6 +9,10 @@ the rollout, `resync()` brings every rank back to the training layout.
 
 The release policy is a value: `ReleasePolicy.STATIC` (the verl-like baseline, `StaticMembership`)
 or `ReleasePolicy.ELASTIC` (`ElasticMembership`).
+
+Released ranks wait at resync on the job's store, not in a collective: the wait lasts as long as
+the survivors keep making progress (they post a heartbeat), and fails with an error naming the
+rank, the phase and the step only when nothing moves for `parallel.timeout_s`.
 """
 
 from __future__ import annotations
@@ -21,14 +25,11 @@ from typing import Optional
 import torch.distributed as dist
 
 from flexfloor.config import ReleasePolicy
-from flexfloor.rollout.engine import StaticMembership, collective_phase, share_step_state
+from flexfloor.faults import FaultPhase, inject
+from flexfloor.rollout.engine import CollectiveError, StaticMembership, share_step_state
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import initial_placement, plan_shrink
 from megatron_ext.resharding import transfer_experts
-
-
-class ReleaseError(RuntimeError):
-    pass
 
 
 def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
@@ -104,8 +105,11 @@ class ElasticMembership:
     holding: Optional[dict[int, list[int]]] = None  # rank -> experts in its memory at start
     rollout_id: str = "0"  # the same on every rank, unique in the job: names survivor groups
     migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
+    step: Optional[int] = None  # the training step (names errors and faults)
+    heartbeat_key: str = ""  # store counter the active ranks bump; released ranks watch it
     timeline: list[dict] = field(default_factory=list)  # one entry per shrink
     _boundaries: int = 0
+    _last_beat: float = 0.0
     _groups: list = field(default_factory=list)  # survivors' groups this rank created
 
     def close(self) -> None:
@@ -115,6 +119,8 @@ class ElasticMembership:
         self._groups.clear()
 
     def step_boundary(self, engine, has_work):
+        inject(FaultPhase.ROLLOUT, engine.rank, self.step, engine.record.steps)
+        self._heartbeat()
         report = share_step_state(engine.moe.group, has_work, engine)
         if not any(report.has_work):
             return False, report
@@ -129,6 +135,14 @@ class ElasticMembership:
             return True, report
         self._release(engine, decision, plan_s)
         return engine.rank not in decision.leaving, report
+
+    def _heartbeat(self) -> None:
+        """Tell the released ranks waiting at resync that the rollout still moves (at most
+        every HEARTBEAT_S: one store round trip)."""
+        now = time.monotonic()
+        if self.heartbeat_key and now - self._last_beat >= HEARTBEAT_S:
+            self._last_beat = now
+            _store().add(self.heartbeat_key, 1)
 
     def decide(self, placement, report, limits: "RankLimits") -> "ReleaseDecision":
         """The release decision at one step boundary, from the shared report alone: no
@@ -255,6 +269,11 @@ class RolloutLayout:
     holding: dict[int, list[int]]
     layout_id: int = 0  # unique in the job
     rollouts: int = 0  # elastic rollouts started (every rank counts the same)
+    resyncs: int = 0  # resyncs done (every rank counts the same): names the arrival counter
+
+    @property
+    def heartbeat_key(self) -> str:
+        return f"flexfloor/heartbeat/{self.layout_id}"
 
     @classmethod
     def gather(cls, model, parallel) -> "RolloutLayout":
@@ -276,8 +295,9 @@ class RolloutLayout:
 
 
 def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elastic_cfg=None,
-                   capacity=None, scheduler_cfg=None):
-    """The membership value for a release policy (a fresh one per rollout)."""
+                   capacity=None, scheduler_cfg=None, step: Optional[int] = None):
+    """The membership value for a release policy (a fresh one per rollout); `step`, the
+    training step, names errors and faults."""
     if policy == ReleasePolicy.STATIC:
         return StaticMembership()
     layout.rollouts += 1
@@ -290,25 +310,80 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
         holding=layout.holding,
         migrate_max_requests=(scheduler_cfg.migrate_max_requests
                               if scheduler_cfg is not None and scheduler_cfg.migrate else 0),
+        step=step,
+        heartbeat_key=layout.heartbeat_key,
     )
 
 
+HEARTBEAT_S = 0.5  # how often the active ranks of an elastic rollout post progress
+
+
+def _store():
+    """The job's key-value store (torchrun's agent store, one per launch attempt)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
 def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
-           timeout_s: float = 3600.0) -> float:
+           timeout_s: Optional[float] = None, step: Optional[int] = None) -> float:
     """Every rank back to the starting layout after a rollout. Returns seconds spent here.
 
-    Released ranks arrive early and wait here, outside every rollout collective, on a WORLD
-    barrier (the first collective they enter after release). Survivors drop borrowed experts and
-    re-bind the MoE layers to the full group and the starting placement; the model's own expert
-    weights (the training shards) never left any rank.
+    Released ranks arrive early and wait here, outside every rollout collective: each rank adds
+    itself to this resync's arrival counter on the job's store and waits until every rank has.
+    The wait has no fixed bound: it fails only when nothing moves (no heartbeat from the ranks
+    still decoding, no new arrival) for `timeout_s` (default: `parallel.timeout_s`), so survivors
+    may decode for as long as their responses need. Survivors drop borrowed experts and re-bind
+    the MoE layers to the full group and the starting placement; the model's own expert weights
+    (the training shards) never left any rank. `step` (the training step) names errors.
     """
     t0 = time.perf_counter()
     moe.drop_borrowed()
-    with collective_phase(parallel.rank, "resync"):
-        work = dist.barrier(group=parallel.world_group, async_op=True)
-        if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
-            raise ReleaseError(f"rank {parallel.rank}: resync timed out after {timeout_s} s")
+    released = [t["step"] for t in getattr(membership, "timeline", [])
+                if parallel.rank in t.get("leaving", ())]
+    if released:
+        inject(FaultPhase.RESYNC, parallel.rank, step)
+    layout.resyncs += 1
+    timeout_s = parallel.timeout.total_seconds() if timeout_s is None else timeout_s
+    where = (f"rank {parallel.rank}, phase 'resync'" + (f", step {step}" if step is not None else "")
+             + (f" (released at engine step {released[0]})" if released else ""))
+    _wait_for_every_rank(f"flexfloor/resync/{layout.layout_id}.{layout.resyncs}",
+                         layout.heartbeat_key, parallel.world_size, timeout_s, where)
     moe.rebind(layout.group, layout.placement)
     membership.close()
     _notify("rejoined", parallel.rank, time.perf_counter() - t0, -1)
     return time.perf_counter() - t0
+
+
+def _wait_for_every_rank(key: str, heartbeat_key: str, world: int, timeout_s: float,
+                         where: str) -> None:
+    """Add this rank to `key`'s count; return once it reaches `world`. Fails when neither the
+    count nor the heartbeat counter moved for `timeout_s`."""
+    store = _store()
+    try:
+        if store.add(key, 1) == world:
+            store.set(key + "/all", "1")  # wakes the waiting ranks at once
+            return
+        # store.wait returns the moment the last rank arrives; between waits, look for progress
+        # (each timed-out wait logs a c10d warning, so not too often)
+        slice_s = min(30.0, timeout_s / 4)
+        last, since = None, time.monotonic()
+        while True:
+            try:
+                store.wait([key + "/all"], datetime.timedelta(seconds=slice_s))
+                return
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e).lower():
+                    raise
+            now = (store.add(key, 0), store.add(heartbeat_key, 0))
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > timeout_s:
+                raise CollectiveError(
+                    f"{where}: no progress for {timeout_s:.0f} s (parallel.timeout_s): {now[0]} of "
+                    f"{world} ranks are back and the ranks still decoding posted no heartbeat; a "
+                    "peer died or hangs")
+    except CollectiveError:
+        raise
+    except (RuntimeError, dist.DistError) as e:
+        raise CollectiveError(f"{where}: the job's store failed ({type(e).__name__}: {e})") from e
