@@ -93,7 +93,7 @@ class Parallel:
             _require_launcher_env()
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
             owns_world = True
         world_size = dist.get_world_size()
         rank = dist.get_rank()
@@ -172,6 +172,25 @@ class Parallel:
         parallel_state.destroy_model_parallel()
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict:
+    """init_process_group arguments that give this launch attempt its own keys in torchrun's
+    agent store.
+
+    torchrun's static rendezvous (`--master-addr/--master-port`) keeps one store for the whole
+    job, and process groups name their keys by a counter that starts again in every attempt: after
+    a restart (`--max-restarts`) the new workers would read the dead ones' addresses and fail to
+    connect (or wait out the timeout). A prefix with TORCHELASTIC_RESTART_COUNT separates them.
+    Outside torchrun's agent store: {} (torch's own env:// rendezvous).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"flexfloor/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def _require_launcher_env() -> None:
