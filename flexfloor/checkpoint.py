@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flexfloor.faults import FaultPhase, inject
+
 FORMAT_VERSION = 1
 META_FILE = "flexfloor.json"
 EXTRA_FILE = "extra_state.pt"
@@ -162,6 +164,10 @@ def save_checkpoint(
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp):  # leftovers of a crashed save: never loaded, safe to drop
             shutil.rmtree(tmp)
+        if os.path.exists(final) and step > _latest_step(root):
+            # renamed by a save that crashed before it moved `latest`: never loaded, and this
+            # save (of a run resumed from `latest`) recomputed the same step
+            shutil.rmtree(final)
         if os.path.exists(final):
             raise CheckpointError(
                 f"{final} exists already; checkpoints are never overwritten. Remove it or "
@@ -174,6 +180,7 @@ def save_checkpoint(
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if _is_rank0():
         torch.save(extra_state or {}, os.path.join(tmp, EXTRA_FILE))
+    inject(FaultPhase.SAVE, rank, step)
     _barrier()
     if _is_rank0():
         meta = {
@@ -192,6 +199,15 @@ def save_checkpoint(
             _prune(root, keep_last)
     _barrier()
     return final
+
+
+def _latest_step(root: str) -> int:
+    """The step `root/latest` points at; -1 when there is none."""
+    try:
+        with open(os.path.join(root, LATEST_FILE)) as f:
+            return int(f.read().strip().removeprefix("iter_"))
+    except (FileNotFoundError, ValueError):
+        return -1
 
 
 def _write_atomic(path: str, text: str) -> None:

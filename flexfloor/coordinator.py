@@ -4,10 +4,16 @@ checkpoint -> log. `Job.step()` reads as that sentence; the objects it calls do 
 Every rank runs the same loop (SPMD). Rollout results are gathered on every rank after resync and
 split evenly by request id for training, so training sees the same data whatever rank generated
 it: a step after a static rollout and one after an elastic rollout give the same weights.
+
+Failures: every phase runs under `Job.phase`, which marks an exception with the rank, the phase
+and the step (`error_origin`), so the entry point prints one line that says where it happened.
+Collectives have timeouts (parallel.timeout_s), so a dead or hung peer ends as such an error.
+A restarted job continues from `checkpoint.dir/latest` (checkpoint.resume=auto).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,9 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexfloor.checkpoint import iter_name, load_checkpoint, resolve_checkpoint, save_checkpoint
-from flexfloor.config import Algorithm, Config, NanPolicy, config_to_dict
+from flexfloor.checkpoint import (CheckpointError, iter_name, load_checkpoint, resolve_checkpoint,
+                                  save_checkpoint)
+from flexfloor.config import Algorithm, Config, NanPolicy, Resume, config_to_dict
 from flexfloor.data import compute_score, load_prompts, sft_response
+from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
@@ -38,6 +46,22 @@ from flexfloor.trainer.optim import build_train_state
 
 class TrainingError(RuntimeError):
     pass
+
+
+def error_origin(exc: BaseException) -> str | None:
+    """"rank R, phase 'P', step S" of an exception raised inside `Job.phase`, else None."""
+    return getattr(exc, "flexfloor_origin", None)
+
+
+@contextlib.contextmanager
+def _phase(rank: int, name: str, step: int):
+    try:
+        yield
+    except Exception as e:
+        if error_origin(e) is None:
+            e.flexfloor_origin = f"rank {rank}, phase '{name}', step {step}"
+            e.add_note(f"[flexfloor] in {e.flexfloor_origin}")
+        raise
 
 
 @dataclass
@@ -85,6 +109,24 @@ class Job:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.step_index = 0
+        with self.phase("set-up"):
+            self._set_up(cfg)
+        start = self._start_checkpoint()
+        if start:
+            with self.phase("checkpoint load"):
+                self._load(start)
+        self.log = RunLog(cfg, self.rank, resumed_step=self.step_index)
+        if start:
+            self.log.say(f"resumed from {iter_name(self.step_index)} ({start})")
+
+    def phase(self, name: str, step: int | None = None):
+        """Context of one phase: an exception leaving it names the rank, the phase and the step
+        (1-based as logged; default: the last step done, 0 before the first)."""
+        return _phase(self.rank, name, self.step_index if step is None else step)
+
+    def _set_up(self, cfg: Config) -> None:
         self.parallel = Parallel.build(
             expert_parallel_size=cfg.parallel.expert_parallel_size,
             backend=cfg.parallel.backend.value,
@@ -116,41 +158,53 @@ class Job:
                                    memory=memory, max_batch_size=cfg.rollout.max_batch_size)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
         self.sampling = SamplingParams.from_rollout_config(cfg.rollout, eos_id=self.tokenizer.eos_id)
-        self.step_index = 0
-        self.log = RunLog(cfg, self.rank)
-        if cfg.checkpoint.load:
-            self._load(cfg.checkpoint.load)
+
+    def _start_checkpoint(self) -> str | None:
+        """checkpoint.resume=auto: the newest complete checkpoint of checkpoint.dir (a restarted
+        job continues); else checkpoint.load."""
+        c = self.cfg.checkpoint
+        if c.resume == Resume.AUTO and c.dir and os.path.isfile(os.path.join(c.dir, "latest")):
+            return c.dir
+        return c.load
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
         if self.step_index == 0 and self.cfg.trainer.sft_warmup_steps:
-            self.warm_start()
+            with self.phase("warm start"):
+                self.warm_start()
         while self.step_index < self.cfg.trainer.steps:
             self.step()
         self.log.close(self)
 
     def step(self) -> dict:
         t0 = time.perf_counter()
-        self._freeze_reference()
-        groups = self.next_prompt_groups()                   # data
-        plan = self.scheduler.plan(groups, range(self.parallel.world_size))   # plan
-        membership = membership_for(self.cfg.elastic.release_policy, self.parallel, self.layout,
-                                    self.cfg.elastic, scheduler_cfg=self.cfg.scheduler)
-        out = self.engine.generate(plan.assignment[self.rank], membership)    # generate + release
-        resync_s = resync(self.moe, self.layout, self.parallel, membership)   # resync
-        results = gather_all(self.parallel, out.results)
-        records = gather_all(self.parallel, [out.record.as_dict()])
-        rewards = self.rewards(results)                      # reward
-        samples = self.advantages(results, rewards)          # advantages
-        train_metrics = self.train(samples)                  # train
+        k = self.step_index + 1
+        with self.phase("plan", k):
+            self._freeze_reference()
+            groups = self.next_prompt_groups()               # data
+            plan = self.scheduler.plan(groups, range(self.parallel.world_size))
+            membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
+                                        self.layout, self.cfg.elastic,
+                                        scheduler_cfg=self.cfg.scheduler, step=k)
+        with self.phase("rollout", k):                       # generate + release
+            out = self.engine.generate(plan.assignment[self.rank], membership)
+        with self.phase("resync", k):                        # resync
+            resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k)
+            results = gather_all(self.parallel, out.results)
+            records = gather_all(self.parallel, [out.record.as_dict()])
+        with self.phase("train", k):
+            rewards = self.rewards(results)                  # reward
+            samples = self.advantages(results, rewards)      # advantages
+            train_metrics = self.train(samples)              # train
         self.scheduler.observe(results)
         self.step_index += 1
         metrics = self.step_metrics(results, rewards, records, plan, train_metrics,
                                     time.perf_counter() - t0, resync_s, membership)
         self.log.write(metrics, records)                     # log
         if self._should_save():
-            self.save()                                      # checkpoint
+            with self.phase("checkpoint save"):
+                self.save()                                  # checkpoint
         return metrics
 
     # ------------------------------------------------------------------ phases
@@ -201,6 +255,7 @@ class Job:
         # sampling temperature, from the KV-cache path)
         for s, lp in zip(mine, self.actor.logprobs(batches)):
             s.old_logprobs = lp
+        inject(FaultPhase.TRAIN, self.rank, self.step_index + 1)
         ref = self.actor.logprobs(batches, model=self.reference) if self.reference else None
         metrics: dict = {}
         values = None
@@ -308,6 +363,8 @@ class Job:
             "rollout/local_finish_s": [p["local_finish_s"] for p in roll["per_rank"]],
             "scheduler/spearman": acc["spearman"],
             "scheduler/mae": acc["mae"],
+            "data/epoch": self.cursor.epoch,  # the cursor after this step's prompts
+            "data/position": self.cursor.position,
             "timing/resync_s": resync_s,
             "timing/step_s": step_s,
         }
@@ -324,7 +381,7 @@ class Job:
         self.reference.requires_grad_(False)
 
     def _non_finite(self, metrics) -> None:
-        msg = (f"step {self.step_index}: non-finite loss or gradient ({metrics.get('actor/loss')}); "
+        msg = (f"step {self.step_index + 1}: non-finite loss or gradient ({metrics.get('actor/loss')}); "
                "the update was not applied")
         if self.cfg.trainer.nan_policy == NanPolicy.STOP:
             raise TrainingError(msg + "; set trainer.nan_policy=skip to skip such steps")
@@ -366,8 +423,15 @@ class Job:
         return out
 
     def _load(self, path: str) -> None:
-        step, extra = load_checkpoint(path, model=self.model, model_cfg=self.cfg.model,
-                                      optimizer=self.train_state.optimizer)
+        try:
+            step, extra = load_checkpoint(path, model=self.model, model_cfg=self.cfg.model,
+                                          optimizer=self.train_state.optimizer)
+        except CheckpointError as e:
+            if path != self.cfg.checkpoint.load:  # found by checkpoint.resume=auto
+                raise CheckpointError(
+                    f"{e} (found in checkpoint.dir={path} by checkpoint.resume=auto; to start "
+                    "afresh, use another checkpoint.dir or set checkpoint.resume=off)") from e
+            raise
         if self.cfg.trainer.kl_coef > 0:
             self.reference = build_model(self.cfg.model, self.parallel)
             self.reference.requires_grad_(False)
@@ -379,7 +443,6 @@ class Job:
         self.cursor.load_state_dict(extra["cursor"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.step_index = step
-        self.log.say(f"resumed from {path} at step {step}")
 
     def close(self) -> None:
         self.parallel.destroy()
@@ -410,7 +473,7 @@ def _warm_start_key(cfg: Config) -> str:
 class RunLog:
     """metrics.jsonl, TensorBoard, a per-step line and the release timeline plot (rank 0)."""
 
-    def __init__(self, cfg: Config, rank: int):
+    def __init__(self, cfg: Config, rank: int, resumed_step: int = 0):
         self.rank = rank
         self.run_dir = cfg.logging.run_dir
         self.cfg = cfg
@@ -421,12 +484,25 @@ class RunLog:
             return
         os.makedirs(self.run_dir, exist_ok=True)
         self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        self._keep_steps_up_to(resumed_step)
         with open(os.path.join(self.run_dir, "config.json"), "w") as f:
             json.dump(config_to_dict(cfg), f, indent=1)
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+
+    def _keep_steps_up_to(self, step: int) -> None:
+        """metrics.jsonl describes this run: lines of steps after the one it starts from (a
+        crashed attempt's steps that no checkpoint holds, an earlier run's) are dropped."""
+        if not os.path.exists(self.metrics_path):
+            return
+        with open(self.metrics_path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.metrics_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.metrics_path)
 
     def say(self, text: str) -> None:
         if self.rank == 0:

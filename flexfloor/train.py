@@ -1,10 +1,18 @@
-"""Entry point: `torchrun --nproc-per-node N -m flexfloor.train --config FILE [a.b=value ...]`."""
+"""Entry point: `torchrun --nproc-per-node N -m flexfloor.train --config FILE [a.b=value ...]`.
+
+Exit codes: 0 done; 2 a bad config (nothing started, nothing written); 1 any other failure,
+after one line on stderr that names the rank, the phase and the step. A failed worker exits at
+once (no teardown that could wait on a dead peer, no helper process or thread left behind), so
+torchrun sees it, stops the other workers and, with `--max-restarts`, starts them again: the job
+then resumes from the newest complete checkpoint (checkpoint.resume=auto).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 import warnings
 
 
@@ -29,12 +37,51 @@ def main(argv=None) -> int:
         return 2
     from flexfloor.coordinator import Job
 
-    job = Job(cfg)
     try:
+        job = Job(cfg)
         job.run()
-    finally:
-        job.close()
+    except Exception as e:  # noqa: BLE001 - every failure ends the same way: one line, exit 1
+        _fail(e)
+    job.close()
     return 0
+
+
+def _fail(e: Exception) -> None:
+    import torch.distributed as dist
+
+    from flexfloor.checkpoint import CheckpointError
+    from flexfloor.coordinator import TrainingError, error_origin
+    from flexfloor.rollout.engine import RolloutError
+
+    where = error_origin(e) or f"rank {os.environ.get('RANK', '0')}"
+    # these messages say what is wrong and how to fix it; anything else also gets its traceback
+    expected = (ValueError, FileNotFoundError, CheckpointError, TrainingError, RolloutError,
+                dist.DistError)
+    if not isinstance(e, expected):
+        traceback.print_exception(e, file=sys.stderr)
+    message = " ".join(str(e).split())  # one line
+    print(f"[flexfloor] error: {where}: {type(e).__name__}: {message}", file=sys.stderr,
+          flush=True)
+    _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without teardown: destroying process groups can wait on a dead peer, and a
+    dist-checkpointing writer or a non-daemon thread would keep the process alive. Helper
+    processes this worker started go first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+    except ImportError:
+        pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
