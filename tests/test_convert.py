@@ -92,6 +92,7 @@ def test_bad_checkpoints_fail_naming_the_tensor_and_write_nothing(errors):
     assert "exists already" in e["to_hf_exists"]["error"] and e["to_hf_exists"]["unchanged"]
     for name in ("shape", "vocab", "missing", "to_hf_vocab", "to_hf_exists"):
         assert not e[name]["written"]
+    assert e["cli_exit"] == 2 and not e["cli_written"]
 
 
 def test_bfloat16_round_trip_keeps_dtype_and_bits(errors):

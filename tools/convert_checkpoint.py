@@ -63,8 +63,9 @@ def main(argv=None) -> int:
 
     import yaml
 
-    from flexfloor.config import load_config
-    from flexfloor.convert import flexfloor_to_hf, hf_to_flexfloor
+    from flexfloor.checkpoint import CheckpointError
+    from flexfloor.config import ConfigError, load_config
+    from flexfloor.convert import ConversionError, flexfloor_to_hf, hf_to_flexfloor
     from flexfloor.convert.families import model_config_dict
     from flexfloor.parallel import Parallel
 
@@ -84,6 +85,10 @@ def main(argv=None) -> int:
             if par.rank == 0:
                 print(f"[convert] {args.ckpt} -> {args.out} (EP={par.ep_size}, "
                       f"{par.ep_size} shard{'s' if par.ep_size > 1 else ''})")
+    except (ConversionError, CheckpointError, ConfigError) as e:
+        if par.rank == 0:
+            print(f"[convert] error: {e}", file=sys.stderr)
+        return 2
     finally:
         par.destroy()
     return 0

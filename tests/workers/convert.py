@@ -94,7 +94,7 @@ def family_case(family, world, rank):
         ref = reference(family, hf_dir)
     ref = _bcast(ref)
 
-    convert_cli(["hf-to-flexfloor", "--hf", hf_dir, "--out", ff_dir, "--ep", str(world)])
+    assert 0 == convert_cli(["hf-to-flexfloor", "--hf", hf_dir, "--out", ff_dir, "--ep", str(world)])
     cfg, _ = checkpoint_model_config(ff_dir)
     par = Parallel.build(expert_parallel_size=world, backend="gloo", timeout_s=120)
     model = build_model(cfg, par)
@@ -106,7 +106,7 @@ def family_case(family, world, rank):
     greedy = engine_greedy(par, model, cfg)
     par.destroy()
 
-    convert_cli(["flexfloor-to-hf", "--ckpt", ff_dir, "--out", back_dir, "--ep", str(world)])
+    assert 0 == convert_cli(["flexfloor-to-hf", "--ckpt", ff_dir, "--out", back_dir, "--ep", str(world)])
     res = {"logits_max_abs_diff": diff, "logits_max_abs": float(ref["logits"].abs().max()),
            "greedy_flexfloor": greedy, "greedy_hf": ref["greedy"], "qk_norm": cfg.qk_norm.value,
            "norm_topk": cfg.moe_router_norm_topk}
@@ -189,6 +189,10 @@ def error_cases():
     out["bf16"] = {"params_dtype": cfg16.params_dtype,
                    **compare_round_trip(src16, os.path.join(OUT, "bf16", "back"))}
     par.destroy()
+    # the CLI reports a refused conversion as exit status 2
+    out["cli_exit"] = convert_cli(["hf-to-flexfloor", "--hf", bad_shape, "--out",
+                                   os.path.join(OUT, "ff_cli_bad")])
+    out["cli_written"] = os.path.exists(os.path.join(OUT, "ff_cli_bad"))
     return out
 
 
