@@ -13,7 +13,7 @@ import torch
 
 from flexfloor.config import ModelConfig, QKNorm
 from flexfloor.convert.families import FAMILIES, ConversionError, family_of
-from tests.distributed import torchrun
+from distributed import torchrun
 
 FAMILY_NAMES = sorted(FAMILIES)
 TOL = 1e-5  # fp32 logits, max |FlexFloor - transformers|
