@@ -461,7 +461,9 @@ class RolloutEngine:
                 f"rank {self.rank} left the rollout with {len(self.running)} running and "
                 f"{len(self.queue)} queued requests"
             )
-        owed = [r for r in requests if r.request_id not in set(self.migrated_out)] + self.adopted
+        # an adopted request may move on again (to a rank that stays longer): owed by that one
+        gone = set(self.migrated_out)
+        owed = [r for r in list(requests) + self.adopted if r.request_id not in gone]
         self._check_complete(owed, results)
         self.running, self.queue = [], deque()
         return RolloutOutput(results=results, record=record)
