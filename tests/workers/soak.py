@@ -1,0 +1,128 @@
+"""Soak: many rollouts with random lengths, seeds, sampling and release orders on 4 gloo ranks.
+
+Usage: torchrun --nproc-per-node 4 tests/workers/soak.py OUT_DIR ROLLOUTS
+
+Each round draws (the same on every rank) a workload: prompts with 1-3 samples each, every
+sample's response length, the rank each prompt group runs on (so who leaves when), greedy or
+sampled decoding, the seed, the floor (elastic.min_active_ranks) and whether last requests may
+migrate. It runs the round statically and elastically (float64, so batch composition cannot
+move a last bit) and records, per rank, what the invariants need: tokens, the layout after
+resync, KV bytes, hosted experts, live tensor bytes and RSS.
+"""
+
+import gc
+import json
+import os
+import random
+import sys
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from flexfloor.config import ElasticConfig, ModelConfig, ReleasePolicy
+from flexfloor.model import build_model
+from flexfloor.parallel import Parallel
+from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
+from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.types import Request, SamplingParams
+
+OUT, ROLLOUTS = sys.argv[1], int(sys.argv[2])
+
+
+def workload(round_: int, world: int):
+    """The round's requests for every rank, and its knobs; a function of the round only.
+    Round 0 warms up every path (each rank decodes, releases, migrates), so that what is built
+    once on first use (rotary tables, ...) exists before memory is compared."""
+    if round_ == 0:
+        per_rank = {r: [Request(prompt_uid=r, sample_index=0, prompt_ids=(1, 2, 3),
+                                max_new_tokens=48, target_len=30 - 8 * r, step=0)]
+                    for r in range(world)}
+        return per_rank, {r: 1 for r in range(world)}, {"min_active_ranks": 1, "migrate": 1}
+    rng = random.Random(7919 * round_ + 1)
+    sampling = (SamplingParams(greedy=True) if rng.random() < 0.4 else
+                SamplingParams(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([0.9, 1.0]),
+                               top_k=rng.choice([0, 20])))
+    seed = rng.randrange(1 << 30)
+    per_rank = {r: [] for r in range(world)}
+    prompts = {}
+    for uid in range(rng.randint(3, 8)):
+        n = rng.randint(1, 3)
+        prompts[uid] = n
+        prompt = tuple(rng.randrange(1, 128) for _ in range(rng.randint(2, 10)))
+        rank = rng.randrange(world)  # some ranks get nothing and leave at the first boundary
+        for s in range(n):
+            length = max(1, min(48, int(rng.lognormvariate(2.3, 0.8))))
+            per_rank[rank].append(Request(prompt_uid=uid, sample_index=s, prompt_ids=prompt,
+                                          max_new_tokens=48, target_len=length,
+                                          sampling=sampling, seed=seed, step=round_))
+    knobs = {"min_active_ranks": rng.choice([1, 1, 2]), "migrate": rng.choice([0, 0, 2])}
+    return per_rank, prompts, knobs
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage Python can reach (parameters, caches, borrowed experts)."""
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            try:
+                st = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def main():
+    par = Parallel.build(timeout_s=60)
+    rank, world = par.rank, par.world_size
+    model = build_model(ModelConfig(), par, params_dtype="float64")
+    layout = RolloutLayout.gather(model, par)
+    moe = layout.moe(model, par)
+    engine = RolloutEngine(model, moe, rank=rank, max_batch_size=4)
+    start_placement = layout.placement.as_dict()
+    own = [sorted(h) for h in moe.hosted]
+    proc = psutil.Process()
+    rounds = []
+    t_start = time.perf_counter()
+    for i in range(ROLLOUTS):
+        per_rank, prompts, knobs = workload(i, world)
+        mine = per_rank[rank]
+        t0 = time.perf_counter()
+        sm = membership_for(ReleasePolicy.STATIC, par, layout)
+        static = engine.generate(mine, sm)
+        resync(moe, layout, par, sm, step=i)
+        m = membership_for(ReleasePolicy.ELASTIC, par, layout,
+                           ElasticConfig(min_active_ranks=knobs["min_active_ranks"]), step=i)
+        m.migrate_max_requests = knobs["migrate"]
+        elastic = engine.generate(mine, m)
+        resync(moe, layout, par, m, step=i)
+        gc.collect()
+        rounds.append({
+            "prompts": prompts, "knobs": knobs,
+            "static": {r.request_id: r.token_ids for r in static.results},
+            "elastic": {r.request_id: r.token_ids for r in elastic.results},
+            "release_step": elastic.record.extra.get("release_step"),
+            "shrinks": [t.get("active") for t in m.timeline if "active" in t],
+            "placement_restored": moe.placement.as_dict() == start_placement,
+            "group_restored": moe.group is layout.group,
+            "own_experts_only": [sorted(h) for h in moe.hosted] == own,
+            "survivor_groups_left": len(m._groups),
+            "kv_cache_bytes": sum(r.cache.nbytes for r in engine.running),
+            "running": len(engine.running), "queued": len(engine.queue),
+            "tensor_bytes": live_tensor_bytes(), "rss": proc.memory_info().rss,
+            "seconds": time.perf_counter() - t0,
+        })
+    parts = [None] * world
+    dist.all_gather_object(parts, rounds)
+    if rank == 0:
+        with open(os.path.join(OUT, "results.json"), "w") as f:
+            json.dump({"ranks": parts, "seconds": time.perf_counter() - t_start}, f)
+    par.destroy()
+
+
+if __name__ == "__main__":
+    main()
