@@ -1,0 +1,213 @@
+"""The bad-input catalogue: every bad input of issue 9, the test that covers it, and the error.
+
+Each error names the problem and the fix, and is raised before anything is written: config
+problems before any worker starts (exit code 2), data, tokenizer and checkpoint problems while
+the Job is set up (before the run folder exists), a NaN loss at its step (skip or stop, never
+silently). CATALOGUE maps each input to the tests that cover it (here or elsewhere);
+`test_catalogue_is_complete` checks that every one exists.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distributed import REPO, torchrun
+from flexfloor.config import ConfigError, load_config
+
+CATALOGUE = {
+    "unknown config key (with a suggestion)": [
+        "test_bad_inputs::test_unknown_config_key", "test_bad_inputs::test_entry_point_bad_config",
+        "test_config::test_unknown_key_suggests_the_close_one",
+        "test_config::test_unknown_key_in_yaml_file", "test_config::test_unknown_section"],
+    "wrong type": ["test_bad_inputs::test_wrong_type", "test_config::test_wrong_type"],
+    "EP size larger than world": ["test_bad_inputs::test_ep_larger_than_world",
+                                  "test_config::test_ep_larger_than_world"],
+    "too few experts for the floor": ["test_bad_inputs::test_too_few_experts_for_the_floor",
+                                      "test_config::test_experts_fewer_than_ep_ranks"],
+    "memory budget that cannot hold the floor": [
+        "test_bad_inputs::test_memory_budget_that_cannot_hold_a_request",
+        "test_config::test_kv_budget_must_hold_one_request",
+        "test_elastic::test_memory_floor_stops_the_shrink_and_keeps_tokens"],
+    "prompt longer than the context": [
+        "test_bad_inputs::test_prompt_longer_than_the_context",
+        "test_config::test_max_new_tokens_reaches_max_seq_len",
+        "test_engine::test_bad_input_fails_on_every_rank_and_empty_returns_at_once"],
+    "empty data set": ["test_bad_inputs::test_empty_data_set",
+                       "test_bad_inputs::test_entry_point_bad_data",
+                       "test_data::test_read_empty_data_set"],
+    "parquet file with missing columns": ["test_bad_inputs::test_parquet_missing_columns",
+                                          "test_data::test_read_missing_columns",
+                                          "test_data::test_read_missing_nested_field"],
+    "tokenizer vocabulary does not match the model": [
+        "test_bad_inputs::test_tokenizer_vocabulary_mismatch", "test_data::test_check_vocab"],
+    "checkpoint of another model shape": [
+        "test_bad_inputs::test_checkpoint_of_another_model_shape",
+        "test_foundation::test_bad_checkpoints_are_refused_with_the_reason"],
+    "truncated checkpoint": ["test_bad_inputs::test_truncated_checkpoint",
+                             "test_foundation::test_bad_checkpoints_are_refused_with_the_reason",
+                             "test_checkpoint_crash::test_crash_mid_save_keeps_previous_checkpoint",
+                             "test_faults::test_half_written_checkpoint_was_never_loaded"],
+    "NaN loss (skip or stop)": ["test_bad_inputs::test_nan_loss_stops",
+                                "test_bad_inputs::test_nan_loss_skips_loudly"],
+}
+
+
+def test_catalogue_is_complete():
+    assert len(CATALOGUE) == 12
+    for name, tests in CATALOGUE.items():
+        for ref in tests:
+            module, fn = ref.split("::")
+            assert hasattr(importlib.import_module(module), fn), (name, ref)
+    print(f"bad inputs covered: {len(CATALOGUE)}, by "
+          f"{len({t for ts in CATALOGUE.values() for t in ts})} tests")
+
+
+def config_error(*overrides, world=None) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        cfg = load_config(None, list(overrides))
+        if world is not None:
+            cfg.resolve_world(world)
+    return e.value
+
+
+# ------------------------------------------------------------------- config (no worker starts)
+
+
+def test_unknown_config_key():
+    e = config_error("trainer.stpes=3")
+    assert e.field == "trainer.stpes" and "did you mean 'steps'?" in str(e)
+
+
+def test_wrong_type():
+    e = config_error("trainer.lr=fast")
+    assert e.field == "trainer.lr" and "expected float, got str 'fast'" in str(e)
+
+
+def test_ep_larger_than_world():
+    e = config_error("parallel.expert_parallel_size=4", world=2)
+    assert e.field == "parallel.expert_parallel_size"
+    assert "set parallel.expert_parallel_size <= 2 or launch more workers" in str(e)
+
+
+def test_too_few_experts_for_the_floor():
+    # each rank of the EP group, down to the floor, must hold at least one expert
+    e = config_error("model.num_experts=2", "model.moe_router_topk=1", world=4)
+    assert e.field == "model.num_experts" and "fewer than the 4 EP ranks" in str(e)
+    e = config_error("elastic.min_active_ranks=3", "parallel.expert_parallel_size=2", world=2)
+    assert e.field == "elastic.min_active_ranks" and "set elastic.min_active_ranks <= 2" in str(e)
+
+
+def test_memory_budget_that_cannot_hold_a_request():
+    # borrowed experts take KV room, so the group stops shrinking where the budget ends (the
+    # memory floor, test_elastic); a budget without room for one request cannot run at all
+    e = config_error("rollout.kv_budget_tokens=200", "data.max_prompt_len=100",
+                     "rollout.max_new_tokens=128")
+    assert e.field == "rollout.kv_budget_tokens" and "set it >= 228" in str(e)
+
+
+def test_entry_point_bad_config(tmp_path):
+    """`python -m flexfloor.train` with a typo: exit 2, the message, nothing written."""
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexfloor.train", "--config",
+         os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml"), "trainer.stesp=3",
+         f"logging.run_dir={run}"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2
+    assert "trainer.stesp: unknown key; did you mean 'steps'?" in proc.stderr
+    assert not run.exists() and os.listdir(tmp_path) == []
+
+
+def test_entry_point_bad_data(tmp_path):
+    """A start-up error under torchrun: every worker exits non-zero with one line that names the
+    rank, the phase and the problem; no run folder, no checkpoint."""
+    from flexfloor.data import write_examples
+
+    empty = tmp_path / "empty.parquet"
+    write_examples([], empty)
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    from distributed import free_port
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "flexfloor.train",
+         "--config", os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml"),
+         "parallel.world_size=2", "parallel.expert_parallel_size=2",
+         f"data.train_files=[{empty}]", f"logging.run_dir={tmp_path / 'run'}",
+         f"checkpoint.dir={tmp_path / 'ckpt'}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=180, env=env)
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("[flexfloor] error:")]
+    assert lines, proc.stderr[-3000:]
+    assert all("phase 'set-up', step 0: ValueError:" in x and "has 0 rows" in x for x in lines)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ckpt").exists()
+
+
+# ---------------------------------------------------------- found when the Job starts (1 worker)
+
+
+@pytest.fixture(scope="module")
+def job_errors(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad_inputs")
+    proc = torchrun("fault_inputs.py", 1, str(d), timeout=300)
+    with open(d / "results.json") as f:
+        return dict(json.load(f), stdout=proc.stdout)
+
+
+def refused_at_start(res, phase, *phrases):
+    assert res["origin"] == f"rank 0, phase '{phase}', step 0"
+    for p in phrases:
+        assert p in res["message"], res["message"]
+    assert res["run_dir_written"] is False  # nothing partial written
+
+
+def test_prompt_longer_than_the_context(job_errors):
+    refused_at_start(job_errors["prompt_too_long"], "set-up", "more than data.max_prompt_len=8",
+                     "raise data.max_prompt_len")
+
+
+def test_empty_data_set(job_errors):
+    refused_at_start(job_errors["empty_data"], "set-up", "has 0 rows",
+                     "needs at least one prompt")
+
+
+def test_parquet_missing_columns(job_errors):
+    refused_at_start(job_errors["missing_columns"], "set-up",
+                     "missing column(s) ['reward_model', 'extra_info']")
+
+
+def test_tokenizer_vocabulary_mismatch(job_errors):
+    refused_at_start(job_errors["tokenizer_vocab"], "set-up",
+                     "tokenizer vocab_size 101 does not fit the model's vocab_size 64",
+                     "set the model config's vocab_size to at least 101")
+
+
+def test_checkpoint_of_another_model_shape(job_errors):
+    refused_at_start(job_errors["checkpoint_shape"], "checkpoint load",
+                     "another model shape (model.num_layers: checkpoint 3 vs config 2)",
+                     "set checkpoint.resume=off")
+
+
+def test_truncated_checkpoint(job_errors):
+    refused_at_start(job_errors["checkpoint_truncated"], "checkpoint load",
+                     "__0_0.distcp has 500 bytes, the manifest says 1000",
+                     "load an earlier checkpoint")
+
+
+def test_nan_loss_stops(job_errors):
+    res = job_errors["nan_stop"]
+    assert res["origin"] == "rank 0, phase 'train', step 1"
+    assert "step 1: non-finite loss" in res["error"] and "trainer.nan_policy=skip" in res["error"]
+    assert res["weights_unchanged"] is True and res["checkpoints"] == []
+
+
+def test_nan_loss_skips_loudly(job_errors):
+    res = job_errors["nan_skip"]  # the step is logged with its NaN loss, the update dropped
+    assert res["error"] is None and res["step_index"] == 1
+    assert res["loss"] != res["loss"]  # NaN
+    assert res["weights_unchanged"] is True
+    assert ("[flexfloor] step 1: non-finite loss or gradient (nan); the update was not applied "
+            "(trainer.nan_policy=skip)") in job_errors["stdout"]

@@ -1,0 +1,134 @@
+"""Bad inputs found when a Job starts (or at the step they occur), on 1 gloo worker, one launch.
+Each case records the error's type and message, and whether anything was written.
+
+Usage: torchrun --nproc-per-node 1 tests/workers/fault_inputs.py OUT_DIR
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flexfloor.checkpoint import _shape_of
+from flexfloor.config import load_config
+from flexfloor.coordinator import Job, error_origin
+from flexfloor.data import make_synthetic_prompts, register_reward, write_examples
+
+OUT = sys.argv[1]
+BASE = [
+    "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
+    "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.progress=false",
+    "data.synthetic_num_prompts=8", "logging.tensorboard=false", "logging.timeline_plot=false",
+]
+
+
+@register_reward("test/nan")
+def nan_reward(response: str, ground_truth: str) -> float:
+    return float("nan")  # a broken reward function: the loss becomes NaN
+
+
+def path(*parts):
+    return os.path.join(OUT, *parts)
+
+
+def config(case, *overrides):
+    return load_config(None, BASE + [f"logging.run_dir={path(case, 'run')}"] + list(overrides)
+                       ).resolve_world(dist.get_world_size())
+
+
+def attempt(case, *overrides):
+    """Build the Job; the error it raises, and what it left on disk."""
+    try:
+        Job(config(case, *overrides)).close()
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    return {"type": type(err).__name__ if err else None, "message": str(err) if err else None,
+            "origin": error_origin(err) if err else None,
+            "run_dir_written": os.path.exists(path(case, "run"))}
+
+
+def fake_checkpoint(root, shape, files):
+    """A checkpoint root whose manifest (flexfloor.json) says `shape` and lists `files`
+    {name: (bytes on disk, bytes in the manifest)}: the checks that run before any tensor is read."""
+    d = os.path.join(root, "iter_0000003")
+    os.makedirs(d)
+    manifest = {}
+    for name, (real, said) in files.items():
+        data = b"x" * real
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+        manifest[name] = {"bytes": said, "sha256": hashlib.sha256(b"x" * said).hexdigest()}
+    with open(os.path.join(d, "flexfloor.json"), "w") as f:
+        json.dump({"format_version": 1, "step": 3, "world_size": 1, "model_shape": shape,
+                   "has_optimizer": True, "extra_state_keys": [], "files": manifest}, f)
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("iter_0000003\n")
+
+
+def weights(job):
+    return {n: p.detach().clone() for n, p in job.model.named_parameters()}
+
+
+def nan_step(case, policy):
+    """One step whose rewards are NaN under trainer.nan_policy=`policy`."""
+    data = path(case, "nan.parquet")
+    os.makedirs(path(case))
+    write_examples([dataclasses.replace(e, data_source="test/nan")
+                    for e in make_synthetic_prompts(8, 0)], data)
+    job = Job(config(case, f"data.train_files=[{data}]", f"trainer.nan_policy={policy}",
+                     f"checkpoint.dir={path(case, 'ckpt')}", "checkpoint.save_interval=1"))
+    before = weights(job)
+    res = {}
+    try:
+        m = job.step()
+        res.update(error=None, loss=m["actor/loss"], step_index=job.step_index)
+    except Exception as e:  # noqa: BLE001
+        res.update(error=str(e), type=type(e).__name__, origin=error_origin(e))
+    after = weights(job)
+    res["weights_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+    res["checkpoints"] = sorted(os.listdir(path(case, "ckpt"))) if os.path.exists(path(case, "ckpt")) else []
+    job.close()
+    return res
+
+
+def main():
+    dist.init_process_group("gloo")
+    os.makedirs(OUT, exist_ok=True)
+    res = {}
+    res["prompt_too_long"] = attempt("prompt_too_long", "data.max_prompt_len=8")
+
+    empty = path("empty.parquet")
+    write_examples([], empty)
+    res["empty_data"] = attempt("empty_data", f"data.train_files=[{empty}]")
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([{"data_source": "x", "prompt": [
+        {"role": "user", "content": "hi"}]}]), path("columns.parquet"))
+    res["missing_columns"] = attempt("missing_columns", f"data.train_files=[{path('columns.parquet')}]")
+
+    res["tokenizer_vocab"] = attempt("tokenizer_vocab", "model.vocab_size=64")
+
+    cfg = config("shape")
+    other = dict(_shape_of(cfg.model), num_layers=cfg.model.num_layers + 1)
+    fake_checkpoint(path("shape_ckpt"), other, {})
+    res["checkpoint_shape"] = attempt("shape", f"checkpoint.dir={path('shape_ckpt')}")
+
+    fake_checkpoint(path("trunc_ckpt"), _shape_of(cfg.model), {"__0_0.distcp": (500, 1000)})
+    res["checkpoint_truncated"] = attempt("truncated", f"checkpoint.load={path('trunc_ckpt')}")
+
+    res["nan_stop"] = nan_step("nan_stop", "stop")
+    res["nan_skip"] = nan_step("nan_skip", "skip")
+
+    with open(path("results.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
