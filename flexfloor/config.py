@@ -216,7 +216,7 @@ class ParallelConfig:
     expert_parallel_size: int | None = None  # ranks of the training EP group; None = all ranks
     expert_tensor_parallel_size: int = 1  # tensor parallelism inside an expert (only 1 for now)
     backend: Backend = Backend.AUTO  # torch.distributed backend
-    timeout_s: float = 300.0  # timeout of set-up and training collectives
+    timeout_s: float = 300.0  # every collective's timeout; resync: the longest wait without progress
 
     def validate(self) -> None:
         _positive("parallel", self, "world_size", "expert_parallel_size", "timeout_s")
@@ -252,12 +252,10 @@ class RolloutConfig:
 class ElasticConfig:
     release_policy: ReleasePolicy = ReleasePolicy.ELASTIC  # static EP or early release
     min_active_ranks: int = 1  # the EP group never shrinks below this many ranks
-    collective_timeout_s: float = 120.0  # a rollout collective that takes longer is an error
     check_interval_steps: int = 1  # engine steps between agreements on who is done
 
     def validate(self) -> None:
-        _positive("elastic", self, "min_active_ranks", "collective_timeout_s",
-                  "check_interval_steps")
+        _positive("elastic", self, "min_active_ranks", "check_interval_steps")
 
 
 @dataclass
