@@ -120,6 +120,10 @@ class Job:
         self.log = RunLog(cfg, self.rank, resumed_step=self.step_index)
         if start:
             self.log.say(f"resumed from {iter_name(self.step_index)} ({start})")
+        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            why = ("no complete checkpoint in checkpoint.dir yet" if cfg.checkpoint.dir else
+                   "no checkpoint.dir to resume from (set it and checkpoint.save_interval)")
+            self.log.say(f"restarted by the launcher, {why}: starting from step 0")
 
     def phase(self, name: str, step: int | None = None):
         """Context of one phase: an exception leaving it names the rank, the phase and the step
