@@ -8,7 +8,8 @@ tokens/s of each, their ratio (FlexFloor / transformers) and how many responses 
 
 Decode tokens/s excludes prefill: each side runs once with 1 new token and once with
 `--new-tokens`, and decode rate = (tokens of the long run - tokens of the short run) / (time of
-the long run - time of the short run). Best of `--repeats` runs each.
+the long run - time of the short run). Best of `--repeats` runs each, the two sides
+alternating so that load from other processes falls on both alike.
 
     python tools/bench_vs_hf.py                                    # tiny random models, all families
     python tools/bench_vs_hf.py --family olmoe --size small --batch 8 --out b.json
@@ -44,7 +45,7 @@ def parse(argv=None):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together, both sides")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args(argv)
@@ -89,15 +90,22 @@ def flexfloor_generate(engine, prompts, new_tokens: int):
     return [by_id[i] for i in range(len(prompts))], seconds
 
 
-def decode_rate(run, prompts, new_tokens: int, repeats: int):
-    """(tokens per prompt, decode tokens/s): best long run minus best 1-token run."""
-    run(prompts[:1], 2)  # warm-up
-    short = min(run(prompts, 1)[1] for _ in range(repeats))
-    long_runs = [run(prompts, new_tokens) for _ in range(repeats)]
-    tokens, _ = long_runs[0]
-    long = min(s for _, s in long_runs)
+def decode_rates(runs: dict, prompts, new_tokens: int, repeats: int):
+    """Per side: (tokens per prompt, decode tokens/s, seconds of the long run). Decode rate =
+    best long run minus best 1-token run; the sides alternate, so load from other processes
+    falls on both alike."""
+    for run in runs.values():
+        run(prompts[:1], 2)  # warm-up
+    short = {k: float("inf") for k in runs}
+    long = dict(short)
+    tokens = {}
+    for _ in range(repeats):
+        for k, run in runs.items():
+            short[k] = min(short[k], run(prompts, 1)[1])
+            tokens[k], seconds = run(prompts, new_tokens)
+            long[k] = min(long[k], seconds)
     decoded = len(prompts) * (new_tokens - 1)
-    return tokens, decoded / max(long - short, 1e-9), long
+    return {k: (tokens[k], decoded / max(long[k] - short[k], 1e-9), long[k]) for k in runs}
 
 
 def bench_one(hf_dir: str, label: str, args, par) -> dict:
@@ -116,10 +124,10 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
                     placement=contiguous_placement(cfg.num_experts, par.ep_ranks))
     engine = RolloutEngine(model, moe, rank=par.rank, max_batch_size=args.batch)
     prompts = make_prompts(args.prompts, cfg.vocab_size)
-    hf_tokens, hf_rate, hf_s = decode_rate(
-        lambda p, n: hf_generate(hf, p, n, args.batch), prompts, args.new_tokens, args.repeats)
-    ff_tokens, ff_rate, ff_s = decode_rate(
-        lambda p, n: flexfloor_generate(engine, p, n), prompts, args.new_tokens, args.repeats)
+    rates = decode_rates({"hf": lambda p, n: hf_generate(hf, p, n, args.batch),
+                          "flexfloor": lambda p, n: flexfloor_generate(engine, p, n)},
+                         prompts, args.new_tokens, args.repeats)
+    (hf_tokens, hf_rate, hf_s), (ff_tokens, ff_rate, ff_s) = rates["hf"], rates["flexfloor"]
     same = sum(a == b for a, b in zip(hf_tokens, ff_tokens))
     return {
         "model": label, "params_dtype": cfg.params_dtype, "hidden_size": cfg.hidden_size,
