@@ -71,6 +71,10 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(results, family):
     if results["_ep"] == 2:  # one shard per EP rank, with the index transformers reads
         assert "model.safetensors.index.json" in rt["files"]
         assert sum(f.endswith(".safetensors") for f in rt["files"]) == 2
+        # the EP=2 checkpoint written back by 2 workers at EP=1: one file, same bits
+        rt1 = results[family]["round_trip_ep1"]
+        assert rt1["files"] == ["config.json", "model.safetensors"]
+        assert rt1["differ"] == [] and rt1["missing"] == [] and rt1["unexpected"] == []
     assert results[family]["reloaded_logits_equal"]
 
 

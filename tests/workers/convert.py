@@ -110,8 +110,13 @@ def family_case(family, world, rank):
     res = {"logits_max_abs_diff": diff, "logits_max_abs": float(ref["logits"].abs().max()),
            "greedy_flexfloor": greedy, "greedy_hf": ref["greedy"], "qk_norm": cfg.qk_norm.value,
            "norm_topk": cfg.moe_router_norm_topk}
+    if world > 1:  # saved at EP=W, written back at EP=1 (the experts' other replicas idle)
+        assert 0 == convert_cli(["flexfloor-to-hf", "--ckpt", ff_dir, "--out", back_dir + "_ep1",
+                                 "--ep", "1"])
     if rank == 0:
         res["round_trip"] = compare_round_trip(hf_dir, back_dir)
+        if world > 1:
+            res["round_trip_ep1"] = compare_round_trip(hf_dir, back_dir + "_ep1")
         from transformers import AutoModelForCausalLM
 
         again = AutoModelForCausalLM.from_pretrained(back_dir, attn_implementation="eager").eval()
