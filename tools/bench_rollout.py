@@ -42,7 +42,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from flexfloor.rollout.workload import (  # noqa: E402
-    DEFAULT_PARAMS, DISTRIBUTIONS, NOISE_PARAMS, make_lengths, tail_stats,
+    DEFAULT_PARAMS, DISTRIBUTIONS, NOISE_PARAMS, epoch_order, make_lengths, make_prompts, tail_stats,
 )
 
 MODES = ("static", "elastic")
@@ -353,11 +353,8 @@ class Bench:
             "elastic": Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), memory=memory,
                                  max_batch_size=self.max_batch),
         }
-        rng = np.random.default_rng([args.seed, 1])
-        lo, hi = args.prompt_len
-        self.prompts = [tuple(int(t) for t in rng.integers(1, self.model_cfg.vocab_size,
-                                                           rng.integers(lo, hi + 1)))
-                        for _ in range(args.num_prompts)]
+        self.prompts = make_prompts(args.num_prompts, args.prompt_len, self.model_cfg.vocab_size,
+                                    args.seed)
         self.kept = []  # per summary epoch: mode -> (median records, results)
 
     def epoch(self, epoch: int) -> dict:
@@ -405,12 +402,12 @@ class Bench:
 
         args = self.args
         sampling = SamplingParams(greedy=args.greedy, temperature=1.0)
-        order = np.random.default_rng([args.seed, 2, epoch]).permutation(args.num_prompts)
+        order = epoch_order(args.num_prompts, args.seed, epoch)
         return [PromptGroup(uid, tuple(
             Request(prompt_uid=uid, sample_index=s, prompt_ids=self.prompts[uid],
                     max_new_tokens=args.max_len, sampling=sampling, seed=args.seed, step=epoch,
                     target_len=int(self.lengths[epoch - 1, uid, s]))
-            for s in range(args.samples_per_prompt))) for uid in map(int, order)]
+            for s in range(args.samples_per_prompt))) for uid in order]
 
     def rollout(self, mode: str, requests) -> dict:
         """One rollout of this rank's requests; every rank's records and results, gathered."""
@@ -513,7 +510,7 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
     `rollout_metrics` of per-rank records summed over epochs; the rollout wall time is the sum of
     the epochs' walls and the digest is one over the epochs' digests.
     """
-    from flexfloor.rollout.metrics import ratios, rollout_metrics
+    from flexfloor.rollout.metrics import ratios, rollout_metrics, summed_records
 
     first = 2 if args.epochs > 1 else 1
     chosen = [e for e in epochs if e["epoch"] >= first]
@@ -541,20 +538,6 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
         report["reconfiguration"] = reconfiguration(
             recs, report["elastic"]["occupied_worker_seconds"])
     return report
-
-
-def summed_records(epochs: list[list[dict]]) -> list[dict]:
-    """Per rank, its records of several rollouts added up (times relative to each start)."""
-    summed = {}
-    for records in epochs:
-        for rec in records:
-            s = summed.setdefault(rec["rank"], {"rank": rec["rank"], "start_s": 0.0,
-                                                "local_finish_s": 0.0, "release_s": 0.0})
-            for key in ("steps", "busy_steps", "tokens", "requests"):
-                s[key] = s.get(key, 0) + rec[key]
-            s["local_finish_s"] += rec["local_finish_s"] - rec["start_s"]
-            s["release_s"] += rec["release_s"] - rec["start_s"]
-    return [summed[r] for r in sorted(summed)]
 
 
 def with_wall_steps(r: dict, elastic: dict, static: dict) -> dict:

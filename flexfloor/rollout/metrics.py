@@ -19,15 +19,22 @@ def responses_sha256(results: Iterable) -> str:
 
 def rollout_metrics(records: Sequence[dict], results: Sequence) -> dict:
     """records: per-rank `RankRecord.as_dict()`; results: every `Result` of the rollout."""
+    return metrics_from_counts(records, total_tokens=sum(len(r.token_ids) for r in results),
+                               num_responses=len(results), digest=responses_sha256(results))
+
+
+def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_responses: int,
+                        digest: str | None = None) -> dict:
+    """The same figures from counts (the simulator has lengths, not tokens)."""
     occupied = [r["release_s"] - r["start_s"] for r in records]
     tail = [max(0.0, r["release_s"] - r["local_finish_s"]) for r in records]
-    tokens = sum(len(r.token_ids) for r in results)
+    tokens = total_tokens
     occ_s = sum(occupied)
     occ_steps = sum(r["steps"] for r in records)
     wall = max((r["release_s"] for r in records), default=0.0)
     return {
         "total_response_tokens": tokens,
-        "num_responses": len(results),
+        "num_responses": num_responses,
         "occupied_worker_seconds": occ_s,
         "occupied_worker_steps": occ_steps,
         "tail_fraction": (sum(tail) / occ_s) if occ_s > 0 else 0.0,
@@ -35,7 +42,7 @@ def rollout_metrics(records: Sequence[dict], results: Sequence) -> dict:
         "tokens_per_occupied_worker_second": tokens / occ_s if occ_s > 0 else 0.0,
         "tokens_per_occupied_worker_step": tokens / occ_steps if occ_steps else 0.0,
         "released_ranks": sum(1 for r in records if r["release_s"] < wall - 1e-9),
-        "responses_sha256": responses_sha256(results),
+        "responses_sha256": digest,
         "per_rank": [
             {
                 "rank": r["rank"],
@@ -50,6 +57,20 @@ def rollout_metrics(records: Sequence[dict], results: Sequence) -> dict:
             for r in sorted(records, key=lambda r: r["rank"])
         ],
     }
+
+
+def summed_records(epochs: list[list[dict]]) -> list[dict]:
+    """Per rank, its records of several rollouts added up (times relative to each start)."""
+    summed = {}
+    for records in epochs:
+        for rec in records:
+            s = summed.setdefault(rec["rank"], {"rank": rec["rank"], "start_s": 0.0,
+                                                "local_finish_s": 0.0, "release_s": 0.0})
+            for key in ("steps", "busy_steps", "tokens", "requests"):
+                s[key] = s.get(key, 0) + rec[key]
+            s["local_finish_s"] += rec["local_finish_s"] - rec["start_s"]
+            s["release_s"] += rec["release_s"] - rec["start_s"]
+    return [summed[r] for r in sorted(summed)]
 
 
 def ratios(elastic: dict, static: dict) -> dict:

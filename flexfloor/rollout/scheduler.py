@@ -193,13 +193,21 @@ def simulate_rank_steps(lengths: Sequence[float], prompt_lens: Sequence[int], kv
                         max_batch: int) -> float:
     """Predicted steps for one rank to finish `lengths` (admitted in this order) under its KV room
     and batch limit: a small event simulation of the engine's admission."""
+    return rank_profile(lengths, prompt_lens, kv_tokens, max_batch)[0]
+
+
+def rank_profile(lengths: Sequence[float], prompt_lens: Sequence[int], kv_tokens: Optional[int],
+                 max_batch: int) -> tuple[float, float]:
+    """(steps to finish, peak KV tokens in use) of one rank: requests admitted in this order
+    while a batch slot and KV room (a request reserves prompt + response) are free. The peak
+    counts the tokens cached, which a decode step reads: where decoding is bound by memory
+    bandwidth (accelerators), the step time of the lockstep group follows the fullest rank."""
     if not lengths:
-        return 0.0
-    running: list[float] = []  # finish step of each running request
-    now = 0.0
+        return 0.0, 0.0
+    running: list[tuple[float, float, int, int]] = []  # (finish, admitted, prompt, reserved)
+    now = peak = 0.0
     used = 0
     pending = list(zip(lengths, prompt_lens))
-    reserved: list[tuple[float, int]] = []
     while pending or running:
         while pending and len(running) < max_batch:
             n, p = pending[0]
@@ -208,14 +216,15 @@ def simulate_rank_steps(lengths: Sequence[float], prompt_lens: Sequence[int], kv
                 break
             pending.pop(0)
             used += need
-            running.append(now + max(1.0, n))
-            reserved.append((now + max(1.0, n), need))
-        nxt = min(running)
+            running.append((now + max(1.0, n), now, p, need))
+        nxt = min(r[0] for r in running)
+        # just before the first of them finishes, every running request holds the most tokens
+        peak = max(peak, sum(p + nxt - a for _, a, p, _ in running))
         now = nxt
-        running = [t for t in running if t > nxt]
-        used -= sum(need for t, need in reserved if t <= nxt)
-        reserved = [(t, need) for t, need in reserved if t > nxt]
-    return now
+        done = [r for r in running if r[0] <= nxt]
+        running = [r for r in running if r[0] > nxt]
+        used -= sum(r[3] for r in done)
+    return now, peak
 
 
 @dataclass
@@ -227,6 +236,12 @@ class Scheduler:
     prior_quantile: float = 0.5
     memory: Optional[MemoryModel] = None
     max_batch_size: int = 64
+    max_share: float = 2.0  # FlexFloor: most groups a rank takes, in fair shares
+    # FlexFloor: a rank's predicted peak of cached KV tokens at most this times the baseline's
+    # fullest rank's (None: no cap). On accelerators a decode step reads every cached token, and
+    # the lockstep group steps at its fullest rank's pace: 1.0 keeps steps no slower than the
+    # baseline's while the long work gathers on the ranks that stay.
+    load_cap: Optional[float] = None
 
     @property
     def predictor(self) -> Predictor:
@@ -272,48 +287,63 @@ class Scheduler:
     def _flexfloor(self, groups, ranks, predicted) -> dict[int, list[Request]]:
         """Longest predicted groups on the ranks meant to stay (lowest ranks), each later rank a
         shorter slice, so ranks leave one after another. A rank takes at most twice its fair share
-        of groups, and only while its predicted finish stays within the makespan bound: the
+        of groups, and only while its predicted finish stays within the makespan bound (the
         longest single group, or, when the KV budget forces waves, the baseline's predicted
-        makespan."""
+        makespan) and, with `load_cap`, its peak KV load within the cap."""
         kv = self.memory.kv_tokens() if self.memory else None
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
 
-        def finish(gs):
+        def profile(gs):
             reqs = [r for g in gs for r in g.requests]
             reqs.sort(key=lambda r: -self._per_request[r.request_id])
-            return simulate_rank_steps([self._per_request[r.request_id] for r in reqs],
-                                       [len(r.prompt_ids) for r in reqs], kv, self.max_batch_size)
+            return rank_profile([self._per_request[r.request_id] for r in reqs],
+                                [len(r.prompt_ids) for r in reqs], kv, self.max_batch_size)
 
-        # the makespan the baseline would have: its chunks of the batch in the order given
+        # the makespan the baseline would have (its chunks of the batch in the order given) and
+        # its fullest rank's peak KV load
         baseline = self._baseline(groups, ranks)
         bound = max(predicted[g.uid] for g in groups) if groups else 0.0
+        peak_bound = 0.0
         group_of = {id(r): g for g in groups for r in g.requests}
         for reqs in baseline.values():  # waves, when the KV budget or the batch limit forces them
             chunk = list({id(group_of[id(r)]): group_of[id(r)] for r in reqs}.values())
-            bound = max(bound, finish(chunk))
+            steps, peak = profile(chunk)
+            bound, peak_bound = max(bound, steps), max(peak_bound, peak)
+        peak_bound = None if self.load_cap is None else self.load_cap * peak_bound
+
+        def fits(gs):
+            steps, peak = profile(gs)
+            return steps <= bound and (peak_bound is None or peak <= peak_bound)
+
         assigned: dict[int, list[PromptGroup]] = {r: [] for r in ranks}
         # fill the ranks meant to stay first: each takes the longest remaining groups while its
         # predicted finish stays within the bound; what is left goes to the next rank
         remaining = list(order)
         for i, rank in enumerate(ranks):
             left_ranks = len(ranks) - i
-            if left_ranks == 1:
+            if left_ranks == 1 and self.load_cap is None:
                 assigned[rank] = remaining
+                remaining = []
                 break
             # at most twice a fair share of the groups: the staying ranks take more of the long
             # work (so more ranks leave early), but a lockstep step costs what the fullest rank's
             # batch costs, so piling everything on them would slow every step
-            share_cap = 2 * math.ceil(len(remaining) / left_ranks)
+            share_cap = max(1, int(self.max_share * math.ceil(len(remaining) / left_ranks)))
             taken = []
             for g in list(remaining):
                 if len(taken) >= share_cap:
                     break
-                if taken and finish(taken + [g]) > bound:
+                if taken and not fits(taken + [g]):
                     continue
                 taken.append(g)
             for g in taken:
                 remaining.remove(g)
             assigned[rank] = taken
+        # groups no rank could take within the caps: each to the rank where it raises the
+        # predicted finish, then the peak load, the least (never all onto the last rank)
+        for g in remaining:
+            best = min(ranks, key=lambda r: (*profile(assigned[r] + [g]), len(assigned[r]), -r))
+            assigned[best].append(g)
         out = {}
         for rank, gs in assigned.items():
             reqs = [r for g in gs for r in g.requests]

@@ -34,7 +34,9 @@ def plot_rank_timeline(modes: Mapping[str, Sequence[dict]], path: str, *, title:
 
     names = list(modes)
     end = max(max(r["release_s"] for r in recs) for recs in modes.values())
-    fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.2 + 0.45 * max(len(v) for v in modes.values()) * len(names)),
+    rows = max(len(v) for v in modes.values())
+    row_h = 0.45 if rows <= 16 else max(0.06, 7.0 / rows)  # cluster-sized runs stay on a page
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.2 + row_h * rows * len(names)),
                              squeeze=False, sharex=True)
     for ax, name in zip(axes[:, 0], names):
         records = sorted(modes[name], key=lambda r: r["rank"])
@@ -42,8 +44,9 @@ def plot_rank_timeline(modes: Mapping[str, Sequence[dict]], path: str, *, title:
         for row, rec in enumerate(records):
             for kind, a, b in rank_spans(rec, mode_end):
                 ax.barh(row, b - a, left=a, color=COLOURS[kind], edgecolor="white", height=0.8)
-        ax.set_yticks(range(len(records)))
-        ax.set_yticklabels([f"rank {r['rank']}" for r in records])
+        step = max(1, len(records) // 16)
+        ax.set_yticks(range(0, len(records), step))
+        ax.set_yticklabels([f"rank {r['rank']}" for r in records][::step])
         ax.invert_yaxis()
         ax.set_xlim(0, end * 1.02 if end > 0 else 1)
         ax.set_ylabel("worker")

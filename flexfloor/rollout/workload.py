@@ -104,6 +104,21 @@ def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs
     return np.clip(lengths, 1, max_len).astype(np.int64)
 
 
+def make_prompts(num_prompts: int, prompt_len: tuple[int, int], vocab_size: int,
+                 seed: int) -> list[tuple[int, ...]]:
+    """Random prompts (token ids in [1, vocab_size)) with lengths uniform in prompt_len=(lo, hi);
+    the benchmark decodes them, the simulator reads their lengths."""
+    rng = np.random.default_rng([seed, 1])
+    lo, hi = prompt_len
+    return [tuple(int(t) for t in rng.integers(1, vocab_size, rng.integers(lo, hi + 1)))
+            for _ in range(num_prompts)]
+
+
+def epoch_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
+    """The order prompts come in, in one epoch (1-based): a fresh shuffle each epoch."""
+    return [int(u) for u in np.random.default_rng([seed, 2, epoch]).permutation(num_prompts)]
+
+
 def save_lengths(path: str, lengths: np.ndarray) -> None:
     """Write lengths [epochs, prompts, samples] as the JSON `file` format (exact round trip)."""
     with open(path, "w") as f:

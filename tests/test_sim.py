@@ -1,0 +1,138 @@
+"""The cluster simulator: with every step costing 1 it must count exactly the steps the real
+engine takes (per rank, per epoch, both modes, release order included) for the same lengths and
+policies; and the paper-like scenario must meet the paper's targets."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flexfloor.sim.cost import CostParams, RankLoad, RooflineCost, kv_budget_bytes
+from flexfloor.sim.hardware import ACCELERATORS, ModelShape
+from flexfloor.sim.scenarios import SCENARIOS, run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PER_RANK = ("steps", "busy_steps", "tokens", "requests", "release_step", "local_finish_step")
+
+# the benchmark's flags -> the same workload and policies as scenario overrides
+CASES = {
+    "lognormal": (["--num-prompts", "12", "--samples-per-prompt", "4", "--length-median", "8",
+                   "--max-len", "60"],
+                  dict(num_prompts=12, samples_per_prompt=4, length_params={"median": 8.0},
+                       max_len=60)),
+    # KV budget and batch limit: admission waves, borrowed experts against the budget, the
+    # memory floor; and migration of a rank's last requests
+    "tight+migrate": (["--num-prompts", "12", "--samples-per-prompt", "4", "--length-median", "8",
+                       "--max-len", "60", "--kv-budget-tokens", "300", "--max-batch-size", "8",
+                       "--migrate-max-requests", "2"],
+                      dict(num_prompts=12, samples_per_prompt=4, length_params={"median": 8.0},
+                           max_len=60, kv_budget_tokens=300, max_batch_size=8,
+                           migrate_max_requests=2)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def engine_and_sim(request, tmp_path_factory):
+    flags, overrides = CASES[request.param]
+    out = tmp_path_factory.mktemp("simval") / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_rollout.py", "--nproc", "4", "--epochs", "3",
+         "--repeats", "1", "--out", str(out), *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(out) as f:
+        bench = json.load(f)
+    sim = run(SCENARIOS["tiny-cpu"].with_overrides(epochs=3, **overrides))
+    return request.param, bench, sim
+
+
+def test_unit_cost_simulation_equals_the_real_engine_step_for_step(engine_and_sim):
+    case, bench, sim = engine_and_sim
+    for real, simulated in zip(bench["per_epoch"], sim["per_epoch"]):
+        for mode in ("static", "elastic"):
+            got = [{k: r.get(k) for k in PER_RANK} for r in simulated[mode]["per_rank"]]
+            want = [{k: r.get(k) for k in PER_RANK} for r in real[mode]["per_rank"]]
+            assert got == want, (case, real["epoch"], mode)
+            assert simulated[mode]["occupied_worker_steps"] == real[mode]["occupied_worker_steps"]
+            assert simulated[mode]["total_response_tokens"] == real[mode]["total_response_tokens"]
+    # release order: ranks sorted by the step they left at
+    last = sim["per_epoch"][-1]["elastic"]["per_rank"]
+    order = sorted(range(4), key=lambda r: (last[r]["release_step"], r))
+    real_last = bench["per_epoch"][-1]["elastic"]["per_rank"]
+    assert order == sorted(range(4), key=lambda r: (real_last[r]["release_step"], r))
+    assert sim["ratios"]["tokens_per_occupied_worker_step"] == pytest.approx(
+        bench["ratios"]["tokens_per_occupied_worker_step"])
+
+
+def test_the_validation_cases_exercise_release_waves_floor_and_migration(engine_and_sim):
+    case, bench, sim = engine_and_sim
+    elastic = [e["elastic"] for e in sim["per_epoch"]]
+    if case == "lognormal":
+        assert any(m["released_ranks"] >= 2 for m in elastic)  # several ranks leave early
+    else:
+        # a rank ran more requests than its batch limit, so some waited for room: waves; the
+        # KV budget holds ranks back (memory floor) but a rank's last requests migrate
+        assert max(r["requests"] for m in elastic for r in m["per_rank"]) > 8
+        assert any("migrated" in t for m in elastic for t in m["timeline"])
+
+
+def test_paper_like_meets_the_targets(tmp_path):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    proc = subprocess.run([sys.executable, "tools/simulate.py", "--scenario", "paper-like",
+                           "--out", str(out), "--plot", str(png)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        rep = json.load(f)
+    for mode in ("static", "elastic"):
+        assert {"total_response_tokens", "occupied_worker_seconds", "occupied_worker_steps",
+                "tail_fraction", "rollout_wall_seconds", "tokens_per_occupied_worker_second",
+                "per_rank"} <= set(rep[mode])
+        assert len(rep[mode]["per_rank"]) == 64
+    assert rep["static"]["total_response_tokens"] == rep["elastic"]["total_response_tokens"]
+    assert all(t["met"] for t in rep["targets"].values()), rep["targets"]
+    assert rep["ratios"]["tokens_per_occupied_worker_second"] >= 1.65
+    assert rep["ratios"]["rollout_wall_seconds"] <= 1.0
+    assert png.stat().st_size > 0 and "target" in proc.stdout
+    # the timeline tool reads the same report
+    png2 = tmp_path / "again.png"
+    proc = subprocess.run([sys.executable, "tools/plot_timeline.py", str(out), "--out", str(png2),
+                           "--epoch", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and png2.stat().st_size > 0, proc.stderr
+
+
+def test_list_and_bad_scenario():
+    proc = subprocess.run([sys.executable, "tools/simulate.py", "--list"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "paper-like" in proc.stdout and "tiny-cpu" in proc.stdout
+    proc = subprocess.run([sys.executable, "tools/simulate.py", "--scenario", "nope", "--out",
+                           "x.json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "paper-like" in proc.stderr
+
+
+def test_cost_model_directions():
+    """Shrinking moves the MoE exchange onto NVLink (cheaper), hosting more experts reads more
+    weights (dearer), more cached context reads more KV (dearer)."""
+    shape = ModelShape.from_preset("qwen3-30b-a3b")
+    cost = RooflineCost(ACCELERATORS["H800"], shape)
+    e = shape.num_experts
+
+    def owner(ranks):
+        return [ranks[i % len(ranks)] for i in range(e)]
+
+    wide = [RankLoad(r, 1, 4000, e // 64) for r in range(64)]
+    narrow = [RankLoad(r, 8, 32000, e // 8) for r in range(8)]
+    assert cost.step_seconds(narrow, owner(list(range(8)))) < cost.step_seconds(wide, owner(list(range(64))))
+    light = [RankLoad(r, 8, 1000, e // 8) for r in range(8)]
+    heavy = [RankLoad(r, 8, 400000, e // 8) for r in range(8)]
+    assert cost.step_seconds(light, owner(list(range(8)))) < cost.step_seconds(heavy, owner(list(range(8))))
+    # memory: the KV budget falls by one expert's bytes per expert hosted; a model that does
+    # not fit says so
+    b2 = kv_budget_bytes(ACCELERATORS["H800"], shape, 2)
+    assert b2 - kv_budget_bytes(ACCELERATORS["H800"], shape, 3) == shape.expert_bytes
+    with pytest.raises(ValueError, match="does not fit"):
+        kv_budget_bytes(ACCELERATORS["H800"], ModelShape.from_preset("deepseek-v3"), 256,
+                        CostParams())
+    assert shape.total_params == pytest.approx(30.5e9, rel=0.05)  # Qwen3-30B-A3B

@@ -1,0 +1,63 @@
+"""Draw the rank timeline (busy / done but occupied / released) of a simulated or a real run.
+
+    python tools/plot_timeline.py REPORT.json --out timeline.png [--epoch N]
+
+REPORT is what `tools/simulate.py` or `tools/bench_rollout.py` wrote: one panel for the static
+baseline and one for FlexFloor, one row per rank, from the chosen epoch (default: the last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from flexfloor.rollout.timeline import plot_rank_timeline  # noqa: E402
+
+
+def plot_report(report: dict, path: str, epoch: int | None = None) -> str:
+    epochs = report.get("per_epoch") or []
+    if not epochs:
+        raise ValueError("the report has no per_epoch entries: not a simulate.py or "
+                         "bench_rollout.py report")
+    entry = epochs[-1] if epoch is None else next(
+        (e for e in epochs if e["epoch"] == epoch), None)
+    if entry is None:
+        raise ValueError(f"no epoch {epoch} in the report; it has {[e['epoch'] for e in epochs]}")
+    modes = {m: entry[m]["per_rank"] for m in ("static", "elastic") if m in entry}
+    names = {"static": "static EP (baseline)", "elastic": "FlexFloor (elastic EP)"}
+    for m in modes:
+        s = entry[m]
+        names[m] += (f": {s['occupied_worker_seconds']:,.0f} occupied worker-"
+                     f"{'s' if report.get('unit', 's') == 's' else 'steps'}, "
+                     f"tail {s['tail_fraction']:.2f}")
+    sc = report.get("scenario") or report.get("setup") or {}
+    title = (f"{sc.get('name', 'rollout')} ({sc.get('model', '')}, {sc.get('gpus', sc.get('nproc', ''))}"
+             f" workers), epoch {entry['epoch']}")
+    unit = "steps" if report.get("unit") == "steps" else "s"
+    return plot_rank_timeline(modes, path, title=title, panel_titles=names, unit=unit)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("report", help="JSON from tools/simulate.py or tools/bench_rollout.py")
+    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--epoch", type=int, default=None, help="which epoch (default: the last)")
+    args = p.parse_args(argv)
+    try:
+        with open(args.report) as f:
+            report = json.load(f)
+        print(plot_report(report, args.out, args.epoch))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"plot_timeline: {args.report}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Cluster-scale rollout simulator: static EP (verl-like) vs FlexFloor, on N accelerators.
+
+    python tools/simulate.py --list
+    python tools/simulate.py --scenario paper-like --out sim.json [--plot sim.png] [--sweep]
+
+It drives the trainer's own scheduler (length history, prediction, placement) and the engine's
+own release decision (`ElasticMembership.decide`: floor, memory capacity, `plan_shrink`) over a
+discrete-event model of lockstep EP decoding priced by a roofline cost model (flexfloor/sim/).
+The JSON has `tools/bench_rollout.py`'s metric names for `static` and `elastic`, their `ratios`,
+and `ideal` (no idle-but-occupied time at all). `--sweep` adds FlexFloor over GPU counts and
+tail heaviness. Replay your own lengths with `--length-file` (the workload file format of
+flexfloor/rollout/workload.py: JSON {"lengths": [epochs][prompts][samples]} or one base length
+per line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from flexfloor.sim.scenarios import SCENARIOS, run, sweep  # noqa: E402
+
+OVERRIDES = {  # flag -> (Scenario field, type)
+    "gpus": ("gpus", int), "accelerator": ("accelerator", str), "model": ("model", str),
+    "num_prompts": ("num_prompts", int), "samples_per_prompt": ("samples_per_prompt", int),
+    "epochs": ("epochs", int), "max_len": ("max_len", int), "max_batch_size": ("max_batch_size", int),
+    "kv_budget_tokens": ("kv_budget_tokens", int), "min_active_ranks": ("min_active_ranks", int),
+    "migrate_max_requests": ("migrate_max_requests", int), "seed": ("seed", int),
+    "max_share": ("max_share", float), "load_cap": ("load_cap", float),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--list", action="store_true", help="name and describe the scenarios")
+    p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)}")
+    p.add_argument("--out", help="JSON file the report goes to")
+    p.add_argument("--plot", help="PNG of the last epoch's rank timeline (static and FlexFloor)")
+    p.add_argument("--sweep", action="store_true",
+                   help="add a sweep over GPU counts and tail heaviness (lognormal sigma)")
+    p.add_argument("--sweep-gpus", default="16,32,64,128,256")
+    p.add_argument("--sweep-sigmas", default="0.4,0.6,0.8")
+    o = p.add_argument_group("scenario overrides")
+    for flag, (_, typ) in OVERRIDES.items():
+        o.add_argument("--" + flag.replace("_", "-"), type=typ, default=None)
+    o.add_argument("--length-file", help="replay these lengths (workload file format)")
+    o.add_argument("--length-median", type=float, help="lognormal median")
+    o.add_argument("--length-sigma", type=float, help="lognormal sigma")
+    args = p.parse_args(argv)
+    if not args.list and not (args.scenario and args.out):
+        p.error("--scenario NAME and --out FILE are required (or --list)")
+    if args.scenario and args.scenario not in SCENARIOS:
+        p.error(f"--scenario {args.scenario!r} unknown; choose one of {sorted(SCENARIOS)}")
+    return args
+
+
+def scenario_of(args):
+    sc = SCENARIOS[args.scenario]
+    kw = {field: getattr(args, flag) for flag, (field, _) in OVERRIDES.items()
+          if getattr(args, flag) is not None}
+    if args.length_file:
+        kw.update(length_dist="file", length_params={"path": args.length_file})
+    elif args.length_median is not None or args.length_sigma is not None:
+        params = dict(sc.length_params)
+        if args.length_median is not None:
+            params["median"] = args.length_median
+        if args.length_sigma is not None:
+            params["sigma"] = args.length_sigma
+        kw["length_params"] = params
+    return sc.with_overrides(**kw)
+
+
+def format_report(rep: dict) -> str:
+    unit = rep["unit"]
+    rows = [("total_response_tokens", "{:,.0f}"), ("occupied_worker_seconds", "{:,.1f}"),
+            ("occupied_worker_steps", "{:,.0f}"), ("tail_fraction", "{:.3f}"),
+            ("rollout_wall_seconds", "{:,.1f}"), ("tokens_per_occupied_worker_second", "{:,.1f}")]
+    lines = [f"{'':36s}{'static':>16s}{'FlexFloor':>16s}{'ratio':>9s}"]
+    for key, fmt in rows:
+        s, e = rep["static"][key], rep["elastic"][key]
+        ratio = f"{e / s:9.3f}" if s else ""
+        lines.append(f"{key:36s}{fmt.format(s):>16s}{fmt.format(e):>16s}{ratio}")
+    r = rep["ratios"]
+    lines.append(f"ideal (no idle-but-occupied time): {rep['ideal']['tokens_per_occupied_worker_second']:,.1f} "
+                 f"tokens per occupied worker-{'second' if unit == 's' else 'step'}; FlexFloor reaches "
+                 f"{r['elastic_over_ideal']:.3f} of it, static {r['static_over_ideal']:.3f}")
+    if unit != "s":
+        lines.append("(UnitCost: every step costs 1, so 'seconds' are engine steps)")
+    for name, t in rep.get("targets", {}).items():
+        lines.append(f"target {name} {t['target']}: {t['value']:.3f} "
+                     f"{'met' if t['met'] else 'NOT MET'}")
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[dict]) -> str:
+    lines = [f"{'gpus':>5s} {'sigma':>6s} {'p99/p50':>8s} {'static tail':>12s} "
+             f"{'tok/occ-s x':>12s} {'wall x':>8s} {'vs ideal':>9s}"]
+    for r in rows:
+        lines.append(f"{r['gpus']:5d} {r['sigma']:6.2f} {r['p99_over_p50']:8.1f} "
+                     f"{r['static_tail_fraction']:12.3f} {r['tokens_per_occupied_worker_second']:12.3f} "
+                     f"{r['rollout_wall_seconds']:8.3f} {r['elastic_over_ideal']:9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for name, sc in SCENARIOS.items():
+            where = f"{sc.gpus} x {sc.accelerator}" if sc.accelerator else f"{sc.gpus} ranks, UnitCost"
+            print(f"{name:18s} {sc.model} on {where}: {sc.description}")
+        return 0
+    try:
+        sc = scenario_of(args)
+        t0 = time.perf_counter()
+        print(f"simulate: {sc.name}: {sc.model} on {sc.gpus} "
+              f"{sc.accelerator or 'ranks (UnitCost)'}, {sc.num_prompts} prompts x "
+              f"{sc.samples_per_prompt} samples, {sc.epochs} epochs", flush=True)
+        rep = run(sc)
+        if args.sweep:
+            gpus = [int(x) for x in args.sweep_gpus.split(",")]
+            sigmas = [float(x) for x in args.sweep_sigmas.split(",")]
+            print(f"sweep: {len(gpus)} GPU counts x {len(sigmas)} tails", flush=True)
+            rep["sweep"] = sweep(sc, gpus, sigmas)
+    except (ValueError, OSError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    rep["seconds"] = time.perf_counter() - t0
+    out = os.path.abspath(args.out)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_finite(rep), f, indent=1)
+    os.replace(tmp, out)
+    print(format_report(rep))
+    if "sweep" in rep:
+        print(format_sweep(rep["sweep"]))
+    print(f"took {rep['seconds']:.0f} s; results in {out}")
+    if args.plot:
+        from tools.plot_timeline import plot_report
+
+        print(f"timeline plot in {plot_report(rep, args.plot)}")
+    return 0
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+if __name__ == "__main__":
+    sys.exit(main())
