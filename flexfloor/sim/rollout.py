@@ -23,7 +23,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from flexfloor.rollout.elastic import ElasticMembership, RankLimits
+from flexfloor.rollout.elastic import RankLimits
 from flexfloor.rollout.engine import StepReport
 from flexfloor.rollout.types import RankRecord
 from flexfloor.sim.cost import RankLoad
