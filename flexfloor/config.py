@@ -264,10 +264,18 @@ class SchedulerConfig:
     prior_quantile: float = 0.5  # quantile of past lengths used for prompts with no history
     migrate: bool = False  # move a rank's last requests to a survivor so it can leave earlier
     migrate_max_requests: int = 2  # most requests a rank may hand over to leave
+    # FlexFloor placement: most prompt groups a rank takes, in fair shares (the ranks meant to
+    # stay take more of the long work); on accelerators 1.0 (see flexfloor/sim/scenarios.py)
+    max_share: float = 2.0
+    # FlexFloor placement: a rank's predicted peak of cached KV tokens at most this times the
+    # baseline's fullest rank's; None = no cap. On accelerators (memory-bound decode, lockstep
+    # steps at the fullest rank's pace) 0.7 keeps steps as fast as the baseline's
+    load_cap: float | None = None
 
     def validate(self) -> None:
         _in_range("scheduler.prior_quantile", self.prior_quantile, 0.0, 1.0)
         _non_negative("scheduler", self, "migrate_max_requests")
+        _positive("scheduler", self, "max_share", "load_cap")
 
 
 @dataclass

@@ -159,7 +159,9 @@ class Job:
             valid_vocab=self.tokenizer.vocab_size,
         )
         self.scheduler = Scheduler(cfg.scheduler.placement, prior_quantile=cfg.scheduler.prior_quantile,
-                                   memory=memory, max_batch_size=cfg.rollout.max_batch_size)
+                                   memory=memory, max_batch_size=cfg.rollout.max_batch_size,
+                                   max_share=cfg.scheduler.max_share,
+                                   load_cap=cfg.scheduler.load_cap)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
         self.sampling = SamplingParams.from_rollout_config(cfg.rollout, eos_id=self.tokenizer.eos_id)
 

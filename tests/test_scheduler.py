@@ -6,7 +6,7 @@ import pytest
 from flexfloor.config import ModelConfig, PlacementPolicy
 from flexfloor.rollout.scheduler import (
     LengthHistory, MemoryModel, PromptGroup, Predictor, Scheduler, prediction_accuracy,
-    simulate_rank_steps,
+    rank_profile, simulate_rank_steps,
 )
 from flexfloor.rollout.types import Request
 
@@ -102,3 +102,46 @@ def test_flexfloor_respects_a_makespan_bound_when_memory_is_tight():
     base_plan = base.plan(groups(lengths), [0, 1, 2, 3])
     assert max(plan.expected_finish.values()) <= max(base_plan.expected_finish.values())
     assert sum(len(v) for v in plan.assignment.values()) == 16  # nothing lost or duplicated
+
+
+def test_rank_profile_peak_is_the_cached_tokens_just_before_a_finish():
+    # two requests with 1-token prompts, 4 and 2 tokens: at step 2 both hold 1 + 2 = 3 tokens
+    assert rank_profile([4, 2], [1, 1], None, 8) == (4, 6)
+    # one slot: the 2-token request waits for the first; peaks 1 + 4, then 1 + 2
+    assert rank_profile([4, 2], [1, 1], None, 1) == (6, 5)
+
+
+def peak_and_finish(sched, assignment):
+    """(finish, peak) of each rank under the scheduler's own per-request predictions."""
+    return {r: rank_profile([sched._per_request[q.request_id] for q in reqs],
+                            [len(q.prompt_ids) for q in reqs], None, sched.max_batch_size)
+            for r, reqs in assignment.items()}
+
+
+def test_load_cap_bounds_each_ranks_peak_by_the_baselines_and_places_everything():
+    lengths = {uid: n for uid, n in enumerate([200, 190, 180, 170, 60, 50, 40, 30, 20, 12, 8, 4])}
+    gs = groups(lengths, n=4)
+    base = Scheduler(PlacementPolicy.BASELINE, history(lengths), max_batch_size=64)
+    base_peak = max(p for _, p in peak_and_finish(base, base.plan(gs, range(4)).assignment).values())
+    for cap, share in ((None, 2.0), (1.0, 1.0), (0.7, 1.0)):
+        sched = Scheduler(PlacementPolicy.FLEXFLOOR, history(lengths), max_batch_size=64,
+                          max_share=share, load_cap=cap)
+        plan = sched.plan(gs, range(4))
+        placed = sorted(q.request_id for reqs in plan.assignment.values() for q in reqs)
+        assert placed == sorted(q.request_id for g in gs for q in g.requests)
+        prof = peak_and_finish(sched, plan.assignment)
+        assert max(f for f, _ in prof.values()) <= 200  # never slower than the longest group
+        if cap is not None:
+            # the longest work stays on rank 0, within the cap, and no rank is a dumping ground
+            assert prof[0][1] <= cap * base_peak or len(plan.assignment[0]) == 4
+            assert max(len(v) for v in plan.assignment.values()) <= 2 * 12
+        assert plan.assignment[0][0].prompt_uid == 0
+
+
+def test_a_cap_no_rank_can_meet_does_not_pile_onto_the_last_rank():
+    lengths = {uid: 100 for uid in range(16)}  # no history difference: every group alike
+    sched = Scheduler(PlacementPolicy.FLEXFLOOR, history(lengths), max_batch_size=64,
+                      max_share=1.0, load_cap=0.3)
+    plan = sched.plan(groups(lengths, n=2), range(4))
+    counts = [len(plan.assignment[r]) for r in range(4)]
+    assert sum(counts) == 32 and max(counts) <= 10, counts
