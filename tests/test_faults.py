@@ -35,9 +35,10 @@ def test_released_ranks_wait_for_progress_not_for_a_fixed_timeout(tmp_path):
     proc = torchrun("fault_resync.py", 3, str(tmp_path), check=False, timeout=240)
     assert proc.returncode != 0  # the hung second rollout fails the job
     for rank in (1, 2):
+        assert (tmp_path / f"rank{rank}.json").exists(), proc.stderr[-4000:]
         with open(tmp_path / f"rank{rank}.json") as f:
             res = json.load(f)
-        # 1. released at once, then waited through rank 0's ~6 s of decoding (timeout: 3 s)
+        # 1. released at once, then waited through rank 0's ~4 s of decoding (timeout: 3 s)
         assert res["long"]["release_step"] == 2 and res["long"]["tokens"] == 2
         assert res["long"]["resync_wait_s"] > 3.0
         # 2. a survivor that stops: an error that names the rank, the phase and the step

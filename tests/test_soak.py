@@ -8,7 +8,7 @@ import pytest
 
 from distributed import torchrun
 
-ROLLOUTS = 20
+ROLLOUTS = 14
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 
 Usage: torchrun --nproc-per-node 3 tests/workers/fault_resync.py OUT_DIR
 
-parallel.timeout_s is 3 s. Rank 0 decodes a long response slowly (0.1 s per step, about 6 s),
+parallel.timeout_s is 3 s. Rank 0 decodes a long response slowly (0.1 s per step, about 4 s),
 ranks 1 and 2 finish at once and are released:
   1. they wait at resync longer than the timeout, and the rollout ends normally;
-  2. in a second rollout rank 0 stops (12 s without a step, a hung survivor) after the others
+  2. in a second rollout rank 0 stops (8 s without a step, a hung survivor) after the others
      left: they fail with an error naming the rank, the phase and the step, and exit non-zero.
 """
 
@@ -27,13 +27,13 @@ TIMEOUT_S = 3.0
 
 class SlowSurvivor(ElasticMembership):
     """Rank 0 takes 0.1 s per step (a long response on a slow machine); with `stall_at`, it
-    stops for 12 s at that engine step (hung)."""
+    stops for 8 s at that engine step (hung)."""
 
     stall_at = None
 
     def step_boundary(self, engine, has_work):
         if engine.rank == 0 and engine.record.steps > 0:
-            time.sleep(12.0 if engine.record.steps == self.stall_at else 0.1)
+            time.sleep(8.0 if engine.record.steps == self.stall_at else 0.1)
         return super().step_boundary(engine, has_work)
 
 
@@ -41,7 +41,7 @@ def rollout(engine, layout, par, step, stall_at=None):
     membership = membership_for(ReleasePolicy.ELASTIC, par, layout, step=step)
     membership.__class__ = SlowSurvivor
     membership.stall_at = stall_at
-    n = 60 if par.rank == 0 else 2
+    n = 40 if par.rank == 0 else 2
     reqs = [Request(prompt_uid=par.rank, sample_index=0, prompt_ids=(1, 2, 3), max_new_tokens=n,
                     target_len=n, sampling=SamplingParams(greedy=True), step=step)]
     out = engine.generate(reqs, membership)
@@ -62,7 +62,7 @@ def main():
                    "steps": out.record.steps, "tokens": sum(len(r.token_ids) for r in out.results)}
     t0 = time.perf_counter()
     try:
-        rollout(engine, layout, par, step=2, stall_at=20)
+        rollout(engine, layout, par, step=2, stall_at=10)
         res["hung"] = {"error": None}
     except CollectiveError as e:
         res["hung"] = {"error": str(e), "after_s": time.perf_counter() - t0}
