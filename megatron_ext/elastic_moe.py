@@ -7,8 +7,9 @@ sends each (token, expert) pair to the rank that the current `Placement` names, 
 rank map works (8 experts on 3 ranks, 6 on 4), a rank with no tokens still takes part in every
 exchange, and `rebind()` switches to a new group and placement without rebuilding the model.
 
-Per layer and step, over the EP group: one all-to-all of per-expert counts, one of token rows,
-one of their routing probabilities (router dtype), one of expert outputs back. Each token's output is the
+Per layer and step, over the EP group: one all-to-all of per-expert counts, one of token rows with
+their routing probabilities (router dtype, bytes appended to each row), one of expert outputs back;
+none on a group of one rank. Each token's output is the
 sum of its top-k expert outputs in ascending expert order, whatever rank computed them, so the
 result does not depend on the placement.
 """
@@ -32,6 +33,19 @@ def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int],
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
+
+
+def _exchange_rows(x: torch.Tensor, p: torch.Tensor, recv_splits, send_splits, group):
+    """Token rows and their routing probabilities in one all-to-all: each row's bytes with its
+    probability's bytes appended (exact whatever the two dtypes)."""
+    n = x.shape[0]
+    w = x.shape[1:].numel() * x.element_size()
+    xb = x.contiguous().view(torch.uint8).reshape(n, w)
+    pb = p.contiguous().view(torch.uint8).reshape(n, p.element_size())
+    both = _all_to_all(torch.cat([xb, pb], dim=1), recv_splits, send_splits, group)
+    rx = both[:, :w].contiguous().view(x.dtype).reshape(-1, *x.shape[1:])
+    rp = both[:, w:].contiguous().view(p.dtype).reshape(-1)
+    return rx, rp
 
 
 def _clone(module: torch.nn.Module) -> torch.nn.Module:
@@ -146,12 +160,14 @@ class PlacedMoE:
             order = torch.empty(0, dtype=torch.long)
             send_x = x
             send_p = torch.empty(0, dtype=self.prob_dtype)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)  # [source, expert]
         send_splits = counts.sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
-        recv_x = _all_to_all(send_x, recv_splits, send_splits, group)
-        recv_p = _all_to_all(send_p, recv_splits, send_splits, group)
+        if size == 1:  # a lone rank (EP=1, or the last survivor): nothing to exchange
+            recv_counts, recv_splits, recv_x, recv_p = counts, send_splits, send_x, send_p
+        else:
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=group)  # [source, expert]
+            recv_splits = recv_counts.sum(1).tolist()
+            recv_x, recv_p = _exchange_rows(send_x, send_p, recv_splits, send_splits, group)
 
         row_expert = torch.repeat_interleave(
             torch.arange(self.num_experts).repeat(size), recv_counts.view(-1)
@@ -164,7 +180,7 @@ class PlacedMoE:
                 out_rows[idx] = y
         if recv_x.shape[0] and not set(row_expert.unique().tolist()) <= set(self.hosted[layer]):
             raise PlacementError(f"rank {self.rank} received tokens for experts it does not host")
-        back = _all_to_all(out_rows, send_splits, recv_splits, group)
+        back = out_rows if size == 1 else _all_to_all(out_rows, send_splits, recv_splits, group)
 
         if t == 0:
             return hidden
