@@ -366,6 +366,7 @@ class Job:
             "rollout/occupied_worker_steps": roll["occupied_worker_steps"],
             "rollout/wall_seconds": roll["rollout_wall_seconds"],
             "rollout/release_s": [p["release_s"] for p in roll["per_rank"]],
+            "rollout/steps": [r["steps"] for r in records],  # engine steps each rank took part in
             "rollout/local_finish_s": [p["local_finish_s"] for p in roll["per_rank"]],
             "scheduler/spearman": acc["spearman"],
             "scheduler/mae": acc["mae"],
