@@ -52,7 +52,7 @@ def test_released_ranks_wait_for_progress_not_for_a_fixed_timeout(tmp_path):
 # ------------------------------------------------------------------------------ worker loss
 
 NPROC = 2
-STEPS = 3
+STEPS = 5
 JOB = [
     "--config", os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml"),
     f"parallel.world_size={NPROC}", f"parallel.expert_parallel_size={NPROC}",
@@ -66,8 +66,9 @@ JOB = [
 ]
 # metrics that depend only on the computation (not on the clock)
 EXACT = ("reward/mean", "reward/solved", "response_length/mean", "response_length/max",
-         "rollout/released_ranks", "rollout/occupied_worker_steps", "actor/loss",
-         "actor/grad_norm", "actor/lr", "data/epoch", "data/position", "scheduler/mae")
+         "rollout/occupied_worker_steps", "actor/loss",
+         "actor/grad_norm", "actor/lr", "data/epoch", "data/position", "scheduler/mae",
+         "rollout/steps")
 
 
 def launch(base, name, *, fault="", max_restarts=0, timeout=420):
@@ -114,20 +115,20 @@ def runs(tmp_path_factory):
     rc, ref_lines = launch(base, "reference")
     assert rc == 0, "\n".join(t for _, t in ref_lines[-60:])
     ref_metrics = metrics(base, "reference")
-    # (b) needs a rank that leaves before the rollout ends: the first in the first step >= 2
-    # where one did (the run is deterministic, so the faulted run does the same)
-    m_b = next(m for m in ref_metrics if m["step"] >= 2 and m["rollout/released_ranks"] > 0)
-    step_b = m_b["step"]
-    rank_b = min(range(NPROC), key=lambda r: m_b["rollout/release_s"][r])
-    survivor_2 = max(range(NPROC), key=lambda r: ref_metrics[1]["rollout/release_s"][r])
-    step_c = max(3, step_b)
+    # Each attempt redoes the step its predecessor lost before it meets its own fault, so each
+    # fault's recovery can be timed. (b) needs a rank that leaves a rollout before its end: the
+    # first such step of the uninterrupted run (deterministic: the faulted run releases the same
+    # ranks); (a) kills the rank that stays longest in the next step; (c), (d) the step after.
+    early = [m for m in ref_metrics[1:3] if len(set(m["rollout/steps"])) > 1]
+    assert early, "no rank left steps 2-3 early: change the workload of this test"
+    step_b = early[0]["step"]
+    steps = {m["step"]: m["rollout/steps"] for m in ref_metrics}
     faults = {  # one per launch attempt, in this order
-        "a": f"rollout:{survivor_2}:2:2",  # the last rank to leave step 2, at its engine step 2
-        "b": f"resync:{rank_b}:{step_b}",
-        "c": f"train:0:{step_c}",
-        "d": f"save:1:{step_c}",
+        "b": f"resync:{steps[step_b].index(min(steps[step_b]))}:{step_b}",
+        "a": f"rollout:{steps[step_b + 1].index(max(steps[step_b + 1]))}:{step_b + 1}:2",
+        "c": f"train:0:{step_b + 2}",
+        "d": f"save:1:{step_b + 2}",
     }
-    assert step_c <= STEPS
     t0 = time.monotonic()
     rc, lines = launch(base, "faulted", fault=",".join(faults.values()), max_restarts=len(faults))
     wall = time.monotonic() - t0
@@ -139,9 +140,12 @@ def runs(tmp_path_factory):
 def test_every_fault_was_injected_once_in_order(runs):
     kills = [t for _, t in runs["lines"] if "fault injection: SIGKILL" in t]
     phases = [re.search(r"phase '(\w+)'", t).group(1) for t in kills]
-    assert phases == ["rollout", "resync", "train", "save"], kills
-    resumed = [t for _, t in runs["lines"] if "resumed from iter_" in t]
-    assert len(resumed) >= 3  # (a) may come before any checkpoint only if step 1 failed
+    assert phases == ["resync", "rollout", "train", "save"], kills
+    # each restart resumed from the newest complete checkpoint: the one before the step of the
+    # fault; after (d), killed while saving, the one before too (the half-written one never)
+    resumed = [int(re.search(r"resumed from iter_(\d+)", t).group(1)) for _, t in runs["lines"]
+               if "resumed from iter_" in t]
+    assert resumed == [int(f.split(":")[2]) - 1 for f in runs["faults"].values()]
 
 
 def test_resumed_run_equals_an_uninterrupted_run(runs):
@@ -188,6 +192,8 @@ def test_record_detection_and_recovery_times(runs):
                       or "failed (exitcode" in text or "Worker group FAILED" in text)
         who = next(text for t, text in later if t == detect)
         done = next(t for t, text in later if re.match(rf"step\s+{step} \|", text))
+        # the restarted attempt redid the step before any other fault
+        assert not [x for t, x in later if t < done and "fault injection" in x], case
         table[case] = {"fault": spec, "detection_s": round(detect - t_kill, 2),
                        "recovery_s": round(done - t_kill, 2),
                        "detected_by": "survivor" if "[flexfloor] error:" in who else "launcher"}
