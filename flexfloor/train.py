@@ -60,6 +60,9 @@ def _fail(e: Exception) -> None:
     if not isinstance(e, expected):
         traceback.print_exception(e, file=sys.stderr)
     message = " ".join(str(e).split())  # one line
+    rank = where.split(",")[0] + ", "
+    if message.startswith(rank):  # a CollectiveError names the rank already
+        message = message[len(rank):]
     print(f"[flexfloor] error: {where}: {type(e).__name__}: {message}", file=sys.stderr,
           flush=True)
     _exit_now(1)
