@@ -6,7 +6,7 @@ import pytest
 from flexfloor.config import ModelConfig, PlacementPolicy
 from flexfloor.rollout.scheduler import (
     LengthHistory, MemoryModel, PromptGroup, Predictor, Scheduler, prediction_accuracy,
-    rank_profile, simulate_rank_steps,
+    _profile_by_events, rank_profile, simulate_rank_steps,
 )
 from flexfloor.rollout.types import Request
 
@@ -145,3 +145,17 @@ def test_a_cap_no_rank_can_meet_does_not_pile_onto_the_last_rank():
     plan = sched.plan(groups(lengths, n=2), range(4))
     counts = [len(plan.assignment[r]) for r in range(4)]
     assert sum(counts) == 32 and max(counts) <= 10, counts
+
+
+def test_rank_profile_shortcut_equals_the_event_simulation():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(500):
+        n = rng.randint(1, 30)
+        lengths = [rng.choice([rng.randint(1, 80), rng.uniform(0.5, 60)]) for _ in range(n)]
+        prompts = [rng.randint(1, 12) for _ in range(n)]
+        for kv, batch in ((None, 64), (10_000, n), (None, max(1, n // 2)), (sum(prompts) + 40, 64)):
+            fast, slow = rank_profile(lengths, prompts, kv, batch), _profile_by_events(
+                lengths, prompts, kv, batch)
+            assert fast == pytest.approx(slow), (lengths, prompts, kv, batch)

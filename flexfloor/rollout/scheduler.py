@@ -204,6 +204,21 @@ def rank_profile(lengths: Sequence[float], prompt_lens: Sequence[int], kv_tokens
     bandwidth (accelerators), the step time of the lockstep group follows the fullest rank."""
     if not lengths:
         return 0.0, 0.0
+    if len(lengths) <= max_batch and (
+            kv_tokens is None or sum(int(n) + p for n, p in zip(lengths, prompt_lens)) <= kv_tokens):
+        # everything admitted at once: just before the k-th longest finishes, it and every longer
+        # one hold their prompt plus that many tokens
+        peak, prompts = 0.0, 0
+        ordered = sorted(zip((max(1.0, n) for n in lengths), prompt_lens), reverse=True)
+        for k, (n, p) in enumerate(ordered, start=1):
+            prompts += p
+            peak = max(peak, prompts + k * n)
+        return ordered[0][0], peak
+    return _profile_by_events(lengths, prompt_lens, kv_tokens, max_batch)
+
+
+def _profile_by_events(lengths, prompt_lens, kv_tokens, max_batch) -> tuple[float, float]:
+    """rank_profile by an event simulation of the admission (waves: KV room or slots short)."""
     running: list[tuple[float, float, int, int]] = []  # (finish, admitted, prompt, reserved)
     now = peak = 0.0
     used = 0

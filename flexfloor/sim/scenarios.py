@@ -258,6 +258,9 @@ def sweep(sc: Scenario, gpus: list[int], sigmas: list[float], *,
             s = sc.with_overrides(gpus=n, num_prompts=max(1, math.ceil(per_gpu * n)),
                                   length_params={**sc.length_params, "sigma": sigma}, targets={})
             rep = run(s, params=params)
+            print(f"  {n} gpus, sigma {sigma}: x{rep['ratios']['tokens_per_occupied_worker_second']:.3f}"
+                  f" tokens per occupied GPU-second, wall x{rep['ratios']['rollout_wall_seconds']:.3f}",
+                  flush=True)
             rows.append({"gpus": n, "sigma": sigma, "num_prompts": s.num_prompts,
                          "p99_over_p50": rep["workload"]["p99_over_p50"],
                          "static_tail_fraction": rep["static"]["tail_fraction"],
