@@ -354,11 +354,14 @@ class Scheduler:
             for g in taken:
                 remaining.remove(g)
             assigned[rank] = taken
-        # groups no rank could take within the caps: each to the rank where it raises the
-        # predicted finish, then the peak load, the least (never all onto the last rank)
+        # groups no rank could take within the caps: each to the rank whose predicted peak load
+        # stays lowest with it, among those still within the makespan bound if any (never all
+        # onto the last rank)
         for g in remaining:
-            best = min(ranks, key=lambda r: (*profile(assigned[r] + [g]), len(assigned[r]), -r))
-            assigned[best].append(g)
+            def cost(r):
+                steps, peak = profile(assigned[r] + [g])
+                return (steps > bound, peak, steps, len(assigned[r]), -r)
+            assigned[min(ranks, key=cost)].append(g)
         out = {}
         for rank, gs in assigned.items():
             reqs = [r for g in gs for r in g.requests]
