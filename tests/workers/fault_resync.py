@@ -2,8 +2,10 @@
 
 Usage: torchrun --nproc-per-node 3 tests/workers/fault_resync.py OUT_DIR
 
-parallel.timeout_s is 3 s. Rank 0 decodes a long response slowly (0.1 s per step, about 4 s),
-ranks 1 and 2 finish at once and are released:
+Resync's timeout (parallel.timeout_s unless given) is 3 s; the groups keep 60 s, so that ranks
+reaching the set-up's collectives seconds apart on a loaded machine are no failure. Rank 0
+decodes a long response slowly (0.1 s per step, about 4 s), ranks 1 and 2 finish at once and
+are released:
   1. they wait at resync longer than the timeout, and the rollout ends normally;
   2. in a second rollout rank 0 stops (8 s without a step, a hung survivor) after the others
      left: they fail with an error naming the rank, the phase and the step, and exit non-zero.
@@ -46,12 +48,12 @@ def rollout(engine, layout, par, step, stall_at=None):
                     target_len=n, sampling=SamplingParams(greedy=True), step=step)]
     out = engine.generate(reqs, membership)
     t0 = time.perf_counter()
-    resync(engine.moe, layout, par, membership, step=step)
+    resync(engine.moe, layout, par, membership, step=step, timeout_s=TIMEOUT_S)
     return out, time.perf_counter() - t0
 
 
 def main():
-    par = Parallel.build(timeout_s=TIMEOUT_S)
+    par = Parallel.build(timeout_s=60)
     rank = par.rank
     model = build_model(ModelConfig(num_experts=6), par)
     layout = RolloutLayout.gather(model, par)
