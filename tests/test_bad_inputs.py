@@ -50,6 +50,7 @@ CATALOGUE = {
     "truncated checkpoint": ["test_bad_inputs::test_truncated_checkpoint",
                              "test_foundation::test_bad_checkpoints_are_refused_with_the_reason",
                              "test_checkpoint_crash::test_crash_mid_save_keeps_previous_checkpoint",
+                             "test_bad_inputs::test_orphan_checkpoint_newer_than_latest_is_replaced",
                              "test_faults::test_half_written_checkpoint_was_never_loaded"],
     "NaN loss (skip or stop)": ["test_bad_inputs::test_nan_loss_stops",
                                 "test_bad_inputs::test_nan_loss_skips_loudly"],
@@ -211,3 +212,7 @@ def test_nan_loss_skips_loudly(job_errors):
     assert res["weights_unchanged"] is True
     assert ("[flexfloor] step 1: non-finite loss or gradient (nan); the update was not applied "
             "(trainer.nan_policy=skip)") in job_errors["stdout"]
+
+
+def test_orphan_checkpoint_newer_than_latest_is_replaced(job_errors):
+    assert job_errors["nan_skip"]["orphan_replaced"] is True

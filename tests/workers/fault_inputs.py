@@ -8,12 +8,13 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import sys
 
 import torch
 import torch.distributed as dist
 
-from flexfloor.checkpoint import _shape_of
+from flexfloor.checkpoint import _shape_of, read_meta
 from flexfloor.config import load_config
 from flexfloor.coordinator import Job, error_origin
 from flexfloor.data import make_synthetic_prompts, register_reward, write_examples
@@ -91,7 +92,15 @@ def nan_step(case, policy):
         res.update(error=str(e), type=type(e).__name__, origin=error_origin(e))
     after = weights(job)
     res["weights_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
-    res["checkpoints"] = sorted(os.listdir(path(case, "ckpt"))) if os.path.exists(path(case, "ckpt")) else []
+    ckpt = path(case, "ckpt")
+    res["checkpoints"] = sorted(os.listdir(ckpt)) if os.path.exists(ckpt) else []
+    if policy == "skip":
+        # a save that crashed after renaming iter_2 and before moving `latest` left an orphan:
+        # the resumed run's own save of step 2 must replace it (never refuse, never load it)
+        shutil.copytree(os.path.join(ckpt, "iter_0000001"), os.path.join(ckpt, "iter_0000002"))
+        job.step()
+        res["orphan_replaced"] = (read_meta(ckpt)["step"] == 2 and sorted(os.listdir(ckpt))
+                                  == ["iter_0000001", "iter_0000002", "latest"])
     job.close()
     return res
 
