@@ -136,3 +136,26 @@ def test_cost_model_directions():
         kv_budget_bytes(ACCELERATORS["H800"], ModelShape.from_preset("deepseek-v3"), 256,
                         CostParams())
     assert shape.total_params == pytest.approx(30.5e9, rel=0.05)  # Qwen3-30B-A3B
+
+
+def test_a_trace_file_is_replayed_as_given(tmp_path):
+    import numpy as np
+
+    from flexfloor.rollout.workload import save_lengths
+
+    lengths = np.random.default_rng(5).integers(1, 90, size=(2, 10, 3))
+    trace = tmp_path / "lengths.json"
+    save_lengths(str(trace), lengths)
+    out = tmp_path / "sim.json"
+    proc = subprocess.run([sys.executable, "tools/simulate.py", "--scenario", "tiny-cpu",
+                           "--length-file", str(trace), "--num-prompts", "10",
+                           "--samples-per-prompt", "3", "--epochs", "2", "--max-len", "100",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with open(out) as f:
+        rep = json.load(f)
+    for e, entry in enumerate(rep["per_epoch"]):
+        for mode in ("static", "elastic"):
+            assert entry[mode]["total_response_tokens"] == int(lengths[e].sum())
+    assert rep["elastic"]["total_response_tokens"] == int(lengths[1].sum())  # summary: epoch 2
