@@ -41,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from flexfloor.rollout.metrics import json_safe  # noqa: E402
 from flexfloor.rollout.workload import (  # noqa: E402
     DEFAULT_PARAMS, DISTRIBUTIONS, NOISE_PARAMS, epoch_order, make_lengths, make_prompts, tail_stats,
 )
@@ -310,7 +311,7 @@ def worker(args) -> None:
     if bench.rank == 0:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(_finite(report), f, indent=1)
+            json.dump(json_safe(report), f, indent=1)
         os.replace(tmp, args.out)
     bench.par.barrier()
     bench.par.destroy()
@@ -560,17 +561,6 @@ def progress_line(entry: dict, args) -> str:
         p = entry["predictor"]
         parts.append(f"predictor spearman {_fmt(p['spearman'], 2)}")
     return f"epoch {entry['epoch']}/{args.epochs} ({entry['seconds']:.1f} s): " + ", ".join(parts)
-
-
-def _finite(obj):
-    """NaN/inf -> None, so the JSON is strict (e.g. a predictor with nothing to rank)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from flexfloor.rollout.metrics import json_safe  # noqa: E402
 from flexfloor.sim.scenarios import SCENARIOS, run, sweep  # noqa: E402
 
 OVERRIDES = {  # flag -> (Scenario field, type)
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(_finite(rep), f, indent=1)
+        json.dump(json_safe(rep), f, indent=1)
     os.replace(tmp, out)
     print(format_report(rep))
     if "sweep" in rep:
@@ -148,16 +148,6 @@ def main(argv=None) -> int:
 
         print(f"timeline plot in {plot_report(rep, args.plot)}")
     return 0
-
-
-def _finite(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Iterable, Sequence
 
 
@@ -84,3 +85,14 @@ def ratios(elastic: dict, static: dict) -> dict:
         "tokens_per_occupied_worker_step": ratio("tokens_per_occupied_worker_step"),
         "rollout_wall_seconds": ratio("rollout_wall_seconds"),
     }
+
+
+def json_safe(obj):
+    """NaN/inf -> None, recursively, so the JSON a tool writes is strict."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
