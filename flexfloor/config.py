@@ -340,13 +340,21 @@ class DataConfig:
 class CheckpointConfig:
     dir: str | None = None  # where checkpoints go; None = no checkpoints
     save_interval: int = 0  # save every N steps; 0 = only at the end
-    load: str | None = None  # checkpoint to start from; None = random init
+    load: str | None = None  # a training checkpoint to resume (weights, optimizer, step, data)
+    # weights only (e.g. a converted HF checkpoint): fresh optimizer, step 0. A resume (load, or
+    # checkpoint.dir/latest with resume=auto) wins over it. None with no load = random init
+    init_from: str | None = None
     keep_last: int = 2  # older checkpoints are deleted
     resume: Resume = Resume.AUTO  # auto: checkpoint.dir/latest, when present, wins over load
 
     def validate(self) -> None:
         _non_negative("checkpoint", self, "save_interval")
         _positive("checkpoint", self, "keep_last")
+        _require(not (self.load and self.init_from), "checkpoint.init_from",
+                 f"{self.init_from!r} and checkpoint.load={self.load!r} are both set; "
+                 "checkpoint.load resumes a training run (optimizer, step, data), "
+                 "checkpoint.init_from starts a new one from weights only: set one of them "
+                 "to null")
 
 
 @dataclass
