@@ -9,6 +9,11 @@ Failures: every phase runs under `Job.phase`, which marks an exception with the 
 and the step (`error_origin`), so the entry point prints one line that says where it happened.
 Collectives have timeouts (parallel.timeout_s), so a dead or hung peer ends as such an error.
 A restarted job continues from `checkpoint.dir/latest` (checkpoint.resume=auto).
+
+Where the weights come from, first match wins: a resume (`checkpoint.dir/latest` with
+checkpoint.resume=auto, or `checkpoint.load`: weights, optimizer, step, data cursor, companions),
+then `checkpoint.init_from` (weights only, e.g. a converted HF checkpoint: fresh optimizer and
+schedule, step 0), then the random init of `model.seed`.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexfloor.checkpoint import (CheckpointError, iter_name, load_checkpoint, resolve_checkpoint,
-                                  save_checkpoint)
+from flexfloor.checkpoint import (CheckpointError, iter_name, load_checkpoint, read_meta,
+                                  resolve_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from flexfloor.config import Algorithm, Config, NanPolicy, Resume, config_to_dict
 from flexfloor.data import compute_score, load_prompts, sft_response
 from flexfloor.faults import FaultPhase, inject
@@ -113,13 +118,19 @@ class Job:
         self.step_index = 0
         with self.phase("set-up"):
             self._set_up(cfg)
-        start = self._start_checkpoint()
-        if start:
-            with self.phase("checkpoint load"):
+        start, init_from = self._start_checkpoint(), cfg.checkpoint.init_from
+        with self.phase("checkpoint load"):
+            if start:
                 self._load(start)
+            elif init_from:
+                self._init_from(init_from)
         self.log = RunLog(cfg, self.rank, resumed_step=self.step_index)
         if start:
-            self.log.say(f"resumed from {iter_name(self.step_index)} ({start})")
+            ignored = f"; checkpoint.init_from={init_from} ignored" if init_from else ""
+            self.log.say(f"resumed from {iter_name(self.step_index)} ({start}){ignored}")
+        elif init_from:
+            self.log.say(f"initialised the weights from checkpoint.init_from={init_from} "
+                         "(fresh optimizer, step 0)")
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             why = ("no complete checkpoint in checkpoint.dir yet" if cfg.checkpoint.dir else
                    "no checkpoint.dir to resume from (set it and checkpoint.save_interval)")
@@ -314,6 +325,7 @@ class Job:
                              _warm_start_key(cfg))
         if os.path.exists(os.path.join(cache, "latest")):
             load_checkpoint(cache, model=self.model, model_cfg=cfg.model)
+            self.train_state.optimizer.reload_model_params()  # fp32 main params of a bf16 model
             self.log.say(f"warm start: loaded the cached supervised model from {cache}")
             return
         import dataclasses
@@ -338,6 +350,7 @@ class Job:
             loss = sft.train_sft(split_even(samples, self.parallel.world_size)[self.rank])
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         # RL keeps its own optimizer and schedule (untouched so far); the cache holds the weights
+        self.train_state.optimizer.reload_model_params()
         save_checkpoint(cache, 0, model=self.model, model_cfg=cfg.model)
         self.log.say(f"warm start: {steps} supervised steps, cached in {cache}")
 
@@ -429,8 +442,28 @@ class Job:
             out.append(("reference", self.reference, None))
         return out
 
+    def _init_from(self, path: str) -> None:
+        """checkpoint.init_from: the model's weights only. The optimizer, the LR schedule, the
+        data cursor and this rank's RNG stay as a new run sets them up; the critic stays fresh;
+        the KL reference is frozen from these weights at the first step (after a warm start)."""
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint.init_from={path} does not exist; give a checkpoint "
+                                  "root (e.g. the --out of tools/convert_checkpoint.py) or an iter_N")
+        rng = rng_state()  # load_checkpoint restores the saving job's RNG: not ours to take
+        try:
+            load_checkpoint(path, model=self.model, model_cfg=self.cfg.model)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (checkpoint.init_from={path})") from e
+        set_rng_state(rng)
+        self.train_state.optimizer.reload_model_params()  # fp32 main params of a bf16 model
+
     def _load(self, path: str) -> None:
         try:
+            if not read_meta(path)["has_optimizer"]:
+                raise CheckpointError(
+                    f"{resolve_checkpoint(path)} holds weights only (no optimizer state, e.g. a "
+                    "converted HF checkpoint): there is no training run to resume; to start one "
+                    f"from these weights, set checkpoint.init_from={path} and checkpoint.load=null")
             step, extra = load_checkpoint(path, model=self.model, model_cfg=self.cfg.model,
                                           optimizer=self.train_state.optimizer)
         except CheckpointError as e:
@@ -474,6 +507,8 @@ def _warm_start_key(cfg: Config) -> str:
                                                "micro_batch_size")}
     key["samples"] = d["rollout"]["samples_per_prompt"]
     key["world"] = d["parallel"]["world_size"]
+    if cfg.checkpoint.init_from:  # the weights it starts from, by content (the files' sha256)
+        key["init_from"] = read_meta(cfg.checkpoint.init_from)["files"]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
