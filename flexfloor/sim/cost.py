@@ -5,13 +5,14 @@ waits for all of them), plus a fixed overhead. One rank's time, roofline style (
 time and the bytes time for each part):
 - dense part (attention projections, embeddings, shared experts: every rank holds them, data-
   parallel attention) over its own new tokens; nothing when it has none;
-- attention over its requests' cached context: KV bytes read, QK^T/PV FLOPs;
+- attention over its requests' cached context: KV bytes read, QK^T/PV FLOPs (each new token
+  against its own request's context: a decoding request's context, a prompt's triangle);
 - the experts it hosts over the tokens routed to them from every active rank: expert GEMM FLOPs,
   and the weight bytes of the hosted experts that receive at least one token (uniform routing:
   an expert is idle with probability (1 - topk/E)^T for T tokens in the step);
 - the MoE all-to-all (dispatch + combine, every MoE layer): its tokens' hidden states to the
   ranks hosting their experts, over NVLink inside a node and the network across nodes, plus a
-  per-collective latency (larger once the group spans nodes).
+  per-collective latency (larger once the group spans nodes, and growing with its size).
 Ranks are packed `gpus_per_node` to a node in rank order. A shrink costs the expert bytes moved
 (per-link bandwidth, all transfers in parallel) and a group switch (communicators built ahead,
 as DESIGN.md asks, so only the swap).
@@ -22,6 +23,7 @@ its figures equal the real engine's exactly (tests/test_sim.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,7 +38,10 @@ class CostParams:
     flop_efficiency: float = 0.5  # achieved / peak tensor FLOP/s in decode-sized GEMMs
     link_efficiency: float = 0.7  # achieved / peak NVLink and network bandwidth
     a2a_latency_intra_s: float = 30e-6  # one dispatch or combine inside a node (NVLink)
-    a2a_latency_inter_s: float = 120e-6  # one dispatch or combine across nodes (RDMA)
+    a2a_latency_inter_s: float = 120e-6  # one dispatch or combine across nodes, 64 ranks (RDMA)
+    # latency grows with the group (more peers, more messages): x(1 + this) per doubling of the
+    # ranks, from 64 (DeepEP's published low-latency kernels: ~0.64x at 16 ranks, ~1.14x at 256)
+    a2a_latency_per_doubling: float = 0.15
     step_overhead_s: float = 1.5e-3  # sampling, scheduling, launches (CUDA graphs) per step
     switch_s: float = 0.02  # swap to a survivors' communicator built ahead
     hbm_usable_fraction: float = 0.9  # of HBM, the rest for the allocator and the runtime
@@ -51,6 +56,7 @@ class RankLoad:
     new_tokens: int  # tokens it feeds this step (1 per decoding request, the prompt at prefill)
     context_tokens: int  # cached tokens its requests attend over
     hosted_experts: int
+    attention_pairs: float = 0.0  # (new token, cached token) pairs: its context when decoding
 
 
 class UnitCost:
@@ -86,6 +92,8 @@ class RooflineCost:
         touched = 1.0 - (1.0 - k / E) ** total if total else 0.0
         nodes = {self.node(x.rank) for x in loads}
         multi_node = len(nodes) > 1
+        inter = p.a2a_latency_inter_s * (1 + p.a2a_latency_per_doubling * math.log2(len(loads) / 64))
+        latency = max(p.a2a_latency_intra_s, inter) if multi_node else p.a2a_latency_intra_s
         per_node = {}
         for r in owner:
             per_node[self.node(r)] = per_node.get(self.node(r), 0) + 1
@@ -95,8 +103,7 @@ class RooflineCost:
             t = 0.0
             if x.new_tokens:
                 t += max(2 * m.dense_params * x.new_tokens / flops, m.dense_bytes / hbm)
-                t += max(m.attention_flops_per_ctx_token * x.new_tokens * x.context_tokens / flops
-                         if x.new_tokens > 1 else 0.0,
+                t += max(m.attention_flops_per_ctx_token * x.attention_pairs / flops,
                          x.context_tokens * m.kv_bytes_per_token / hbm)
             pairs = total * k * x.hosted_experts / E  # token-expert pairs this rank computes
             t += max(pairs * 2 * m.expert_params * m.num_layers / flops,
@@ -111,7 +118,6 @@ class RooflineCost:
                 inter = out_pairs * other_node * hidden_bytes
                 per_layer = (intra / (a.nvlink_bytes_per_s * p.link_efficiency)
                              + inter / (a.network_bytes_per_s * p.link_efficiency))
-                latency = p.a2a_latency_inter_s if multi_node else p.a2a_latency_intra_s
                 t += 2 * m.num_layers * (per_layer + latency)  # dispatch and combine
             slowest = max(slowest, t)
         return slowest + p.step_overhead_s

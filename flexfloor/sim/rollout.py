@@ -67,6 +67,9 @@ class _Rank:
     finished: int = 0
     ctx_base: int = 0  # sum over running of (prompt_len - start): context = ctx_base + n * step
     pending: int = 0  # tokens the next step feeds
+    # attention pairs the next step adds beyond one token per request against its context (a
+    # prompt of p tokens: p * (p + 1) / 2 pairs instead of p)
+    extra_pairs: float = 0.0
 
     def remaining(self, step: int) -> int:
         return self.running[-1].done_at - step if self.running else 0
@@ -78,6 +81,7 @@ class _Rank:
         bisect.insort(self.running, run, key=_done_at)
         self.ctx_base += run.req.prompt_len - run.start
         self.pending += run.pending
+        self.extra_pairs += run.pending * (run.pending + 1) / 2 - run.pending
 
 
 @dataclass
@@ -139,8 +143,12 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
         return admitted
 
     def loads(at_step: int) -> list[RankLoad]:
-        return [RankLoad(r, ranks[r].pending, ranks[r].context(at_step), hosted[r])
-                for r in active]
+        out = []
+        for r in active:
+            x = ranks[r]
+            ctx = x.context(at_step)
+            out.append(RankLoad(r, x.pending, ctx, hosted[r], ctx + x.extra_pairs))
+        return out
 
     def boundary() -> bool:
         """The membership's decision after a step; False ends the rollout."""
@@ -167,7 +175,7 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
                 t.add(run)
             g.record.extra["migrated_out"] = g.record.extra.get("migrated_out", 0) + len(g.running)
             t.record.extra["adopted"] = t.record.extra.get("adopted", 0) + len(g.running)
-            g.running, g.ctx_base, g.pending = [], 0, 0
+            g.running, g.ctx_base, g.pending, g.extra_pairs = [], 0, 0, 0.0
             timeline.append({"step": step, "migrated": {giver: taker}})
         if decision.leaving:
             now += cost.shrink_seconds(decision.transfers, placement.owner)
@@ -204,6 +212,7 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
                 lengths.setdefault(run.req.prompt_uid, []).append(run.req.length)
                 finished_total += 1
             x.pending = len(x.running)
+        x.extra_pairs = 0.0
         tokens_total = sum(x.record.tokens for x in ranks.values())
         keep = boundary()
         if not keep or not quiet or (elastic and membership.check_interval_steps != 1):
@@ -255,6 +264,7 @@ def _advance(ranks, active, step: int, now: float, n: int) -> None:
             rec.busy_steps += n
             rec.tokens += n * len(x.running)
         x.pending = len(x.running)
+        x.extra_pairs = 0.0
 
 
 def initial_state(num_experts: int, world: int, training_ep: Optional[int] = None):
