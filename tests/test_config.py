@@ -1,5 +1,6 @@
 """flexfloor.config: loading, overrides, presets, and errors that name the field and the fix."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -408,3 +409,13 @@ def test_example_configs_load(name, algorithm):
     assert cfg.model.preset == "tiny" and cfg.model.num_experts == 8
     assert cfg.parallel.world_size == 4
     assert cfg.resolve_world(4).parallel.expert_parallel_size == 4
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs"))))
+def test_every_example_config_loads(name):
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "configs", name)
+    cfg = load_config(path, [])
+    world = cfg.parallel.world_size or cfg.parallel.expert_parallel_size or 4
+    assert cfg.resolve_world(world).parallel.world_size == world
