@@ -56,10 +56,19 @@ def test_identical_responses_and_fewer_occupied_steps(run):
     assert report["per_epoch"][1]["predictor"]["sources"]["history"] == 8
 
 
-def test_table_and_plot(run):
-    _, png, stdout = run
+def test_table_and_plot(run, tmp_path):
+    report, png, stdout = run
     assert "epoch 2/2" in stdout and "tokens_per_occupied_worker_step" in stdout
     assert png.exists() and png.stat().st_size > 0
+    # the timeline tool reads the benchmark's JSON too
+    src, out = tmp_path / "b.json", tmp_path / "t.png"
+    src.write_text(json.dumps(report))
+    proc = subprocess.run([sys.executable, "tools/plot_timeline.py", str(src), "--out", str(out),
+                           "--epoch", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and out.stat().st_size > 0, proc.stderr
+    proc = subprocess.run([sys.executable, "tools/plot_timeline.py", str(src), "--out", str(out),
+                           "--epoch", "9"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no epoch 9" in proc.stderr
 
 
 @pytest.mark.parametrize("flags, message", [

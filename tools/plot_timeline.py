@@ -36,9 +36,11 @@ def plot_report(report: dict, path: str, epoch: int | None = None) -> str:
         names[m] += (f": {s['occupied_worker_seconds']:,.0f} occupied worker-"
                      f"{'s' if report.get('unit', 's') == 's' else 'steps'}, "
                      f"tail {s['tail_fraction']:.2f}")
-    sc = report.get("scenario") or report.get("setup") or {}
-    title = (f"{sc.get('name', 'rollout')} ({sc.get('model', '')}, {sc.get('gpus', sc.get('nproc', ''))}"
-             f" workers), epoch {entry['epoch']}")
+    sc = report.get("scenario") or {}
+    workers = sc.get("gpus") or (report.get("setup") or {}).get("nproc") or len(
+        next(iter(modes.values())))
+    where = ", ".join(x for x in (sc.get("model"), f"{workers} workers") if x)
+    title = f"{sc.get('name', 'rollout benchmark')} ({where}), epoch {entry['epoch']}"
     unit = "steps" if report.get("unit") == "steps" else "s"
     return plot_rank_timeline(modes, path, title=title, panel_titles=names, unit=unit)
 
