@@ -539,8 +539,14 @@ class RunLog:
         crashed attempt's steps that no checkpoint holds, an earlier run's) are dropped."""
         if not os.path.exists(self.metrics_path):
             return
+        keep = []
         with open(self.metrics_path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        keep.append(line)
+                except (ValueError, KeyError, TypeError):
+                    pass  # a line torn by the crash (or blank): the resumed run must not die on it
         tmp = self.metrics_path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(keep)

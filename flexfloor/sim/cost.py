@@ -39,8 +39,9 @@ class CostParams:
     link_efficiency: float = 0.7  # achieved / peak NVLink and network bandwidth
     a2a_latency_intra_s: float = 30e-6  # one dispatch or combine inside a node (NVLink)
     a2a_latency_inter_s: float = 120e-6  # one dispatch or combine across nodes, 64 ranks (RDMA)
-    # latency grows with the group (more peers, more messages): x(1 + this) per doubling of the
-    # ranks, from 64 (DeepEP's published low-latency kernels: ~0.64x at 16 ranks, ~1.14x at 256)
+    # latency grows with the group (more peers, more messages): x(1 + this * log2(ranks / 64)),
+    # i.e. 0.70x at 16 ranks and 1.30x at 256 (DeepEP's published low-latency kernels: about
+    # 0.64x at 16 and 1.14x at 256 of their 64-rank figure)
     a2a_latency_per_doubling: float = 0.15
     step_overhead_s: float = 1.5e-3  # sampling, scheduling, launches (CUDA graphs) per step
     switch_s: float = 0.02  # swap to a survivors' communicator built ahead

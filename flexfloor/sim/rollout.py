@@ -212,7 +212,6 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
                 lengths.setdefault(run.req.prompt_uid, []).append(run.req.length)
                 finished_total += 1
             x.pending = len(x.running)
-        x.extra_pairs = 0.0
         tokens_total = sum(x.record.tokens for x in ranks.values())
         keep = boundary()
         if not keep or not quiet or (elastic and membership.check_interval_steps != 1):
