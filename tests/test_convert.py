@@ -99,6 +99,12 @@ def test_bad_checkpoints_fail_naming_the_tensor_and_write_nothing(errors):
     assert e["cli_exit"] == 2 and not e["cli_written"]
 
 
+def test_rerun_over_a_crashed_conversions_leftover_tmp_succeeds_and_loads(errors):
+    r = errors["rerun"]
+    assert r["error"] is None  # not "iter_0000000 exists already"
+    assert not r["leftover"] and r["params"] > 0 and r["equal"]
+
+
 def test_bfloat16_round_trip_keeps_dtype_and_bits(errors):
     rt = errors["bf16"]
     assert rt["params_dtype"] == "bfloat16"

@@ -6,8 +6,10 @@ pipeline.py  HF folder <-> FlexFloor checkpoint on any EP layout (tools/convert_
 """
 
 from flexfloor.convert.families import FAMILIES, ConversionError, Family, family_of
-from flexfloor.convert.pipeline import (flexfloor_to_hf, hf_to_flexfloor, load_state,
-                                        local_expert_ids, model_state, read_hf)
+from flexfloor.convert.pipeline import (check_flexfloor_to_hf, check_hf_to_flexfloor,
+                                        flexfloor_to_hf, hf_to_flexfloor, load_state,
+                                        local_expert_ids, model_from_hf, model_state, read_hf)
 
-__all__ = ["FAMILIES", "ConversionError", "Family", "family_of", "flexfloor_to_hf",
-           "hf_to_flexfloor", "load_state", "local_expert_ids", "model_state", "read_hf"]
+__all__ = ["FAMILIES", "ConversionError", "Family", "check_flexfloor_to_hf",
+           "check_hf_to_flexfloor", "family_of", "flexfloor_to_hf", "hf_to_flexfloor",
+           "load_state", "local_expert_ids", "model_from_hf", "model_state", "read_hf"]

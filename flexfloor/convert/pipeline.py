@@ -2,12 +2,16 @@
 
 `hf_to_flexfloor`: HF config -> model section; every tensor's shape checked from the headers
 (an error names the tensors, nothing is written); each rank reads only its own experts into
-`build_model`'s model; `save_checkpoint` writes atomically (iter_N.tmp -> iter_N). The model
-section and the source HF config travel in the checkpoint's extra state, so the way back needs
-no other input.
+`build_model`'s model; `save_checkpoint` writes atomically (iter_N.tmp -> iter_N; a leftover
+iter_N.tmp of a crashed conversion is dropped, an existing iter_N refused). The model section
+and the source HF config travel in the checkpoint's extra state, so the way back needs no other
+input. `model_from_hf` is the same model in memory, nothing saved.
 
 `flexfloor_to_hf`: `load_checkpoint` at the current layout (any EP size), then every EP rank
 writes its experts as one safetensors shard (rank 0 the dense tensors too), atomically.
+
+`check_hf_to_flexfloor` / `check_flexfloor_to_hf` are their checks that need no process group
+(headers, configs, the output not there yet): a launcher runs them before starting workers.
 """
 
 from __future__ import annotations
@@ -76,18 +80,39 @@ def read_hf(hf_dir: str, model_cfg: Optional[ModelConfig] = None):
     return hf, family, cfg
 
 
-def hf_to_flexfloor(hf_dir: str, out_root: str, parallel, *, step: int = 0,
-                    model_cfg: Optional[ModelConfig] = None):
-    """Convert; returns (checkpoint directory, model section, the model as loaded)."""
+def check_hf_to_flexfloor(hf_dir: str, out_root: str, *, step: int = 0,
+                          model_cfg: Optional[ModelConfig] = None):
+    """The checks of `hf_to_flexfloor` that need no process group (the HF config, every tensor's
+    shape from the headers, the output not there yet); returns `read_hf`'s triple. A leftover
+    `iter_N.tmp` of a crashed conversion is no obstacle: `save_checkpoint` drops it."""
     hf, family, cfg = read_hf(hf_dir, model_cfg)
     final = os.path.join(out_root, iter_name(step))
-    if os.path.exists(final) or os.path.exists(final + ".tmp"):
+    if os.path.exists(final):
         raise ConversionError(f"{final} exists already; checkpoints are never overwritten "
                               "(choose another output or --step)")
-    parallel.barrier()  # every rank has looked before rank 0 starts iter_N.tmp
+    return hf, family, cfg
+
+
+def _model_from(hf: HFCheckpoint, family: Family, cfg: ModelConfig, parallel):
     model = build_model(cfg, parallel)
     ids = local_expert_ids(cfg, parallel)
     load_state(model, family.from_hf(hf.tensor, cfg, ids), ids)
+    return model
+
+
+def model_from_hf(hf_dir: str, parallel, model_cfg: Optional[ModelConfig] = None):
+    """(FlexFloor model holding the HF folder's weights, model section), in memory: nothing is
+    saved. Each rank reads only its own experts."""
+    hf, family, cfg = read_hf(hf_dir, model_cfg)
+    return _model_from(hf, family, cfg, parallel), cfg
+
+
+def hf_to_flexfloor(hf_dir: str, out_root: str, parallel, *, step: int = 0,
+                    model_cfg: Optional[ModelConfig] = None):
+    """Convert; returns (checkpoint directory, model section, the model as loaded)."""
+    hf, family, cfg = check_hf_to_flexfloor(hf_dir, out_root, step=step, model_cfg=model_cfg)
+    parallel.barrier()  # every rank has looked before rank 0 starts iter_N.tmp
+    model = _model_from(hf, family, cfg, parallel)
     extra = {"model_config": model_config_dict(cfg), "hf_config": hf.config}
     directory = save_checkpoint(out_root, step, model=model, model_cfg=cfg, extra_state=extra)
     return directory, cfg, model
@@ -100,9 +125,11 @@ def checkpoint_model_config(ckpt: str) -> tuple[Optional[ModelConfig], Optional[
     return (model_config_from_dict(d) if d else None), extra.get("hf_config")
 
 
-def flexfloor_to_hf(ckpt: str, out_dir: str, parallel, *, model_cfg: Optional[ModelConfig] = None,
-                    family: Optional[str] = None) -> ModelConfig:
-    """Convert a FlexFloor checkpoint (any step, saved at any EP size) to an HF folder."""
+def check_flexfloor_to_hf(ckpt: str, out_dir: str, *, model_cfg: Optional[ModelConfig] = None,
+                          family: Optional[str] = None):
+    """The checks of `flexfloor_to_hf` that need no process group (the checkpoint says or is told
+    its model, the family can express it, the output not there yet); returns (model section,
+    family, HF config to write)."""
     stored_cfg, hf_base = checkpoint_model_config(ckpt)
     cfg = model_cfg or stored_cfg
     if cfg is None:
@@ -111,7 +138,13 @@ def flexfloor_to_hf(ckpt: str, out_dir: str, parallel, *, model_cfg: Optional[Mo
     fam: Family = family_of(family or (hf_base or {}).get("model_type"))
     if os.path.exists(out_dir):
         raise ConversionError(f"{out_dir} exists already; choose a new output folder")
-    config = fam.hf_config(cfg, hf_base)  # refuses a model the family cannot express
+    return cfg, fam, fam.hf_config(cfg, hf_base)  # refuses a model the family cannot express
+
+
+def flexfloor_to_hf(ckpt: str, out_dir: str, parallel, *, model_cfg: Optional[ModelConfig] = None,
+                    family: Optional[str] = None) -> ModelConfig:
+    """Convert a FlexFloor checkpoint (any step, saved at any EP size) to an HF folder."""
+    cfg, fam, config = check_flexfloor_to_hf(ckpt, out_dir, model_cfg=model_cfg, family=family)
     model = build_model(cfg, parallel)
     load_checkpoint(ckpt, model=model, model_cfg=cfg)
     ids = local_expert_ids(cfg, parallel)

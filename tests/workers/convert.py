@@ -6,7 +6,7 @@ Then every rank runs the converter's CLI (in process) HF -> FlexFloor, loads the
 FlexFloor's model, computes the trainer path's logits (forward_logits) and the engine's greedy
 generation, and converts back FlexFloor -> HF (one shard per EP rank). Rank 0 compares every
 tensor of the round trip with the original and reloads it with transformers. With W = 1 it also
-runs the error cases. Results: OUT/results.json (rank 0).
+runs the error cases and a rerun over a crashed conversion's leftover iter_N.tmp. Results: OUT/results.json (rank 0).
 
 Usage: torchrun --nproc-per-node W tests/workers/convert.py OUT_DIR
 """
@@ -193,6 +193,21 @@ def error_cases():
     flexfloor_to_hf(os.path.join(OUT, "bf16", "flexfloor"), os.path.join(OUT, "bf16", "back"), par)
     out["bf16"] = {"params_dtype": cfg16.params_dtype,
                    **compare_round_trip(src16, os.path.join(OUT, "bf16", "back"))}
+    # a crashed conversion left iter_0000000.tmp behind: a rerun proceeds, and its result loads
+    root = os.path.join(OUT, "rerun")
+    leftover = os.path.join(root, "iter_0000000.tmp")
+    os.makedirs(leftover)
+    open(os.path.join(leftover, "partial.distcp"), "w").close()
+    try:
+        _, cfg_r, converted = hf_to_flexfloor(src, root, par)
+        loaded = build_model(cfg_r, par)
+        load_checkpoint(root, model=loaded, model_cfg=cfg_r)
+        a, b = dict(converted.named_parameters()), dict(loaded.named_parameters())
+        out["rerun"] = {"error": None, "leftover": os.path.exists(leftover),
+                        "params": len(a), "equal": a.keys() == b.keys() and
+                        all(torch.equal(a[k], b[k]) for k in a)}
+    except (ConversionError, CheckpointError) as e:
+        out["rerun"] = {"error": str(e)}
     par.destroy()
     # the CLI reports a refused conversion as exit status 2
     out["cli_exit"] = convert_cli(["hf-to-flexfloor", "--hf", bad_shape, "--out",
