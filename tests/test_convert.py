@@ -7,13 +7,16 @@ bit (reloaded by transformers). The pure family rules are checked without proces
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from flexfloor.config import ModelConfig, QKNorm
 from flexfloor.convert.families import FAMILIES, ConversionError, family_of
-from distributed import torchrun
+from distributed import REPO, torchrun
 
 FAMILY_NAMES = sorted(FAMILIES)
 TOL = 1e-5  # fp32 logits, max |FlexFloor - transformers|
@@ -29,7 +32,7 @@ def launch(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"convert_ep{n}")
             torchrun("convert.py", n, str(out), timeout=300)
             with open(out / "results.json") as f:
-                done[n] = {**json.load(f), "_ep": n}
+                done[n] = {**json.load(f), "_ep": n, "_out": str(out)}
         return done[n]
 
     return get
@@ -103,6 +106,37 @@ def test_rerun_over_a_crashed_conversions_leftover_tmp_succeeds_and_loads(errors
     r = errors["rerun"]
     assert r["error"] is None  # not "iter_0000000 exists already"
     assert not r["leftover"] and r["params"] > 0 and r["equal"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"),
+                           *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def _assert_refused(proc, reason):
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[convert] error:")]
+    assert len(errors) == 1 and reason in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+def test_cli_ep2_refusals_exit_2_with_one_line_and_no_traceback(launch):
+    d = os.path.join(launch(1)["_out"], "mixtral")
+    ckpt, hf = os.path.join(d, "flexfloor"), os.path.join(d, "hf")
+    before = sorted(os.listdir(ckpt))
+    # refused by the launching process before any worker starts: outputs that exist already
+    _assert_refused(_cli("hf-to-flexfloor", "--hf", hf, "--out", ckpt, "--ep", "2"),
+                    "iter_0000000 exists already")
+    _assert_refused(_cli("flexfloor-to-hf", "--ckpt", ckpt, "--out", hf, "--ep", "2"),
+                    f"{hf} exists already")
+    assert sorted(os.listdir(ckpt)) == before
+    # refused inside the 2 workers (loading the checkpoint with a config of another vocabulary)
+    out = os.path.join(d, "hf_cli_bad_vocab")
+    _assert_refused(_cli("flexfloor-to-hf", "--ckpt", ckpt, "--out", out, "--ep", "2",
+                         "--config", os.path.join(ckpt, "model.yaml"), "--family", "mixtral",
+                         "model.vocab_size=256"), "model.vocab_size: checkpoint 128 vs config 256")
+    assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
 
 
 def test_bfloat16_round_trip_keeps_dtype_and_bits(errors):

@@ -49,23 +49,21 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+STATUS_ENV = "FLEXFLOOR_CONVERT_STATUS"  # set by the launching parent: where workers report
+
+
 def main(argv=None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
     if "RANK" not in os.environ and (args.ep or 1) > 1:
-        argv = sys.argv[1:] if argv is None else list(argv)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ep}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-               os.path.abspath(__file__), "--", *argv]
-        return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return _launch(args, argv)
     if "RANK" not in os.environ:  # one process: its own one-rank gloo world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
 
     import yaml
 
-    from flexfloor.checkpoint import CheckpointError
-    from flexfloor.config import ConfigError, load_config
-    from flexfloor.convert import ConversionError, flexfloor_to_hf, hf_to_flexfloor
+    from flexfloor.convert import flexfloor_to_hf, hf_to_flexfloor
     from flexfloor.convert.families import model_config_dict
     from flexfloor.parallel import Parallel
 
@@ -80,12 +78,16 @@ def main(argv=None) -> int:
                 os.replace(path + ".tmp", path)
                 print(f"[convert] {args.hf} -> {directory} (EP={par.ep_size}); model section: {path}")
         else:
-            cfg = load_config(args.config, args.overrides).model if args.config else None
-            flexfloor_to_hf(args.ckpt, args.out, par, model_cfg=cfg, family=args.family)
+            flexfloor_to_hf(args.ckpt, args.out, par, model_cfg=_model_cfg(args), family=args.family)
             if par.rank == 0:
                 print(f"[convert] {args.ckpt} -> {args.out} (EP={par.ep_size}, "
                       f"{par.ep_size} shard{'s' if par.ep_size > 1 else ''})")
-    except (ConversionError, CheckpointError, ConfigError) as e:
+    except _refusals() as e:
+        status = os.environ.get(STATUS_ENV)
+        if status:  # the launching parent reports it once; a clean exit keeps torchrun quiet
+            with open(os.path.join(status, f"rank{par.rank}.txt"), "w") as f:
+                f.write(str(e))
+            return 0
         if par.rank == 0:
             print(f"[convert] error: {e}", file=sys.stderr)
         return 2
@@ -94,7 +96,50 @@ def main(argv=None) -> int:
     return 0
 
 
-def _free_port() -> int:
+def _refusals() -> tuple:
+    from flexfloor.checkpoint import CheckpointError
+    from flexfloor.config import ConfigError
+    from flexfloor.convert import ConversionError
+
+    return ConversionError, CheckpointError, ConfigError
+
+
+def _model_cfg(args):
+    from flexfloor.config import load_config
+
+    return load_config(args.config, args.overrides).model if args.config else None
+
+
+def _launch(args, argv) -> int:
+    """--ep N without torchrun: check what needs no workers, then start N of them. A refusal
+    (here or in a worker) prints one `[convert] error:` line and returns 2."""
+    import tempfile
+
+    from flexfloor.convert import check_flexfloor_to_hf, check_hf_to_flexfloor
+
+    try:
+        if args.direction == "hf-to-flexfloor":
+            check_hf_to_flexfloor(args.hf, args.out, step=args.step)
+        else:
+            check_flexfloor_to_hf(args.ckpt, args.out, model_cfg=_model_cfg(args),
+                                  family=args.family)
+    except _refusals() as e:
+        print(f"[convert] error: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="convert_status_") as status:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ep}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+               os.path.abspath(__file__), "--", *argv]
+        rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", STATUS_ENV: status})
+        reports = sorted(os.listdir(status))  # rank0.txt first
+        if reports:
+            with open(os.path.join(status, reports[0])) as f:
+                print(f"[convert] error: {f.read()}", file=sys.stderr)
+    return 2 if reports and rc == 0 else rc  # rc != 0: a worker crashed (torchrun said how)
+
+
+def free_port() -> int:
+    """A free local TCP port (the master port of a local gloo world)."""
     import socket
 
     with socket.socket() as s:
