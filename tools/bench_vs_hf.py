@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """FlexFloor's generation engine vs `transformers` on the same converted model and prompts.
 
-For each model: convert the HF folder to a FlexFloor checkpoint (tools/convert_checkpoint.py's
-code), then decode the same prompts greedily with transformers' `generate` and with FlexFloor's
+For each model: load the HF folder into FlexFloor's model in memory (the converter's code,
+`flexfloor.convert.model_from_hf`; no checkpoint is written), then decode the same prompts greedily with transformers' `generate` and with FlexFloor's
 `RolloutEngine` (one process, EP=1), `--batch` prompts at a time for both. Reports decode
 tokens/s of each, their ratio (FlexFloor / transformers) and how many responses are identical.
 
@@ -111,14 +111,13 @@ def decode_rates(runs: dict, prompts, new_tokens: int, repeats: int):
 def bench_one(hf_dir: str, label: str, args, par) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from flexfloor.convert import hf_to_flexfloor
+    from flexfloor.convert import model_from_hf
     from flexfloor.rollout.engine import RolloutEngine
     from megatron_ext.elastic_moe import PlacedMoE
     from megatron_ext.placement import contiguous_placement
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
-    with tempfile.TemporaryDirectory() as ckpt:
-        _, cfg, model = hf_to_flexfloor(hf_dir, ckpt, par)
+    model, cfg = model_from_hf(hf_dir, par)  # in memory: a real --hf model is not saved again
     model.eval()
     moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
                     placement=contiguous_placement(cfg.num_experts, par.ep_ranks))
