@@ -2,7 +2,8 @@
 """FlexFloor's generation engine vs `transformers` on the same converted model and prompts.
 
 For each model: load the HF folder into FlexFloor's model in memory (the converter's code,
-`flexfloor.convert.model_from_hf`; no checkpoint is written), then decode the same prompts greedily with transformers' `generate` and with FlexFloor's
+`flexfloor.convert.model_from_hf`; no checkpoint is written), then decode the same prompts
+greedily with transformers' `generate` and with FlexFloor's
 `RolloutEngine` (one process, EP=1), `--batch` prompts at a time for both. Reports decode
 tokens/s of each, their ratio (FlexFloor / transformers) and how many responses are identical.
 

@@ -78,7 +78,8 @@ def main(argv=None) -> int:
                 os.replace(path + ".tmp", path)
                 print(f"[convert] {args.hf} -> {directory} (EP={par.ep_size}); model section: {path}")
         else:
-            flexfloor_to_hf(args.ckpt, args.out, par, model_cfg=_model_cfg(args), family=args.family)
+            flexfloor_to_hf(args.ckpt, args.out, par, model_cfg=_model_cfg(args),
+                            family=args.family)
             if par.rank == 0:
                 print(f"[convert] {args.ckpt} -> {args.out} (EP={par.ep_size}, "
                       f"{par.ep_size} shard{'s' if par.ep_size > 1 else ''})")
