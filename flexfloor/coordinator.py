@@ -37,7 +37,7 @@ from flexfloor.data import compute_score, load_prompts, sft_response
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
+from flexfloor.rollout.elastic import ReleaseListener, RolloutLayout, membership_for, resync
 from flexfloor.rollout.engine import RolloutEngine
 from flexfloor.rollout.metrics import rollout_metrics
 from flexfloor.rollout.scheduler import MemoryModel, PromptGroup, Scheduler, prediction_accuracy
@@ -116,6 +116,9 @@ class Job:
         self.cfg = cfg
         self.rank = int(os.environ.get("RANK", "0"))
         self.step_index = 0
+        # told when this rank is released from a rollout and when it rejoins at resync
+        # (flexfloor.rollout.elastic.ReleaseListener); a launcher sets it, e.g. to lend devices
+        self.on_release_event: ReleaseListener | None = None
         with self.phase("set-up"):
             self._set_up(cfg)
         start, init_from = self._start_checkpoint(), cfg.checkpoint.init_from
@@ -187,12 +190,19 @@ class Job:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        if self.step_index == 0 and self.cfg.trainer.sft_warmup_steps:
-            with self.phase("warm start"):
-                self.warm_start()
-        while self.step_index < self.cfg.trainer.steps:
+        if self.needs_warm_start():
+            self.warm_start()
+        while not self.done():
             self.step()
         self.log.close(self)
+
+    def needs_warm_start(self) -> bool:
+        """A new run (step 0) with trainer.sft_warmup_steps begins with the supervised warm
+        start; a resumed one does not."""
+        return self.step_index == 0 and bool(self.cfg.trainer.sft_warmup_steps)
+
+    def done(self) -> bool:
+        return self.step_index >= self.cfg.trainer.steps
 
     def step(self) -> dict:
         t0 = time.perf_counter()
@@ -203,11 +213,13 @@ class Job:
             plan = self.scheduler.plan(groups, range(self.parallel.world_size))
             membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
                                         self.layout, self.cfg.elastic,
-                                        scheduler_cfg=self.cfg.scheduler, step=k)
+                                        scheduler_cfg=self.cfg.scheduler, step=k,
+                                        on_event=self.on_release_event)
         with self.phase("rollout", k):                       # generate + release
             out = self.engine.generate(plan.assignment[self.rank], membership)
         with self.phase("resync", k):                        # resync
-            resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k)
+            resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k,
+                              on_event=self.on_release_event)
             results = gather_all(self.parallel, out.results)
             records = gather_all(self.parallel, [out.record.as_dict()])
         with self.phase("train", k):
@@ -320,6 +332,10 @@ class Job:
 
     def warm_start(self) -> None:
         """Supervised steps on correct answers before RL (cached in the run folder's parent)."""
+        with self.phase("warm start"):
+            self._warm_start()
+
+    def _warm_start(self) -> None:
         cfg = self.cfg
         cache = os.path.join(os.path.dirname(os.path.abspath(cfg.logging.run_dir)), "sft_cache",
                              _warm_start_key(cfg))

@@ -2,8 +2,8 @@
 
 During a rollout a released rank holds nothing the job still needs: its experts moved to the
 survivors and it waits at resync. Its accelerator is free until then. Each worker reports
-"released" and "rejoined" (its release listener, `flexfloor.rollout.elastic`) to one named Ray
-actor holding this class; other Ray work finds it by name and borrows from it:
+"released" and "rejoined" (its Job's `on_release_event`, see `flexfloor.rollout.elastic`) to one
+named Ray actor holding this class; other Ray work finds it by name and borrows from it:
 
     pool = flexfloor.launch.pool.get_pool()              # from any driver on the cluster
     ray.get(pool.free.remote())                          # released workers now: node, devices
@@ -15,6 +15,13 @@ actor holding this class; other Ray work finds it by name and borrows from it:
 for borrowers; a borrower runs short, preemptible work and stops when `wait_rejoined` returns.
 The pool is an actor (not a file or a key in the GCS) so that borrowers can wait for a release or
 a rejoin without polling, and every update comes in order through one mailbox.
+
+A borrower driver connects like the job's driver: against a cluster with token authentication
+(Ray >= 2.52; what examples/slurm/grpo_moe_ray.sbatch starts unless RAY_AUTH_MODE=disabled) it
+needs RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH) in its
+environment before `ray.init(address=...)`. The sbatch script makes a fresh token per job and
+keeps it in the job's environment only, so to let borrowers outside the job in, export your own
+RAY_AUTH_TOKEN before submitting. Tasks and actors started inside the cluster inherit it.
 """
 
 from __future__ import annotations

@@ -56,9 +56,10 @@ class Worker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, cfg, *, env: dict, cwd: str) -> int:
-        """torch.distributed among the workers, then the Job. Returns its step index (a resumed
-        run starts past 0)."""
+    def start(self, cfg, *, env: dict, cwd: str) -> dict:
+        """torch.distributed among the workers, then the Job. Returns where the Job stands: its
+        step index (a resumed run starts past 0), whether it needs the warm start, whether it
+        is done."""
         import datetime
         import warnings
 
@@ -70,7 +71,6 @@ class Worker:
         import torch.distributed as dist
 
         from flexfloor.coordinator import Job
-        from flexfloor.rollout.elastic import add_release_listener
 
         backend = cfg.parallel.backend.value
         if backend == "auto":
@@ -81,27 +81,26 @@ class Worker:
             torch.cuda.set_device(0)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
         self.job = Job(cfg)
-        add_release_listener(self._report)
-        return self.job.step_index
+        self.job.on_release_event = self._report
+        return {"step": self.job.step_index, "warm_start": self.job.needs_warm_start(),
+                "done": self.job.done()}
 
     def warm_start(self) -> None:
         self.job.warm_start()
 
     def step(self):
-        """One training step; rank 0 returns its metrics. The pool is up to date on return."""
+        """One training step; rank 0 returns its metrics and whether the job is done. The pool
+        is up to date on return."""
         import ray
 
         metrics = self.job.step()
         ray.get(self._reports)
         self._reports = []
-        return metrics if self.job.rank == 0 else None
+        return (metrics, self.job.done()) if self.job.rank == 0 else None
 
     def finish(self) -> None:
         import torch.distributed as dist
 
-        from flexfloor.rollout.elastic import remove_release_listener
-
-        remove_release_listener(self._report)
         self.job.log.close(self.job)
         self.job.close()
         dist.destroy_process_group()
@@ -183,20 +182,20 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                     "LOCAL_RANK": str(w["local_rank"]), "LOCAL_WORLD_SIZE": str(w["local_world_size"]),
                     "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port)}
 
-        steps = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
-                         for r, a in enumerate(actors)}, labels, "start-up", timeout_s)
-        step = steps[0]
+        job = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
+                       for r, a in enumerate(actors)}, labels, "start-up", timeout_s)[0]
 
         def every(method: str, phase: str, *args):
             return _gather({r: getattr(a, method).remote(*args) for r, a in enumerate(actors)},
                            labels, phase, timeout_s)
 
-        if step == 0 and cfg.trainer.sft_warmup_steps:
+        # Job.run's loop, each phase called on every worker
+        if job["warm_start"]:
             every("warm_start", "warm start")
-        history = []
-        while step < cfg.trainer.steps:
+        history, step, done = [], job["step"], job["done"]
+        while not done:
             t0 = time.perf_counter()
-            m = every("step", f"step {step + 1}")[0]
+            m, done = every("step", f"step {step + 1}")[0]
             step = m["step"]
             history.append(m)
             lent = [e["rank"] for e in ray.get(pool.events.remote(), timeout=timeout_s)
@@ -262,6 +261,21 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:600]
 
 
+def describe_ray_auth(env=None) -> str:
+    """Which Ray authentication (Ray >= 2.52) a process with this environment uses, for the log:
+    the mode and where the token comes from, never the token."""
+    env = os.environ if env is None else env
+    mode = env.get("RAY_AUTH_MODE", "")
+    if not mode:
+        return "RAY_AUTH_MODE unset (Ray's default)"
+    if mode.lower() != "token":
+        return f"RAY_AUTH_MODE={mode}"
+    source = ("RAY_AUTH_TOKEN" if env.get("RAY_AUTH_TOKEN") else
+              f"RAY_AUTH_TOKEN_PATH={env['RAY_AUTH_TOKEN_PATH']}" if env.get("RAY_AUTH_TOKEN_PATH")
+              else "~/.ray/auth_token")
+    return f"RAY_AUTH_MODE=token, token from {source}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flexfloor.launch.ray",
@@ -291,12 +305,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # offline clusters: no usage report
     import ray
 
+    def say(text: str) -> None:
+        print(f"[flexfloor.launch.ray] {text}", flush=True)
+
+    say(f"Ray auth: {describe_ray_auth()}")
+
     local = {} if args.address else {
         "num_cpus": max(os.cpu_count() or 1, math.ceil(args.num_workers * args.cpus_per_worker))}
     ray.init(address=args.address, namespace=NAMESPACE, include_dashboard=False, **local)
-
-    def say(text: str) -> None:
-        print(f"[flexfloor.launch.ray] {text}", flush=True)
 
     try:
         result = launch(cfg, num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,

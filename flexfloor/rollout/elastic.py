@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,24 +43,11 @@ def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
     return done[keep_idle:]
 
 
-# Callbacks told when a rank leaves a rollout and when it is back after resync:
-# fn(event, rank, time_s, step) with event "released" or "rejoined". A launcher uses this to lend
-# a released worker's devices to other work until resync (see flexfloor/launch/).
-_release_listeners: list = []
-
-
-def add_release_listener(fn) -> None:
-    _release_listeners.append(fn)
-
-
-def remove_release_listener(fn) -> None:
-    if fn in _release_listeners:
-        _release_listeners.remove(fn)
-
-
-def _notify(event: str, rank: int, time_s: float, step: int) -> None:
-    for fn in list(_release_listeners):
-        fn(event, rank, time_s, step)
+# A release listener, told when this rank leaves a rollout and when it is back after resync:
+# fn(event, rank, time_s, engine_step) with event "released" or "rejoined" (engine_step -1).
+# A launcher passes one to lend a released worker's devices to other work until resync
+# (flexfloor/launch/ray.py); it is a value handed to membership_for and resync, not a global.
+ReleaseListener = Callable[[str, int, float, int], None]
 
 
 @dataclass(frozen=True)
@@ -107,6 +95,7 @@ class ElasticMembership:
     migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
     step: Optional[int] = None  # the training step (names errors and faults)
     heartbeat_key: str = ""  # store counter the active ranks bump; released ranks watch it
+    on_event: ReleaseListener | None = None  # told "released" when this rank leaves
     timeline: list[dict] = field(default_factory=list)  # one entry per shrink
     _boundaries: int = 0
     _last_beat: float = 0.0
@@ -241,7 +230,8 @@ class ElasticMembership:
             record.release_s = now
             record.extra["release_step"] = record.steps
             moe.drop_borrowed()
-            _notify("released", engine.rank, now, record.steps)
+            if self.on_event is not None:
+                self.on_event("released", engine.rank, now, record.steps)
         else:
             ranks = list(new_placement.ranks)
             name = f"rollout{self.rollout_id}/ep_" + "_".join(map(str, ranks))
@@ -295,9 +285,11 @@ class RolloutLayout:
 
 
 def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elastic_cfg=None,
-                   capacity=None, scheduler_cfg=None, step: Optional[int] = None):
+                   capacity=None, scheduler_cfg=None, step: Optional[int] = None,
+                   on_event: ReleaseListener | None = None):
     """The membership value for a release policy (a fresh one per rollout); `step`, the
-    training step, names errors and faults."""
+    training step, names errors and faults; `on_event` is told when this rank is released
+    (a static membership releases nobody)."""
     if policy == ReleasePolicy.STATIC:
         return StaticMembership()
     layout.rollouts += 1
@@ -312,6 +304,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
                               if scheduler_cfg is not None and scheduler_cfg.migrate else 0),
         step=step,
         heartbeat_key=layout.heartbeat_key,
+        on_event=on_event,
     )
 
 
@@ -326,7 +319,8 @@ def _store():
 
 
 def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
-           timeout_s: Optional[float] = None, step: Optional[int] = None) -> float:
+           timeout_s: Optional[float] = None, step: Optional[int] = None,
+           on_event: ReleaseListener | None = None) -> float:
     """Every rank back to the starting layout after a rollout. Returns seconds spent here.
 
     Released ranks arrive early and wait here, outside every rollout collective: each rank adds
@@ -335,7 +329,8 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
     still decoding, no new arrival) for `timeout_s` (default: `parallel.timeout_s`), so survivors
     may decode for as long as their responses need. Survivors drop borrowed experts and re-bind
     the MoE layers to the full group and the starting placement; the model's own expert weights
-    (the training shards) never left any rank. `step` (the training step) names errors.
+    (the training shards) never left any rank. `step` (the training step) names errors;
+    `on_event` is told "rejoined" once this rank is back (released or not).
     """
     t0 = time.perf_counter()
     moe.drop_borrowed()
@@ -351,7 +346,8 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
                          layout.heartbeat_key, parallel.world_size, timeout_s, where)
     moe.rebind(layout.group, layout.placement)
     membership.close()
-    _notify("rejoined", parallel.rank, time.perf_counter() - t0, -1)
+    if on_event is not None:
+        on_event("rejoined", parallel.rank, time.perf_counter() - t0, -1)
     return time.perf_counter() - t0
 
 
