@@ -26,7 +26,7 @@ import pytest
 from distributed import REPO, free_port
 
 from flexfloor.launch.pool import ResourcePool
-from flexfloor.launch.slurm import Allocation, expand_hostlist
+from flexfloor.launch.slurm import Allocation, expand_hostlist, ray_auth_env
 from flexfloor.launch.slurm import main as slurm_main
 
 CONFIG = os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml")
@@ -71,12 +71,12 @@ def slurm_env(nodelist: str, nnodes: int, node: str, node_id: int, **extra) -> d
 
 def test_allocation_reads_slurm_variables():
     env = slurm_env("gpu[01-03,07]", 4, "gpu07", 3, SLURM_GPUS_ON_NODE="8",
-                    SLURM_NTASKS_PER_NODE="1", SLURM_CPUS_ON_NODE="64")
+                    SLURM_NTASKS_PER_NODE="1", SLURM_CPUS_ON_NODE="64", SLURM_CPUS_PER_TASK="32")
     a = Allocation.from_env(env)
-    assert (a.nodes, a.head, a.node_rank, a.procs_per_node, a.num_workers) == (
-        ("gpu01", "gpu02", "gpu03", "gpu07"), "gpu01", 3, 8, 32)
+    assert (a.nodes, a.head, a.node_rank, a.procs_per_node, a.num_workers, a.cpus_per_task) == (
+        ("gpu01", "gpu02", "gpu03", "gpu07"), "gpu01", 3, 8, 32, 32)
     cpu = Allocation.from_env(slurm_env("c[1-2]", 2, "c2", 1, SLURM_NTASKS_PER_NODE="4(x2)"))
-    assert (cpu.node_rank, cpu.procs_per_node, cpu.gpus_on_node) == (1, 4, 0)
+    assert (cpu.node_rank, cpu.procs_per_node, cpu.gpus_on_node, cpu.cpus_per_task) == (1, 4, 0, 0)
     with pytest.raises(ValueError, match="SLURM_NNODES=3"):
         Allocation.from_env(slurm_env("c[1-2]", 3, "c1", 0))
     with pytest.raises(ValueError, match="SLURM_JOB_ID"):
@@ -104,7 +104,10 @@ def stand_in_env(tmp) -> tuple[dict, object]:
     (bin_dir / "srun").write_text(STAND_IN_SRUN)
     (bin_dir / "srun").chmod(0o755)
     log = tmp / "srun.jsonl"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_LOG=str(log),
+    home = tmp / "home"  # the job must not read or write the real home (e.g. ~/.ray/auth_token)
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_LOG=str(log), HOME=str(home),
                PYTHON=sys.executable, PYTHONPATH=REPO, OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore", RAY_USAGE_STATS_ENABLED="0")
     return env, log
@@ -147,12 +150,13 @@ def test_torchrun_sbatch_on_four_nodes(fake_srun, capsys):
     env, log = fake_srun
     nodes = ["gpu01", "gpu02", "gpu03", "gpu07"]
     batch = dict(env, **slurm_env("gpu[01-03,07]", 4, "gpu01", 0, SLURM_GPUS_ON_NODE="8",
-                                  SLURM_NTASKS_PER_NODE="1"))
+                                  SLURM_NTASKS_PER_NODE="1", SLURM_CPUS_PER_TASK="32"))
     proc = sbatch("grpo_moe.sbatch", batch, "trainer.steps=3")
     assert proc.returncode == 0, proc.stdout
     (srun,) = [json.loads(line) for line in log.read_text().splitlines()]
-    assert srun[:5] == ["--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                        sys.executable]
+    # --cpus-per-task passed on: srun (Slurm >= 22.05) does not inherit it from sbatch
+    assert srun[:6] == ["--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--cpus-per-task=32",
+                        "--kill-on-bad-exit=1", sys.executable]
     port = 29500 + 734512 % 2000
     for rank, node in enumerate(nodes):
         # inside the step Slurm sets the node's own name and id; GPUs per node stay visible
@@ -169,7 +173,7 @@ def test_torchrun_sbatch_on_four_nodes(fake_srun, capsys):
 def test_ray_sbatch_on_four_nodes(fake_srun, capsys):
     env, _ = fake_srun
     batch = dict(env, **slurm_env("gpu[01-03,07]", 4, "gpu01", 0, SLURM_GPUS_ON_NODE="8",
-                                  SLURM_CPUS_ON_NODE="64"))
+                                  SLURM_CPUS_ON_NODE="64", SLURM_CPUS_PER_TASK="64"))
     # the batch stage's plan (it would start the nodes with srun, then the driver)
     proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.slurm", "ray", "--dry-run",
                            "--config", "my.yaml", "--cpus-per-worker", "4", "trainer.steps=3"],
@@ -177,8 +181,8 @@ def test_ray_sbatch_on_four_nodes(fake_srun, capsys):
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     port = 6379 + 734512 % 2000
-    assert plan["nodes"][:5] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1",
-                                 "--kill-on-bad-exit=1"]
+    assert plan["nodes"][:6] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1",
+                                 "--cpus-per-task=64", "--kill-on-bad-exit=1"]
     assert plan["driver"] == [sys.executable, "-m", "flexfloor.launch.ray", f"--address=gpu01:{port}",
                               "--num-workers=32", "--config", "my.yaml", "--cpus-per-worker", "4",
                               "trainer.steps=3", "parallel.world_size=32"]
@@ -192,6 +196,51 @@ def test_ray_sbatch_on_four_nodes(fake_srun, capsys):
                            "--include-dashboard=false", "--disable-usage-stats", *tail]
         else:
             assert cmd == [ray_bin, "start", f"--address=gpu01:{port}", *tail]
+
+
+def test_ray_auth_env_is_one_fresh_token_in_the_environment_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    a, b = ray_auth_env({}), ray_auth_env({})
+    assert a["RAY_AUTH_MODE"] == "token" and re.fullmatch(r"[0-9a-f]{64}", a["RAY_AUTH_TOKEN"])
+    assert a["RAY_AUTH_TOKEN"] != b["RAY_AUTH_TOKEN"]  # made per job, never read from a file
+    assert list(tmp_path.iterdir()) == []  # nothing written to the home directory
+    # the user's choice wins: disabled (or another mode) as is, their own token kept
+    assert ray_auth_env({"RAY_AUTH_MODE": "disabled"}) == {}
+    assert ray_auth_env({"RAY_AUTH_MODE": "DISABLED", "RAY_AUTH_TOKEN": "x"}) == {}
+    assert ray_auth_env({"RAY_AUTH_TOKEN": "mine"}) == {"RAY_AUTH_MODE": "token"}
+    assert ray_auth_env({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/shared/t"}) == {
+        "RAY_AUTH_MODE": "token"}
+
+
+@pytest.mark.parametrize("script", ["grpo_moe.sbatch", "grpo_moe_ray.sbatch"])
+def test_sbatch_outside_the_repository_root_says_so(script, fake_srun, tmp_path):
+    env, log = fake_srun
+    proc = sbatch(script, dict(env, **slurm_env("localhost", 1, "localhost", 0,
+                                                SLURM_SUBMIT_DIR=str(tmp_path))), timeout=60)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines() == [
+        f"{script}: no flexfloor/ in {tmp_path}: submit the job from the FlexFloor repository root"]
+    assert not log.exists()  # nothing started
+
+
+def test_ray_stage_stops_when_the_ray_nodes_srun_ends(fake_srun):
+    """The srun of the Ray nodes exits at once (the stand-in starts no task): the batch stage
+    stops waiting for the head and ends with one line, exit 1, long before --head-timeout-s."""
+    env, log = fake_srun
+    env = dict(env, **slurm_env("localhost", 1, "localhost", 0))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.slurm", "ray",
+                           f"--port={free_port()}", "--head-timeout-s=300", "--config", CONFIG],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert time.monotonic() - t0 < 60
+    (line,) = proc.stderr.strip().splitlines()
+    assert re.fullmatch(r"\[flexfloor.launch.slurm\] error: the Ray nodes' srun ended \(exit "
+                        r"status 0\) before the head answered at 127\.0\.0\.1:\d+; see its "
+                        r"output above", line), line
+    (srun,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert srun[srun.index("flexfloor.launch.slurm") + 1] == "ray-node"
 
 
 @pytest.fixture(scope="module")
@@ -388,9 +437,17 @@ def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     pids, victim = [], None
+    deadline = time.monotonic() + 240
     try:
         while True:  # the job runs: the ranks' pids are printed, then a first step completes
-            line = lines.get(timeout=240)
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:  # fail fast when the job has ended (its output all read)
+                tail = "".join(out)[-4000:]
+                assert reader.is_alive() or job.poll() is None, \
+                    f"the job ended (exit status {job.poll()}) before step 1:\n{tail}"
+                assert time.monotonic() < deadline, f"no step 1 within 240 s:\n{tail}"
+                continue
             if line.startswith("[flexfloor.launch.ray] rank "):
                 pids.append(int(line.split(" pid ")[1].split()[0]))
                 if line.startswith("[flexfloor.launch.ray] rank 1:"):
@@ -412,6 +469,10 @@ def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
     (srun,) = [json.loads(x) for x in log.read_text().splitlines()]
     assert srun[srun.index("flexfloor.launch.slurm") + 1] == "ray-node"
     assert f"ray start --head --node-ip-address=127.0.0.1 --port={port}" in text
+    # a fresh token for the job, in the environment only: the driver names the mode, not the
+    # token, and nothing lands in the (test's) home directory
+    assert "[flexfloor.launch.ray] Ray auth: RAY_AUTH_MODE=token, token from RAY_AUTH_TOKEN" in text
+    assert not (tmp_path / "home" / ".ray" / "auth_token").exists()
     assert len(pids) == 2 and wait_gone(pids) == []
     # the Ray node's own processes (ray start, GCS, raylet, ...) name its port: none may be left
     assert wait_gone(processes_matching(rf"(:|port=){port}\b")) == []

@@ -17,7 +17,8 @@ and execs it, so what runs on a cluster is what the tests check:
 `--dry-run` prints the command (JSON list) instead of running it. TRAIN_ARGS / LAUNCH_ARGS are
 passed through (`--config FILE section.field=value ...`; for `ray` also `--cpus-per-worker` etc.).
 Workers per node: `--nproc-per-node`, else SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE
-(one Slurm task slot per CPU worker), else 1.
+(one Slurm task slot per CPU worker), else 1. A stage that cannot go on (the Ray nodes' srun
+ended, no head answers) ends with a one-line error and exit status 1.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -82,6 +84,7 @@ class Allocation:
     procs_per_node: int
     cpus_on_node: int
     gpus_on_node: int
+    cpus_per_task: int = 0  # SLURM_CPUS_PER_TASK (sbatch --cpus-per-task); 0: not set
 
     @classmethod
     def from_env(cls, env=None, *, procs_per_node: int | None = None) -> Allocation:
@@ -101,7 +104,7 @@ class Allocation:
         procs = procs_per_node or gpus or _count(env.get("SLURM_NTASKS_PER_NODE")) or 1
         return cls(job_id=int(env["SLURM_JOB_ID"]), nodes=nodes, node_rank=node_rank,
                    procs_per_node=procs, cpus_on_node=_count(env.get("SLURM_CPUS_ON_NODE")) or 1,
-                   gpus_on_node=gpus)
+                   gpus_on_node=gpus, cpus_per_task=_count(env.get("SLURM_CPUS_PER_TASK")))
 
     @property
     def head(self) -> str:
@@ -127,10 +130,14 @@ RAY_PORT_BASE = 6379        # Ray's default GCS port and the 2000 above it
 
 
 def srun_command(alloc: Allocation, stage_args: list[str], python: str) -> list[str]:
-    """One task per node running a stage of this module; the job fails if any task fails."""
+    """One task per node running a stage of this module; the job fails if any task fails.
+
+    `--cpus-per-task` is passed on: since Slurm 22.05 srun no longer inherits sbatch's, and each
+    node's torchrun or `ray start` would get one CPU."""
     n = len(alloc.nodes)
-    return ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            python, "-m", "flexfloor.launch.slurm", *stage_args]
+    cpus = [f"--cpus-per-task={alloc.cpus_per_task}"] if alloc.cpus_per_task else []
+    return ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", *cpus,
+            "--kill-on-bad-exit=1", python, "-m", "flexfloor.launch.slurm", *stage_args]
 
 
 def torchrun_command(alloc: Allocation, port: int, train_args: list[str], python: str) -> list[str]:
@@ -159,28 +166,50 @@ def ray_driver_command(alloc: Allocation, address: str, launch_args: list[str],
             f"parallel.world_size={alloc.num_workers}"]
 
 
-def ray_auth_env(ray_bin: str) -> dict:
-    """The same Ray token on every node and the driver: `ray start` turns token authentication
-    on by itself where a token file exists, a driver given an address does not, and a home
-    directory need not be shared. RAY_AUTH_MODE=disabled (set by the user) is respected."""
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+def ray_auth_env(env=None) -> dict:
+    """The Ray authentication variables for every node and the driver of this job.
+
+    One token for the whole job, made here and passed only in the environment (srun hands the
+    batch step's environment to every node; Ray's processes inherit it): nothing is written to
+    ~/.ray, where a token file would turn token authentication on for every later `ray start` of
+    the user, and a home directory need not be shared. Setting the mode on every process also
+    keeps them alike: Ray >= 2.52 turns token authentication on for `ray start` by itself when it
+    finds a token file, but not for a driver given an address. Ray versions without token
+    authentication ignore both variables.
+
+    The user's choice wins: RAY_AUTH_MODE=disabled (or any mode other than token) is passed on as
+    it is; a token of the user's own (RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, e.g. to let borrowers
+    outside the job connect) is used instead of a new one.
+    """
+    env = os.environ if env is None else env
+    mode = env.get("RAY_AUTH_MODE", "").lower()
+    if mode and mode != "token":
         return {}
-    token = os.environ.get("RAY_AUTH_TOKEN") or subprocess.run(
-        [ray_bin, "get-auth-token", "--generate"], capture_output=True, text=True,
-        check=True).stdout.strip()
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    if env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH"):
+        return {"RAY_AUTH_MODE": "token"}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
-def wait_for_port(host: str, port: int, timeout_s: float) -> None:
+class StageError(RuntimeError):
+    """A stage cannot go on; main prints it as one line and exits 1."""
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, nodes=None) -> None:
+    """Wait until something answers at host:port. `nodes`: the Popen of the srun that starts the
+    Ray nodes; when it has ended, nothing will answer: stop at once."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with socket.create_connection((host, port), timeout=5):
                 return
         except OSError:
+            if nodes is not None and nodes.poll() is not None:
+                raise StageError(f"the Ray nodes' srun ended (exit status {nodes.returncode}) "
+                                 f"before the head answered at {host}:{port}; see its output "
+                                 "above") from None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing answers at {host}:{port} after {timeout_s:.0f} s "
-                                   "(did the Ray head start? see the ray-node output)") from None
+                raise StageError(f"nothing answers at {host}:{port} after {timeout_s:.0f} s "
+                                 "(did the Ray head start? see the ray-node output)") from None
             time.sleep(1.0)
 
 
@@ -202,6 +231,14 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"slurm: {e}", file=sys.stderr)
         return 2
+    try:
+        return _stage(args, rest, alloc)
+    except StageError as e:
+        print(f"[flexfloor.launch.slurm] error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _stage(args, rest: list[str], alloc: Allocation) -> int:
     python = sys.executable
     ray_bin = os.path.join(os.path.dirname(python), "ray")
     stage_opts = [f"--nproc-per-node={alloc.procs_per_node}"]
@@ -226,10 +263,10 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(json.dumps({"nodes": nodes, "driver": driver}))
         return 0
-    env = dict(os.environ, **ray_auth_env(ray_bin))
+    env = dict(os.environ, **ray_auth_env())
     cluster = subprocess.Popen(nodes, env=env)
     try:
-        wait_for_port(head_ip, port, args.head_timeout_s)
+        wait_for_port(head_ip, port, args.head_timeout_s, nodes=cluster)
         return subprocess.call(driver, env=env)
     finally:
         cluster.terminate()  # srun passes it on: `ray start --block` stops its node
