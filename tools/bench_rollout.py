@@ -388,7 +388,7 @@ class Bench:
             self.schedulers["elastic"].observe(results)
         if len(args.modes) == 2:
             st, el = entry["static"], entry["elastic"]
-            entry["ratios"] = with_wall_steps(ratios(el, st), el, st)
+            entry["ratios"] = ratios(el, st)
             entry["sha_match"] = (st["responses_sha256"] == el["responses_sha256"]
                                   and st["repeats_consistent"] and el["repeats_consistent"])
         if self.rank == 0:
@@ -465,8 +465,6 @@ def mode_report(runs: list[dict], plan, world: int) -> tuple[dict, tuple]:
     records = median_records([run["records"] for run in runs])
     results = runs[0]["results"]
     m = rollout_metrics(records, results)
-    # the steps of the rank that stayed longest: the wall's machine-independent twin
-    m["rollout_wall_steps"] = max((r["steps"] for r in m["per_rank"]), default=0)
     m["repeats"] = {k: [run["metrics"][k] for run in runs] for k in (
         "occupied_worker_seconds", "rollout_wall_seconds", "occupied_worker_steps",
         "responses_sha256")}
@@ -531,22 +529,13 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
             ",".join(e[mode]["responses_sha256"] for e in chosen).encode()).hexdigest()
         report[mode] = m
     if len(args.modes) == 2:
-        report["ratios"] = with_wall_steps(ratios(report["elastic"], report["static"]),
-                                           report["elastic"], report["static"])
+        report["ratios"] = ratios(report["elastic"], report["static"])
         report["identical_responses"] = all(e["sha_match"] for e in epochs)
     if "elastic" in args.modes:
         recs = [rec for k in kept for rec in k["elastic"][0]]
         report["reconfiguration"] = reconfiguration(
             recs, report["elastic"]["occupied_worker_seconds"])
     return report
-
-
-def with_wall_steps(r: dict, elastic: dict, static: dict) -> dict:
-    """`ratios()` plus elastic/static of the wall in steps: where a released rank's step costs
-    the survivors nothing (one accelerator per rank), the wall follows this ratio; on shared CPU
-    cores the survivors' steps get cheaper as ranks leave, and the seconds ratio flatters."""
-    s = static["rollout_wall_steps"]
-    return {**r, "rollout_wall_steps": elastic["rollout_wall_steps"] / s if s else float("nan")}
 
 
 def progress_line(entry: dict, args) -> str:

@@ -40,6 +40,8 @@ def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_respo
         "occupied_worker_steps": occ_steps,
         "tail_fraction": (sum(tail) / occ_s) if occ_s > 0 else 0.0,
         "rollout_wall_seconds": wall,
+        # the steps of the rank that stayed longest: the wall's machine-independent twin
+        "rollout_wall_steps": max((r["steps"] for r in records), default=0),
         "tokens_per_occupied_worker_second": tokens / occ_s if occ_s > 0 else 0.0,
         "tokens_per_occupied_worker_step": tokens / occ_steps if occ_steps else 0.0,
         "released_ranks": sum(1 for r in records if r["release_s"] < wall - 1e-9),
@@ -80,11 +82,12 @@ def ratios(elastic: dict, static: dict) -> dict:
     def ratio(key):
         return elastic[key] / static[key] if static[key] else float("nan")
 
-    return {
-        "tokens_per_occupied_worker_second": ratio("tokens_per_occupied_worker_second"),
-        "tokens_per_occupied_worker_step": ratio("tokens_per_occupied_worker_step"),
-        "rollout_wall_seconds": ratio("rollout_wall_seconds"),
-    }
+    # rollout_wall_steps: where a released rank's step costs the survivors nothing (one
+    # accelerator per rank), the wall follows this ratio; on shared CPU cores the survivors'
+    # steps get cheaper as ranks leave, and the seconds ratio flatters
+    return {key: ratio(key) for key in (
+        "tokens_per_occupied_worker_second", "tokens_per_occupied_worker_step",
+        "rollout_wall_seconds", "rollout_wall_steps")}
 
 
 def json_safe(obj):

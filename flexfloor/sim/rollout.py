@@ -64,7 +64,6 @@ class _Rank:
     record: RankRecord
     running: list = field(default_factory=list)  # _Run, sorted by done_at
     kv_used: int = 0
-    finished: int = 0
     ctx_base: int = 0  # sum over running of (prompt_len - start): context = ctx_base + n * step
     pending: int = 0  # tokens the next step feeds
     # attention pairs the next step adds beyond one token per request against its context (a
@@ -206,7 +205,6 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
                 run = x.running.pop(0)
                 x.ctx_base -= run.req.prompt_len - run.start
                 x.kv_used -= run.req.reserved_tokens * limits.kv_bytes_per_token
-                x.finished += 1
                 x.record.local_finish_s = now
                 x.record.extra["local_finish_step"] = x.record.steps
                 lengths.setdefault(run.req.prompt_uid, []).append(run.req.length)

@@ -162,7 +162,6 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
                                    placement=placement)
             m = metrics_from_counts(out.records, total_tokens=out.total_tokens,
                                     num_responses=out.num_responses)
-            m["rollout_wall_steps"] = max(r["steps"] for r in out.records)
             m["timeline"] = out.timeline
             entry[mode], outs[mode] = m, out
         entry["ideal"] = ideal(outs["elastic"])
@@ -217,8 +216,6 @@ def ideal(out) -> dict:
 
 def _ratios(elastic: dict, static: dict, ideal_: dict) -> dict:
     r = ratios(elastic, static)
-    s = static["rollout_wall_steps"]
-    r["rollout_wall_steps"] = elastic["rollout_wall_steps"] / s if s else float("nan")
     best = ideal_["tokens_per_occupied_worker_second"]
     r["elastic_over_ideal"] = elastic["tokens_per_occupied_worker_second"] / best if best else float("nan")
     r["static_over_ideal"] = static["tokens_per_occupied_worker_second"] / best if best else float("nan")
