@@ -235,12 +235,13 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # end a response at any of these
     max_batch_size: int = 64  # requests decoded at once, per rank
     kv_budget_tokens: int | None = None  # KV-cache capacity per rank in tokens; None = unlimited
+    kv_block_tokens: int = 16  # tokens per KV block (the pool holds kv_budget_tokens // this)
     seed: int = 0  # base of the per-request RNG streams
     progress: bool = True  # show a progress line while generating
 
     def validate(self) -> None:
         _positive("rollout", self, "samples_per_prompt", "max_new_tokens", "max_batch_size",
-                  "kv_budget_tokens")
+                  "kv_budget_tokens", "kv_block_tokens")
         _non_negative("rollout", self, "temperature", "top_k", "seed")
         _in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
         for i, t in enumerate(self.stop_token_ids):
@@ -410,9 +411,12 @@ class Config:
                  f"{self.data.max_prompt_len} exceed model.max_seq_len={m.max_seq_len}; set "
                  f"rollout.max_new_tokens <= {m.max_seq_len - self.data.max_prompt_len}")
         if r.kv_budget_tokens is not None:
-            _require(r.kv_budget_tokens >= longest, "rollout.kv_budget_tokens",
+            bt = r.kv_block_tokens
+            whole = -(-longest // bt) * bt  # the KV pool counts whole blocks
+            _require(r.kv_budget_tokens >= whole, "rollout.kv_budget_tokens",
                      f"{r.kv_budget_tokens} tokens cannot hold one request of up to {longest} "
-                     f"(data.max_prompt_len + rollout.max_new_tokens); set it >= {longest}")
+                     f"(data.max_prompt_len + rollout.max_new_tokens) in blocks of {bt} "
+                     f"(rollout.kv_block_tokens); set it >= {whole}")
         for i, tok in enumerate(r.stop_token_ids):
             _require(tok < m.vocab_size, f"rollout.stop_token_ids[{i}]",
                      f"{tok} is outside model.vocab_size={m.vocab_size}; use an id below it")

@@ -169,7 +169,8 @@ class Job:
         memory = MemoryModel.from_model_config(cfg.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)
         self.engine = RolloutEngine(
             self.model, self.moe, rank=self.rank, max_batch_size=cfg.rollout.max_batch_size,
-            kv_budget_bytes=memory.kv_budget_bytes, progress=cfg.rollout.progress,
+            kv_budget_bytes=memory.kv_budget_bytes, block_tokens=cfg.rollout.kv_block_tokens,
+            progress=cfg.rollout.progress,
             valid_vocab=self.tokenizer.vocab_size,
         )
         self.scheduler = Scheduler(cfg.scheduler.placement, prior_quantile=cfg.scheduler.prior_quantile,

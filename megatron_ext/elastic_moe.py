@@ -7,45 +7,32 @@ sends each (token, expert) pair to the rank that the current `Placement` names, 
 rank map works (8 experts on 3 ranks, 6 on 4), a rank with no tokens still takes part in every
 exchange, and `rebind()` switches to a new group and placement without rebuilding the model.
 
-Per layer and step, over the EP group: one all-to-all of per-expert counts, one of token rows with
-their routing probabilities (router dtype, bytes appended to each row), one of expert outputs back;
-none on a group of one rank. Each token's output is the
-sum of its top-k expert outputs in ascending expert order, whatever rank computed them, so the
-result does not depend on the placement.
+A layer's forward is Megatron's MoELayer shape: route (its own router) -> dispatch -> compute ->
+combine. Per layer and step, over the EP group: one all-to-all of per-(rank, expert) counts (the
+split sizes, the layer's one host read), one of token rows with their routing probabilities
+(router dtype, bytes appended to each row), one of expert outputs back; none on a group of one
+rank. Rows are sorted by expert once; each expert that received rows runs as raw GEMMs on its own
+weights (no copies). Each token's output is the sum of its top-k expert outputs in ascending
+expert order, whatever rank computed them, so the result does not depend on the placement. The
+collectives live in `flexfloor.rollout.collectives` (buffers on the group's device).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from flexfloor.rollout.collectives import exchange_counts, exchange_rows, exchange_rows_back
 from megatron_ext.placement import Placement
 
 
 class PlacementError(RuntimeError):
     pass
-
-
-def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-    return out
-
-
-def _exchange_rows(x: torch.Tensor, p: torch.Tensor, recv_splits, send_splits, group):
-    """Token rows and their routing probabilities in one all-to-all: each row's bytes with its
-    probability's bytes appended (exact whatever the two dtypes)."""
-    n = x.shape[0]
-    w = x.shape[1:].numel() * x.element_size()
-    xb = x.contiguous().view(torch.uint8).reshape(n, w)
-    pb = p.contiguous().view(torch.uint8).reshape(n, p.element_size())
-    both = _all_to_all(torch.cat([xb, pb], dim=1), recv_splits, send_splits, group)
-    rx = both[:, :w].contiguous().view(x.dtype).reshape(-1, *x.shape[1:])
-    rp = both[:, w:].contiguous().view(p.dtype).reshape(-1)
-    return rx, rp
 
 
 def _clone(module: torch.nn.Module) -> torch.nn.Module:
@@ -56,6 +43,30 @@ def _clone(module: torch.nn.Module) -> torch.nn.Module:
             if isinstance(v, dist.ProcessGroup):
                 memo[id(v)] = v
     return copy.deepcopy(module, memo)
+
+
+@dataclass
+class Routed:
+    """The router's choice for T tokens: top-k experts per token, ascending, and their
+    probabilities."""
+
+    x: torch.Tensor  # [T, H] the layer's input
+    experts: torch.Tensor  # [T, k] int64
+    probs: torch.Tensor  # [T, k] router dtype
+
+
+@dataclass
+class Dispatched:
+    """The handle a dispatch returns: what compute reads and what combine needs to undo it."""
+
+    order: torch.Tensor  # [T*k] (token, k) pair -> its row in the sent rows
+    send_splits: list[int]  # rows sent to each rank of the group
+    recv_splits: list[int]  # rows received from each
+    per_expert: list[int]  # received rows per expert (all E, 0 for experts not hosted)
+    rows: torch.Tensor  # [N, H] received rows sorted by expert
+    probs: torch.Tensor  # [N] their routing probabilities
+    by_expert: Optional[torch.Tensor]  # [N] received order -> sorted order; None: already sorted
+    x: torch.Tensor  # [T, H] the layer's input (for shared experts)
 
 
 class PlacedMoE:
@@ -71,6 +82,10 @@ class PlacedMoE:
         self.topk = model.config.moe_router_topk
         self.num_experts = model.config.num_moe_experts
         self.hidden = model.config.hidden_size
+        self.device = next(model.parameters()).device
+        cfg = model.config
+        # Megatron's fused activation kernels (GPU): keep its own forward for the experts then
+        self._fused_activation = bool(cfg.bias_activation_fusion or cfg.use_te_activation_func)
         # routing probabilities travel in the router's dtype (fp64 for fp64 models)
         self.prob_dtype = torch.float64 if model.config.moe_router_dtype == "fp64" else torch.float32
         self.hosted: list[dict[int, torch.nn.Module]] = [
@@ -103,7 +118,9 @@ class PlacedMoE:
                     f"hosts {sorted(hosted)}; transfer the missing experts before rebinding"
                 )
         self.group, self.placement = group, placement
-        self._owner_index = torch.tensor([placement.group_index(r) for r in placement.owner])
+        # expert -> index of its owner in the group, on the model's device (indexed by device ids)
+        self._owner_index = torch.tensor([placement.group_index(r) for r in placement.owner],
+                                         device=self.device)
 
     def host(self, layer: int, expert: int, state: dict[str, torch.Tensor]) -> None:
         """Host a borrowed expert: a copy of a local expert module loaded with `state`."""
@@ -135,58 +152,118 @@ class PlacedMoE:
         return {n: p.detach() for n, p in self.hosted[layer][expert].named_parameters()}
 
     # ---------------------------------------------------------------- forward
+    #
+    # Megatron's MoELayer shape: route -> dispatch -> compute -> combine, each replaceable; the
+    # dispatch returns a handle that compute and combine consume.
 
     @torch.no_grad()
     def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, 1, H] (T may be 0) -> MoE output [T, 1, H]. Collective over the group."""
-        mlp = self.layers[layer]
-        group, owner_index = self.group, self._owner_index
-        size = dist.get_world_size(group)
-        x = hidden.reshape(-1, self.hidden)
+        x = hidden.reshape(-1, self.hidden)  # [T, H]
+        routed = self.route(layer, x)
+        handle = self.dispatch(routed)
+        rows = self.compute(layer, handle)
+        out = self.combine(layer, handle, rows)
+        return out.view(hidden.shape)
+
+    def route(self, layer: int, x: torch.Tensor) -> "Routed":
+        """Megatron's own router: each token's top-k experts (ascending) and their probabilities."""
         t = x.shape[0]
-        counts = torch.zeros(size, self.num_experts, dtype=torch.int64)
-        if t:
-            probs, routing_map = mlp.router(x.view(t, 1, self.hidden))  # [T, E], [T, E] bool
-            tok, exp = routing_map.nonzero(as_tuple=True)  # token-major, experts ascending
-            if tok.numel() != t * self.topk:
-                raise PlacementError(f"router chose {tok.numel()} (token, expert) pairs for {t} tokens "
-                                     f"with top-{self.topk}: token dropping is not supported")
-            dest = owner_index[exp]
-            order = torch.argsort(dest * (self.num_experts * t) + exp * t + tok)
-            counts.index_put_((dest, exp), torch.ones_like(exp), accumulate=True)
-            send_x = x[tok[order]]
-            send_p = probs[tok[order], exp[order]].to(self.prob_dtype)
-        else:
-            order = torch.empty(0, dtype=torch.long)
-            send_x = x
-            send_p = torch.empty(0, dtype=self.prob_dtype)
-        send_splits = counts.sum(1).tolist()
-        if size == 1:  # a lone rank (EP=1, or the last survivor): nothing to exchange
-            recv_counts, recv_splits, recv_x, recv_p = counts, send_splits, send_x, send_p
-        else:
-            recv_counts = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts, counts, group=group)  # [source, expert]
-            recv_splits = recv_counts.sum(1).tolist()
-            recv_x, recv_p = _exchange_rows(send_x, send_p, recv_splits, send_splits, group)
-
-        row_expert = torch.repeat_interleave(
-            torch.arange(self.num_experts).repeat(size), recv_counts.view(-1)
-        )
-        out_rows = torch.empty_like(recv_x)
-        for e, module in sorted(self.hosted[layer].items()):
-            idx = (row_expert == e).nonzero(as_tuple=True)[0]
-            if idx.numel():
-                y, _ = module(recv_x[idx], recv_p[idx])
-                out_rows[idx] = y
-        if recv_x.shape[0] and not set(row_expert.unique().tolist()) <= set(self.hosted[layer]):
-            raise PlacementError(f"rank {self.rank} received tokens for experts it does not host")
-        back = out_rows if size == 1 else _all_to_all(out_rows, send_splits, recv_splits, group)
-
         if t == 0:
-            return hidden
-        rows = torch.empty_like(back)
-        rows[order] = back
-        out = rows.view(t, self.topk, self.hidden).sum(dim=1)
+            empty = torch.empty(0, self.topk, dtype=torch.long, device=x.device)
+            return Routed(x, empty, torch.empty(0, self.topk, dtype=self.prob_dtype, device=x.device))
+        probs, routing_map = self.layers[layer].router(x.view(t, 1, self.hidden))  # [T, E] x2
+        # the k chosen experts of each token in ascending order, without a host sync (nonzero)
+        experts = torch.topk(routing_map.to(torch.int8), self.topk, dim=1).indices.sort(dim=1).values
+        return Routed(x, experts, probs.gather(1, experts).to(self.prob_dtype))  # [T, k] x2
+
+    def dispatch(self, routed: "Routed") -> "Dispatched":
+        """Send each (token, expert) row to the expert's owner. The per-(rank, expert) counts are
+        exchanged once and read on the host once (the split sizes); rows and probabilities then
+        travel in one all-to-all. No exchange on a group of one rank."""
+        x, experts = routed.x, routed.experts
+        t, k, E = x.shape[0], self.topk, self.num_experts
+        size = dist.get_world_size(self.group)
+        flat = experts.reshape(-1)  # [T*k], token-major
+        dest = self._owner_index[flat]  # [T*k] group index of each row's owner
+        tok = torch.arange(t, device=x.device).repeat_interleave(k)
+        # rows sorted by (owner, expert, token): grouped by rank for the all-to-all, by expert
+        # within it
+        order = torch.argsort(dest * (E * t) + flat * t + tok)
+        counts = torch.zeros(size * E, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, dest * E + flat, torch.ones_like(flat))
+        counts = counts.view(size, E)  # [destination, expert]
+        send_x = x[tok[order]]
+        send_p = routed.probs.reshape(-1)[order]
+        if size == 1:  # a lone rank (EP=1, or the last survivor): nothing to exchange
+            per_expert = counts.view(-1).tolist()  # the one host read of this layer
+            return Dispatched(order, [sum(per_expert)], [sum(per_expert)], per_expert,
+                              send_x, send_p, None, x)
+        recv_counts = exchange_counts(counts, self.group)  # [source, expert]
+        table = torch.cat([counts.sum(1), recv_counts.view(-1)]).tolist()  # one host read
+        send_splits, recv_per = table[:size], table[size:]
+        recv_splits = [sum(recv_per[i * E:(i + 1) * E]) for i in range(size)]
+        recv_x, recv_p = exchange_rows(send_x, send_p, recv_splits, send_splits, self.group)
+        # received rows come grouped by source, then expert: sort them by expert once
+        row_expert = torch.arange(E, device=x.device).repeat(size).repeat_interleave(
+            recv_counts.view(-1), output_size=sum(recv_splits))
+        by_expert = torch.argsort(row_expert, stable=True)
+        per_expert = [sum(recv_per[s * E + e] for s in range(size)) for e in range(E)]
+        return Dispatched(order, send_splits, recv_splits, per_expert,
+                          recv_x[by_expert], recv_p[by_expert], by_expert, x)
+
+    def compute(self, layer: int, handle: "Dispatched") -> torch.Tensor:
+        """Expert MLPs over the rows sorted by expert: raw GEMMs on each hosted expert's own
+        weights (no copies), only for experts that received rows. Returns rows in received order."""
+        rows, probs = handle.rows, handle.probs
+        out = torch.empty_like(rows)
+        hosted = self.hosted[layer]
+        start = 0
+        for e, n in enumerate(handle.per_expert):
+            if n == 0:
+                continue
+            module = hosted.get(e)
+            if module is None:
+                raise PlacementError(f"rank {self.rank} received tokens for expert {e} it does "
+                                     f"not host (layer {layer})")
+            out[start:start + n] = self._expert(module, rows[start:start + n], probs[start:start + n])
+            start += n
+        if handle.by_expert is not None:  # back to the order rows arrived in
+            out = torch.empty_like(out).index_copy_(0, handle.by_expert, out)
+        return out
+
+    def _expert(self, module, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Megatron's `MLP.forward` for one expert (x [n, H], p [n]) as raw ops on its weights:
+        fc1 -> GLU activation -> scale by the routing probability -> fc2 (same order, same math;
+        no autograd wrappers)."""
+        fc1, fc2 = module.linear_fc1, module.linear_fc2
+        if fc1.bias is not None or fc2.bias is not None or self._fused_activation:
+            return module(x, p)[0]  # biases or fused kernels: Megatron's own forward
+        h = F.linear(x, fc1.weight)
+        cfg = module.config
+        if cfg.gated_linear_unit:
+            a, b = torch.chunk(h, 2, dim=-1)
+            if (val := cfg.activation_func_clamp_value) is not None:
+                a, b = a.clamp(min=None, max=val), b.clamp(min=-val, max=val)
+            h = cfg.activation_func(a) * (b + cfg.glu_linear_offset)
+        else:
+            h = cfg.activation_func(h)
+        h = (h * p.unsqueeze(-1)).to(h.dtype)
+        return F.linear(h, fc2.weight)
+
+    def combine(self, layer: int, handle: "Dispatched", rows: torch.Tensor) -> torch.Tensor:
+        """Expert outputs back to their tokens (one all-to-all), then one scatter into [T, k, H]
+        and a sum over k in ascending expert order: the same whatever rank computed them."""
+        size = len(handle.send_splits)
+        back = rows if size == 1 else exchange_rows_back(rows, handle.send_splits,
+                                                         handle.recv_splits, self.group)
+        t = handle.order.numel() // self.topk
+        mlp = self.layers[layer]
+        if t == 0:
+            return back.new_empty(0, self.hidden)
+        slots = torch.empty_like(back).index_copy_(0, handle.order, back)  # [T*k, H]
+        out = slots.view(t, self.topk, self.hidden).sum(dim=1)
         if mlp.use_shared_expert:
+            x = handle.x
             out = out + mlp.shared_experts(x.view(t, 1, self.hidden)).view(t, self.hidden)
-        return out.view(t, 1, self.hidden)
+        return out

@@ -39,7 +39,7 @@ def test_sampling_differs_from_greedy(out):
     assert sampled != greedy  # the RNG streams are really used
 
 
-@pytest.mark.parametrize("bs", [1, 3])
+@pytest.mark.parametrize("bs", [1, 3, 16])
 def test_sampled_tokens_independent_of_batch_size_and_rank(out, bs):
     ref = by_id(out("sampled_float64_ep1"))
     other = out(f"sampled_float64_ep4_bs{bs}")
@@ -58,6 +58,33 @@ def test_greedy_equals_no_cache_recompute_and_logprobs_match(out, dtype, tol):
     for rid, ref in refs.items():
         assert ref["argmax"] == tokens[rid], rid
         assert max(abs(a - b) for a, b in zip(ref["logprobs_t1"], logprobs[rid])) <= tol
+
+
+@pytest.mark.parametrize("kind", ["sampled", "tempered"])
+def test_sampled_logprobs_are_the_tempered_unfiltered_logprobs_of_a_full_recompute(out, kind):
+    # the trainer's importance ratio: log-prob under the temperature-scaled distribution, before
+    # top-k / top-p filtering (fp32 model)
+    refs = {k: v for part in out("reference_float32") for k, v in part[kind].items()}
+    assert len(refs) == 16
+    for rid, ref in refs.items():
+        assert max(abs(a - b) for a, b in zip(ref["logprobs_t"], ref["logprobs"])) <= 1e-5, rid
+    if kind == "tempered":  # temperature 0.7 really differs from temperature 1
+        assert any(abs(a - b) > 1e-3 for ref in refs.values()
+                   for a, b in zip(ref["logprobs_t"], ref["logprobs_t1"]))
+
+
+def test_preempted_requests_keep_their_tokens_and_the_pool_its_budget(out):
+    case = out("preempted")
+    parts = case["parts"]
+    assert sum(p["record"].get("preempted", 0) for p in parts) > 0  # the pool really ran out
+    assert max(p["record"]["kv_peak_bytes"] for p in parts) <= case["budget"]
+    ref = by_id(out("sampled_float64_ep1"))
+    assert by_id(parts) == ref
+
+
+def test_request_that_can_never_fit_is_refused_naming_it(out):
+    msg = out("errors")["never_fits"]
+    assert "request 98/0" in msg and "rollout.kv_budget_tokens" in msg and "rank 1" in msg
 
 
 def test_every_request_has_exactly_one_result(out):

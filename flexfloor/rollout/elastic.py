@@ -1,11 +1,13 @@
 """The release protocol: ranks whose own responses are done leave the rollout at step boundaries.
 
-At every step boundary the active ranks agree on who is done (one small all-gather). When some
-are, every active rank computes the same plan (a pure function: new placement + transfers), the
-leavers send their experts to the survivors over the current group, the survivors build a group
-of their own (created by survivors only) and re-bind the MoE layers to it. Leavers record their
-release time and return from the rollout: they take part in no further rollout collective. After
-the rollout, `resync()` brings every rank back to the training layout.
+At every step boundary the active ranks agree on who is done (one small all-gather). Every active
+rank then computes the same decision (`flexfloor.rollout.release.decide`, a pure function:
+migration, leavers, new placement + transfers) and the engine applies it: migration, then
+`ElasticMembership.shrink`, where the leavers send their experts to the survivors over the
+current group and the survivors build a group of their own (created by survivors only) and
+re-bind the MoE layers to it. Leavers record their release time and return from the rollout:
+they take part in no further rollout collective. After the rollout, `resync()` brings every rank
+back to the training layout.
 
 The release policy is a value: `ReleasePolicy.STATIC` (the verl-like baseline, `StaticMembership`)
 or `ReleasePolicy.ELASTIC` (`ElasticMembership`).
@@ -27,20 +29,18 @@ import torch.distributed as dist
 
 from flexfloor.config import ReleasePolicy
 from flexfloor.faults import FaultPhase, inject
-from flexfloor.rollout.engine import CollectiveError, StaticMembership, share_step_state
+from flexfloor.rollout.collectives import CollectiveError
+from flexfloor.rollout.engine import Boundary, ShrinkStats, StaticMembership, share_step_state
+from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leavers: re-exported)
+    RankLimits,
+    ReleaseDecision,
+    ReleaseRules,
+    choose_leavers,
+    decide,
+)
 from megatron_ext.elastic_moe import PlacedMoE
-from megatron_ext.placement import initial_placement, plan_shrink
+from megatron_ext.placement import initial_placement
 from megatron_ext.resharding import transfer_experts
-
-
-def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
-    """Who leaves at a step boundary: every done rank, except the lowest idle ones the floor
-    (`min_active_ranks`) still needs. Pure, so the simulator (`flexfloor.sim`) decides exactly
-    as the engine does."""
-    done = [r for r, w in zip(ranks, has_work) if not w]
-    working = [r for r, w in zip(ranks, has_work) if w]
-    keep_idle = max(0, min_active_ranks - len(working))
-    return done[keep_idle:]
 
 
 # A release listener, told when this rank leaves a rollout and when it is back after resync:
@@ -48,34 +48,6 @@ def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
 # A launcher passes one to lend a released worker's devices to other work until resync
 # (flexfloor/launch/ray.py); it is a value handed to membership_for and resync, not a global.
 ReleaseListener = Callable[[str, int, float, int], None]
-
-
-@dataclass(frozen=True)
-class RankLimits:
-    """What the release decision needs to know of the engines (the same on every rank)."""
-
-    kv_bytes_per_token: int
-    max_seq_len: int
-    max_batch_size: int
-    kv_budget_bytes: Optional[int]  # a rank's KV room hosting only its own experts; None: unbounded
-    expert_nbytes: int  # one expert's weights over all layers
-
-    @classmethod
-    def of(cls, engine) -> "RankLimits":
-        return cls(kv_bytes_per_token=engine.kv_bytes_per_token, max_seq_len=engine.max_seq_len,
-                   max_batch_size=engine.max_batch_size, kv_budget_bytes=engine.kv_budget_bytes,
-                   expert_nbytes=engine.moe.expert_nbytes)
-
-
-@dataclass
-class ReleaseDecision:
-    """Who hands requests to whom, who leaves, and the placement and transfers after it."""
-
-    migrate: dict = field(default_factory=dict)  # giving rank -> taking rank
-    leaving: list = field(default_factory=list)
-    placement: object = None  # megatron_ext.placement.Placement after the shrink
-    transfers: list = field(default_factory=list)
-    floor_hit: bool = False  # some could leave, but the survivors could not hold the experts
 
 
 @dataclass
@@ -107,23 +79,19 @@ class ElasticMembership:
             dist.destroy_process_group(group)
         self._groups.clear()
 
-    def step_boundary(self, engine, has_work):
+    def step_boundary(self, engine, has_work) -> Boundary:
+        """Share the step state and decide; the engine applies the decision (migration,
+        `shrink`, its own record)."""
         inject(FaultPhase.ROLLOUT, engine.rank, self.step, engine.record.steps)
         self._heartbeat()
         report = share_step_state(engine.moe.group, has_work, engine)
         if not any(report.has_work):
-            return False, report
+            return Boundary(report)
         t0 = time.perf_counter()
         decision = self.decide(engine.moe.placement, report, RankLimits.of(engine))
-        plan_s = time.perf_counter() - t0
         if decision.migrate:
-            self._migrate(engine, decision.migrate)
-        if decision.floor_hit:
-            engine.record.extra["floor_hits"] = engine.record.extra.get("floor_hits", 0) + 1
-        if not decision.leaving:
-            return True, report
-        self._release(engine, decision, plan_s)
-        return engine.rank not in decision.leaving, report
+            self.timeline.append({"step": engine.record.steps, "migrated": dict(decision.migrate)})
+        return Boundary(report, decision, plan_s=time.perf_counter() - t0)
 
     def _heartbeat(self) -> None:
         """Tell the released ranks waiting at resync that the rollout still moves (at most
@@ -133,120 +101,44 @@ class ElasticMembership:
             self._last_beat = now
             _store().add(self.heartbeat_key, 1)
 
-    def decide(self, placement, report, limits: "RankLimits") -> "ReleaseDecision":
-        """The release decision at one step boundary, from the shared report alone: no
-        collective, the same on every rank. The simulator (`flexfloor.sim`) calls it too."""
+    @property
+    def rules(self) -> ReleaseRules:
+        return ReleaseRules(min_active_ranks=self.min_active_ranks,
+                            check_interval_steps=self.check_interval_steps,
+                            capacity=self.capacity, holding=self.holding,
+                            migrate_max_requests=self.migrate_max_requests)
+
+    def decide(self, placement, report, limits: RankLimits) -> ReleaseDecision:
+        """The release decision at the next step boundary (`flexfloor.rollout.release.decide`,
+        pure: no collective, the same on every rank). The simulator (`flexfloor.sim`) calls it
+        too."""
         self._boundaries += 1
-        if self._boundaries % self.check_interval_steps:
-            return ReleaseDecision()
-        ranks = list(placement.ranks)
-        has = list(report.has_work)
-        migrate = {}
-        if self.migrate_max_requests > 0:
-            migrate = self.migration_plan(ranks, report, limits)
-            has = [w and r not in migrate for r, w in zip(ranks, has)]
-        leaving = choose_leavers(ranks, has, self.min_active_ranks)
-        if not leaving:
-            return ReleaseDecision(migrate=migrate)
-        try:
-            new_placement, transfers = plan_shrink(
-                placement, leaving, capacity=self.capacity_now(placement, report, limits),
-                holding=self.holding)
-        except ValueError:
-            # the floor: survivors cannot hold every expert; nobody leaves this time
-            return ReleaseDecision(migrate=migrate, floor_hit=True)
-        return ReleaseDecision(migrate=migrate, leaving=leaving, placement=new_placement,
-                               transfers=transfers)
+        return decide(self.rules, placement, report, limits, self._boundaries)
 
-    def migration_plan(self, ranks, report, limits: "RankLimits") -> dict[int, int]:
-        """Beyond the paper: a rank whose last few requests (<= migrate_max_requests, none
-        queued) will end no later than the work of a rank that stays hands them to that rank
-        (re-prefilled there, same RNG stream: the same tokens) and leaves now. Returns
-        {giving rank: taking rank}; a pure function of the shared report."""
-        has = list(report.has_work)
-        n = len(ranks)
-        order = sorted(range(n), key=lambda i: (-report.remaining[i], ranks[i]))
-        if len([i for i in range(n) if has[i]]) <= self.min_active_ranks:
-            return {}
-        plan: dict[int, int] = {}  # giver index -> taker index
-        kv_taken: dict[int, int] = {}  # taker index -> KV bytes promised
-        n_taken: dict[int, int] = {}  # taker index -> requests promised
-        for i in range(n):
-            if i in n_taken or not (0 < report.running[i] <= self.migrate_max_requests
-                                    and report.queued[i] == 0):
-                continue
-            need = report.running[i] * limits.kv_bytes_per_token * limits.max_seq_len
-            for j in order:  # the rank with the most work left takes them, if it has room
-                if j == i or j in plan or not has[j] or report.remaining[j] < report.remaining[i]:
-                    continue
-                if report.kv_free[j] - kv_taken.get(j, 0) < need:
-                    continue
-                if report.running[j] + n_taken.get(j, 0) + report.running[i] > limits.max_batch_size:
-                    continue
-                plan[i] = j
-                kv_taken[j] = kv_taken.get(j, 0) + need
-                n_taken[j] = n_taken.get(j, 0) + report.running[i]
-                break
-        if len([i for i in range(n) if has[i] and i not in plan]) < self.min_active_ranks:
-            return {}
-        return {ranks[i]: ranks[j] for i, j in sorted(plan.items())}
-
-    def capacity_now(self, placement, report, limits: "RankLimits") -> Optional[dict[int, int]]:
-        """Most experts each active rank can host now: a fixed `capacity`, or, under a KV
-        budget, what it hosts plus what its free KV memory can hold (a borrowed expert takes
-        KV room from the survivor's requests). A rank with queued requests borrows nothing: the
-        room is theirs. None: unbounded."""
-        if self.capacity is not None:
-            return self.capacity
-        if limits.kv_budget_bytes is None:
-            return None
-        per = limits.expert_nbytes
-        return {r: len(placement.experts_of(r)) + (max(0, free) // per if queued == 0 else 0)
-                for r, free, queued in zip(placement.ranks, report.kv_free, report.queued)}
-
-    def _migrate(self, engine, plan: dict[int, int]) -> None:
-        """Carry out a migration plan: givers export their running requests, takers adopt."""
-        ranks = list(engine.moe.placement.ranks)
-        payload = engine.export_running() if engine.rank in plan else []
-        everyone = [None] * len(ranks)
-        dist.all_gather_object(everyone, payload, group=engine.moe.group)
-        mine = [p for giver, taker in sorted(plan.items()) if taker == engine.rank
-                for p in everyone[ranks.index(giver)]]
-        if mine:
-            engine.adopt(mine)
-        self.timeline.append({"step": engine.record.steps, "migrated": dict(plan)})
-
-    def _release(self, engine, decision: "ReleaseDecision", plan_s: float) -> None:
-        """Transfer the leavers' experts, then switch: leavers record their release, survivors
-        build their group and re-bind."""
-        moe, record = engine.moe, engine.record
-        leaving, new_placement, transfers = decision.leaving, decision.placement, decision.transfers
+    def shrink(self, moe: PlacedMoE, decision: ReleaseDecision, *, now: float,
+               step: int) -> ShrinkStats:
+        """Carry out a decision's shrink on this rank: transfer the leavers' experts over the
+        current group, then switch: a leaver drops what it borrowed (and tells `on_event`), the
+        survivors build their group and re-bind the MoE layers. Collective over the group."""
         t1 = time.perf_counter()
-        stats = transfer_experts(moe, transfers, moe.group)
-        engine.kv_used += stats["received"] * moe.expert_nbytes  # borrowed weights take KV room
+        stats = transfer_experts(moe, decision.transfers, moe.group)
         t2 = time.perf_counter()
-        now = engine.elapsed()
-        if engine.rank in leaving:
-            record.release_s = now
-            record.extra["release_step"] = record.steps
+        if moe.rank in decision.leaving:
             moe.drop_borrowed()
             if self.on_event is not None:
-                self.on_event("released", engine.rank, now, record.steps)
+                self.on_event("released", moe.rank, now, step)
         else:
-            ranks = list(new_placement.ranks)
+            ranks = list(decision.placement.ranks)
             name = f"rollout{self.rollout_id}/ep_" + "_".join(map(str, ranks))
             group = self.parallel.new_subgroup(ranks, name=name)
             self._groups.append(group)
-            moe.rebind(group, new_placement)
-        t3 = time.perf_counter()
-        extra = record.extra
-        extra["plan_s"] = extra.get("plan_s", 0.0) + plan_s
-        extra["transfer_s"] = extra.get("transfer_s", 0.0) + (t2 - t1)
-        extra["switch_s"] = extra.get("switch_s", 0.0) + (t3 - t2)
-        extra["sent_bytes"] = extra.get("sent_bytes", 0) + stats["sent_bytes"]
-        self.timeline.append({"step": record.steps, "time_s": now, "leaving": list(leaving),
-                              "active": list(new_placement.ranks),
-                              "moved_experts": len(transfers)})
+            moe.rebind(group, decision.placement)
+        self.timeline.append({"step": step, "time_s": now, "leaving": list(decision.leaving),
+                              "active": list(decision.placement.ranks),
+                              "moved_experts": len(decision.transfers)})
+        return ShrinkStats(borrowed_bytes=stats["received"] * moe.expert_nbytes,
+                           sent_bytes=stats["sent_bytes"], transfer_s=t2 - t1,
+                           switch_s=time.perf_counter() - t2)
 
 
 @dataclass

@@ -3,64 +3,55 @@
 Each rank decodes its own requests; every MoE layer exchanges tokens with the expert owners over
 the EP group, so all ranks of the group step in lockstep. The engine runs Megatron-Core's own
 modules of the `GPTModel` (embedding, layer norms, QKV/projection linears, rotary embedding, the
-MoE layer with its router and experts, the output layer) but keeps its own per-request KV cache:
-Megatron's static inference context holds one sequence offset for the whole batch and cannot
-batch requests at different positions (continuous batching).
+MoE layer's router and expert weights, the output layer) with its own KV cache: Megatron's static
+inference context holds one sequence offset for the whole batch and cannot batch requests at
+different positions (continuous batching).
 
-Per-request determinism: positions are per request (no padding), attention reads only the
-request's own cache, sampling draws from the request's own RNG stream. The only math shared by
-requests is the expert matmul over the tokens routed to an expert, which is row-independent (CPU
-BLAS may still sum in another order for another batch shape: the last bit of a logit; tests that
-compare batch compositions run in float64).
+A step is a handful of batched operations: one forward over every new token of this rank
+(prefill chunks and decode tokens together) with, per layer, one attention call for all running
+requests reading K/V from the rank's block pool (`flexfloor.rollout.kv`) through their block
+tables (SDPA with grouped-query attention: no copy of the cache per head), and the MoE layer as
+route -> dispatch -> compute -> combine (`megatron_ext.elastic_moe`); then one batched sampling
+call (`flexfloor.rollout.sampling`) and one device-to-host copy of the new tokens.
 
-A step:   admit (slots + KV budget) -> one forward over all new tokens of this rank
-          -> sample one token per running request -> finish/evict -> step boundary
+Per-request determinism: positions are per request (padding only masks, never shifts a
+position), and each draw comes from a counter-based stream keyed by the request and the position,
+so tokens do not depend on the rank, batch, placement, preemption or migration. CPU kernels may
+still sum in another order for another batch shape (the last bit of a logit); tests that compare
+batch compositions run in float64.
+
+A step:   admit (slots + free KV blocks over a watermark) -> take the blocks this step's tokens
+          need (preempting the youngest request when the pool runs out) -> forward -> sample ->
+          finish (blocks freed) -> step boundary
 The step boundary is where the membership decides who goes on: `StaticMembership` (the verl-like
 baseline) keeps every rank stepping, with empty batches when it has no work, until all are done.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from flexfloor.rollout.types import FinishReason, RankRecord, Request, Result, SamplingParams
+from flexfloor.rollout.collectives import (  # noqa: F401  (re-exported: the engine's errors)
+    CollectiveError,
+    collective_phase,
+    gather_objects,
+    share_rows,
+)
+from flexfloor.rollout.kv import BlockPool, blocks_for, watermark_blocks
+from flexfloor.rollout.release import ReleaseDecision
+from flexfloor.rollout.sampling import sample
+from flexfloor.rollout.types import FinishReason, RankRecord, Request, Result, RolloutError
 
+__all__ = ["RolloutEngine", "RolloutError", "CollectiveError", "collective_phase",
+           "StaticMembership", "StepReport", "kv_bytes_per_token"]
 
-class RolloutError(RuntimeError):
-    """A request or rollout the engine refuses or cannot finish; the message names it."""
-
-
-class CollectiveError(RolloutError):
-    """A collective of the rollout failed or timed out (a peer died or hangs)."""
-
-
-@contextlib.contextmanager
-def collective_phase(rank: int, phase: str, step: int | None = None):
-    """Turn a failed or timed-out collective into an error naming the rank, phase and step.
-
-    Every group is created with a timeout (parallel.timeout_s), so a hang ends as an error here
-    instead of waiting forever; the launcher then sees the process exit non-zero.
-    """
-    try:
-        yield
-    except RolloutError:
-        raise
-    except (RuntimeError, dist.DistError) as e:
-        where = f"rank {rank}, phase '{phase}'" + (f", engine step {step}" if step is not None else "")
-        raise CollectiveError(f"{where}: collective failed ({type(e).__name__}: {e})") from e
-
-
-# --------------------------------------------------------------------------------------------
-# KV cache
+DEFAULT_BLOCK_TOKENS = 16  # rollout.kv_block_tokens
 
 
 def kv_bytes_per_token(model_config) -> int:
@@ -71,17 +62,32 @@ def kv_bytes_per_token(model_config) -> int:
     return 2 * model_config.num_layers * groups * head_dim * elem
 
 
-class KVCache:
-    """One request's keys and values for every layer, allocated for its whole reservation."""
+def _is_plain_linear(module) -> bool:
+    """Megatron's own Column/RowParallelLinear (not a transformer-engine one, which may fuse a
+    norm into the projection)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    def __init__(self, num_layers: int, capacity: int, groups: int, head_dim: int, dtype, device):
-        self.k = torch.empty(num_layers, capacity, groups, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-        self.length = 0  # tokens whose K/V are stored
+    return type(module) in (ColumnParallelLinear, RowParallelLinear)
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+
+def _linear(module, x: torch.Tensor) -> torch.Tensor:
+    """A Megatron linear at TP=1 as one raw GEMM on its own weight (no autograd-function
+    wrappers); other linears (transformer-engine) through their own forward."""
+    if not _is_plain_linear(module):
+        y, bias = module(x)
+        return y if bias is None else y + bias
+    y = F.linear(x, module.weight)
+    return y if module.bias is None else y + module.bias
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Megatron's non-interleaved RoPE (`_apply_rotary_pos_emb_bshd`) with its cos/sin terms
+    computed once per step: t [T, 1, n, D], cos/sin [T, 1, 1, rot]."""
+    rot = cos.shape[-1]
+    t, t_pass = t[..., :rot], t[..., rot:]
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    t = t * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return t if t_pass.shape[-1] == 0 else torch.cat((t, t_pass), dim=-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,95 +108,114 @@ class StepReport:
     kv_free: list[int]  # per rank: KV bytes free
 
 
-class Membership(Protocol):
-    """Decides at each step boundary whether this rank keeps stepping."""
+@dataclass
+class Boundary:
+    """A membership's answer at a step boundary: the shared report and the release decision
+    the engine then applies (default: everybody stays, nothing moves)."""
 
-    def step_boundary(self, engine: "RolloutEngine", has_work: bool) -> tuple[bool, StepReport]:
-        """Returns (keep_stepping, report). Called by every active rank after every step."""
+    report: StepReport
+    decision: ReleaseDecision = field(default_factory=ReleaseDecision)
+    plan_s: float = 0.0  # seconds the decision took
+
+
+@dataclass
+class ShrinkStats:
+    """What carrying out a shrink cost this rank."""
+
+    borrowed_bytes: int  # expert weights it received (they take KV room)
+    sent_bytes: int
+    transfer_s: float
+    switch_s: float
+
+
+class Membership(Protocol):
+    """Decides at each step boundary who keeps stepping; the engine applies the decision."""
+
+    def step_boundary(self, engine: "RolloutEngine", has_work: bool) -> Boundary:
+        """Called by every active rank after every step (and once before the first)."""
+        ...
+
+    def shrink(self, moe, decision: ReleaseDecision, *, now: float, step: int) -> ShrinkStats:
+        """Carry out a decision's shrink (expert transfers, the survivors' group)."""
         ...
 
 
 def share_step_state(group, has_work: bool, engine: "RolloutEngine") -> StepReport:
-    mine = torch.tensor(
-        [int(has_work), engine.finished_count, engine.token_count, engine.request_count,
-         len(engine.running), len(engine.queue), engine.remaining_bound(), engine.kv_free_bytes()],
-        dtype=torch.int64,
-    )
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    table = torch.stack(parts)
-    return StepReport(
-        has_work=[bool(x) for x in table[:, 0].tolist()],
-        finished=int(table[:, 1].sum()),
-        tokens=int(table[:, 2].sum()),
-        requests=int(table[:, 3].sum()),
-        running=table[:, 4].tolist(),
-        queued=table[:, 5].tolist(),
-        remaining=table[:, 6].tolist(),
-        kv_free=table[:, 7].tolist(),
-    )
+    """One all-gather of every rank's step state (this rollout's counters)."""
+    st = engine.rollout
+    table = share_rows(group, [int(has_work), st.finished, st.tokens, st.requests,
+                               len(st.running), len(st.queue), st.remaining_bound(),
+                               engine.kv_free_bytes()])
+    cols = list(zip(*table))
+    return StepReport(has_work=[bool(x) for x in cols[0]], finished=sum(cols[1]),
+                      tokens=sum(cols[2]), requests=sum(cols[3]), running=list(cols[4]),
+                      queued=list(cols[5]), remaining=list(cols[6]), kv_free=list(cols[7]))
 
 
 class StaticMembership:
     """Static EP (the baseline): a rank with nothing left still enters every step's collectives
     (empty batches) until no rank of the group has work."""
 
-    def step_boundary(self, engine, has_work):
-        report = share_step_state(engine.moe.group, has_work, engine)
-        return any(report.has_work), report
+    def step_boundary(self, engine, has_work) -> Boundary:
+        return Boundary(share_step_state(engine.moe.group, has_work, engine))
 
     def close(self) -> None:
         pass
 
 
 # --------------------------------------------------------------------------------------------
-# sampling
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
-    """Pick one token from logits [V]; returns (token, its log-prob at the sampling temperature).
-
-    The log-prob is under the temperature-scaled distribution before top-k/top-p filtering: the
-    quantity the trainer recomputes for the importance ratio. Greedy reports it at temperature 1.
-    """
-    logits = logits.double()
-    if params.greedy or params.temperature == 0.0:
-        token = int(torch.argmax(logits))
-        return token, float(F.log_softmax(logits, dim=-1)[token])
-    scaled = logits / params.temperature
-    logprobs = F.log_softmax(scaled, dim=-1)
-    filtered = scaled.clone()
-    if params.top_k > 0 and params.top_k < filtered.numel():
-        kth = torch.topk(filtered, params.top_k).values[-1]
-        filtered[filtered < kth] = -math.inf
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens before it already cover top_p
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        filtered[order[drop]] = -math.inf
-    probs = torch.softmax(filtered, dim=-1)
-    token = int(torch.multinomial(probs, 1, generator=gen))
-    return token, float(logprobs[token])
-
-
-# --------------------------------------------------------------------------------------------
-# the engine
+# per-rollout state
 
 
 @dataclass
 class _Running:
+    """One request in this rollout: its tokens so far and where its K/V live."""
+
     request: Request
-    cache: KVCache
-    gen: torch.Generator
-    admitted_s: float
+    admitted_s: Optional[float] = None  # first admitted (None: still queued)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # tokens to feed at the next step
+    blocks: list[int] = field(default_factory=list)  # block table: positions in block order
+    length: int = 0  # tokens whose K/V are stored
 
     @property
     def position(self) -> int:
-        return self.cache.length
+        """Index in the sequence of the token this request samples next."""
+        return len(self.request.prompt_ids) + len(self.tokens)
+
+    def restart(self) -> None:
+        """Back to no stored K/V: the next admission re-prefills prompt + tokens so far."""
+        self.blocks, self.length = [], 0
+        self.pending = list(self.request.prompt_ids) + self.tokens
+
+
+@dataclass
+class Rollout:
+    """Everything one `generate()` call owns: queue, running requests, KV pool, counters, record."""
+
+    record: RankRecord
+    pool: BlockPool
+    t0: float
+    requests: int  # responses asked of this rank
+    queue: deque = field(default_factory=deque)  # of _Running, waiting for admission
+    running: list = field(default_factory=list)  # of _Running, in admission order
+    results: list = field(default_factory=list)
+    finished: int = 0
+    tokens: int = 0
+    migrated_out: list = field(default_factory=list)  # request ids handed to another rank
+    adopted: list = field(default_factory=list)  # requests taken over from another rank
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.queue)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def remaining_bound(self) -> int:
+        """Most tokens any running request of this rank may still produce."""
+        return max((r.request.max_total_tokens - r.position for r in self.running), default=0)
 
 
 @dataclass
@@ -199,11 +224,26 @@ class RolloutOutput:
     record: RankRecord
 
 
+@dataclass
+class _Batch:
+    """Index tensors of one forward, shared by every layer. T new tokens of B requests, Q the
+    most new tokens of one request, L the longest context after this step."""
+
+    tokens: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    new_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
+    key_slots: torch.Tensor  # [B, L] pool slot of each context position (padding: slot 0)
+    query_index: torch.Tensor  # [B, Q] new token of each query row (padding: token 0)
+    mask: torch.Tensor  # [B, 1, Q, L] causal over each request's own context
+    out_index: torch.Tensor  # [T] row of each new token in the flattened [B*Q] output
+    last: torch.Tensor  # [B] index of each request's last new token
+
+
 class RolloutEngine:
     """Token-only generation on a Megatron-Core `GPTModel` (the trainer's own weights).
 
-    Lifecycle: build once per model; `generate()` per rollout. KV caches live only inside one
-    `generate()` call and are freed when it returns.
+    Lifecycle: build once per model; `generate()` per rollout creates a `Rollout` (queue,
+    running requests, KV block pool, record) that lives only inside that call.
     """
 
     def __init__(
@@ -214,6 +254,7 @@ class RolloutEngine:
         rank: int,
         max_batch_size: int = 64,
         kv_budget_bytes: Optional[int] = None,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
         progress: bool = False,
         valid_vocab: Optional[int] = None,
     ):
@@ -223,6 +264,7 @@ class RolloutEngine:
         self.rank = rank
         self.max_batch_size = max_batch_size
         self.kv_budget_bytes = kv_budget_bytes
+        self.block_tokens = block_tokens
         self.progress = progress
         # the tokenizer's vocabulary when the model's is padded beyond it: never sample padding
         self.valid_vocab = valid_vocab
@@ -234,14 +276,25 @@ class RolloutEngine:
         self.device = next(model.parameters()).device
         self.dtype = cfg.params_dtype
         self.kv_bytes_per_token = kv_bytes_per_token(cfg)
+        self.block_bytes = self.kv_bytes_per_token * block_tokens
+        # blocks of the budget (rounded down: the pool never exceeds it); None: unbounded
+        self.capacity_blocks = None if kv_budget_bytes is None else kv_budget_bytes // self.block_bytes
         self._freqs = None
-        # per-rollout counters read by the membership
-        self.finished_count = 0
-        self.token_count = 0
-        self.request_count = 0
-        self.running: list[_Running] = []
-        self.queue: deque[Request] = deque()
-        self.kv_used = 0
+        self._check_supported(cfg)
+        self.rollout: Optional[Rollout] = None  # the rollout in progress (memberships read it)
+
+    @staticmethod
+    def _check_supported(cfg) -> None:
+        """The raw dense path reproduces Megatron's modules for this layout only."""
+        unsupported = [name for name, bad in (
+            ("tensor_model_parallel_size > 1", cfg.tensor_model_parallel_size > 1),
+            ("rotary_interleaved", cfg.rotary_interleaved),
+            ("apply_rope_fusion", cfg.apply_rope_fusion),
+            ("multi_latent_attention", cfg.multi_latent_attention),
+        ) if bad]
+        if unsupported:
+            raise RolloutError(f"the rollout engine does not support {', '.join(unsupported)} "
+                               "in the model config")
 
     # ---------------------------------------------------------------- validation
 
@@ -269,26 +322,29 @@ class RolloutEngine:
             bad = [t for t in r.prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise RolloutError(f"request {r.request_id}: token ids {bad[:5]} outside vocab {vocab}")
-            if self.kv_budget_bytes is not None:
-                need = r.max_total_tokens * self.kv_bytes_per_token
-                if need > self.kv_budget_bytes:
+            if self.capacity_blocks is not None:
+                need = blocks_for(r.max_total_tokens, self.block_tokens)
+                if need > self.capacity_blocks:
                     raise RolloutError(
-                        f"request {r.request_id} needs {need} bytes of KV cache alone, more than the "
-                        f"rank's budget of {self.kv_budget_bytes} (rollout.kv_budget_tokens); raise "
+                        f"request {r.request_id} needs up to {r.max_total_tokens} tokens of KV "
+                        f"cache ({need} blocks of {self.block_tokens}), more than the rank's "
+                        f"budget of {self.capacity_blocks * self.block_tokens} tokens "
+                        "(rollout.kv_budget_tokens, whole rollout.kv_block_tokens blocks); raise "
                         "the budget or lower rollout.max_new_tokens"
                     )
 
     def _check_on_every_rank(self, requests: Sequence[Request]) -> None:
         """Validate locally, then agree: a request one rank refuses fails the rollout on every
         rank at once (instead of leaving the others waiting in a collective)."""
+        import torch.distributed as dist
+
         try:
             self.check_requests(requests)
             problem = None
         except RolloutError as e:
             problem = str(e)
         group = self.moe.group
-        problems = [None] * dist.get_world_size(group)
-        dist.all_gather_object(problems, problem, group=group)
+        problems = gather_objects(group, problem)
         ranks = dist.get_process_group_ranks(group)
         bad = [f"rank {r}: {p}" for r, p in zip(ranks, problems) if p is not None]
         if bad:
@@ -301,54 +357,104 @@ class RolloutEngine:
             self._freqs = self.model.rotary_pos_emb(self.max_seq_len)  # [S, 1, 1, D]
         return self._freqs[positions]
 
-    @torch.no_grad()
-    def forward(self, segments: list[tuple[KVCache, list[int]]]) -> torch.Tensor:
-        """One forward over the new tokens of several requests; returns the logits of each
-        segment's last token [n_segments, V]. Appends the new K/V to each cache.
+    def _batch(self, running: list[_Running], pool: BlockPool) -> _Batch:
+        """Index tensors of one step, built once on the host and copied to the device once each."""
+        bt = self.block_tokens
+        ids, pos, new_slots, out_index, last = [], [], [], [], []
+        lens = [len(r.pending) for r in running]
+        q_max = max(lens)
+        ctx = [r.length + n for r, n in zip(running, lens)]
+        for b, (r, n) in enumerate(zip(running, lens)):
+            ids.extend(r.pending)
+            pos.extend(range(r.length, r.length + n))
+            new_slots.extend(pool.slots(r.blocks, r.length, r.length + n))
+            out_index.extend(range(b * q_max, b * q_max + n))
+            last.append(len(ids) - 1)
+        dev = self.device
+        width = max(len(r.blocks) for r in running)
+        tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in running],
+                              dtype=torch.long, device=dev)  # [B, blocks]
+        L = max(ctx)
+        j = torch.arange(L, device=dev)
+        key_slots = tables[:, j // bt] * bt + j % bt  # [B, L]
+        starts = torch.tensor([t - n + 1 for t, n in zip(last, lens)], device=dev)  # [B]
+        i = torch.arange(q_max, device=dev)
+        n_new = torch.tensor(lens, device=dev)
+        valid_q = i.unsqueeze(0) < n_new.unsqueeze(1)  # [B, Q]
+        query_index = torch.where(valid_q, starts.unsqueeze(1) + i, 0)
+        p0 = torch.tensor([r.length for r in running], device=dev)
+        qpos = torch.where(valid_q, p0.unsqueeze(1) + i, 0)  # padding rows see position 0 only
+        mask = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (
+            j.view(1, 1, -1) < torch.tensor(ctx, device=dev).view(-1, 1, 1))
+        as_long = dict(dtype=torch.long, device=dev)
+        return _Batch(tokens=torch.tensor(ids, **as_long).view(1, -1),
+                      positions=torch.tensor(pos, **as_long).view(1, -1),
+                      new_slots=torch.tensor(new_slots, **as_long), key_slots=key_slots,
+                      query_index=query_index, mask=mask.unsqueeze(1),
+                      out_index=torch.tensor(out_index, **as_long),
+                      last=torch.tensor(last, **as_long))
 
-        Every rank of the EP group must call this once per step, even with no segments: the MoE
+    @torch.no_grad()
+    def forward(self, running: list[_Running], pool: BlockPool) -> torch.Tensor:
+        """One forward over the pending tokens of every running request (their blocks already
+        taken); returns the logits of each request's last new token [B, V] and stores the new
+        K/V in the pool.
+
+        Every rank of the EP group must call this once per step, even with no requests: the MoE
         all-to-all needs all of them.
         """
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-        if not segments:
+        if not running:
             return self._empty_step()
-        ids, pos, lens = [], [], []
-        for cache, toks in segments:
-            ids.extend(toks)
-            pos.extend(range(cache.length, cache.length + len(toks)))
-            lens.append(len(toks))
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device).view(1, -1)
-        x = self.model.embedding(input_ids=tokens, position_ids=positions)  # [T, 1, H]
-        freqs = self._rotary(positions[0])  # [T, 1, 1, D]
+        batch = self._batch(running, pool)
+        B, Q = batch.query_index.shape
+        x = self.model.embedding(input_ids=batch.tokens, position_ids=batch.positions)  # [T, 1, H]
+        freqs = self._rotary(batch.positions[0])  # [T, 1, 1, D]
+        # Megatron's RoPE terms, once per step for every layer (same ops, same bits)
+        cos, sin = torch.cos(freqs).to(x.dtype), torch.sin(freqs).to(x.dtype)
         for li, layer in enumerate(self.model.decoder.layers):
             attn = layer.self_attention
             h = layer.input_layernorm(x)
-            q, k, v = attn.get_query_key_value_tensors(h, None)[:3]  # [T, 1, heads|groups, D]
-            q = apply_rotary_pos_emb(q, freqs, config=self.config)
-            k = apply_rotary_pos_emb(k, freqs, config=self.config)
-            out = torch.empty(q.shape[0], self.heads * self.head_dim, dtype=q.dtype, device=q.device)
-            start = 0
-            for (cache, _), n in zip(segments, lens):
-                p0 = cache.length
-                cache.k[li, p0 : p0 + n] = k[start : start + n, 0]
-                cache.v[li, p0 : p0 + n] = v[start : start + n, 0]
-                out[start : start + n] = self._attend(
-                    q[start : start + n, 0], cache.k[li, : p0 + n], cache.v[li, : p0 + n], p0,
-                    attn.core_attention.softmax_scale,
-                )
-                start += n
-            proj, bias = attn.linear_proj(out.unsqueeze(1))
-            x = x + (proj if bias is None else proj + bias)
+            q, k, v = self._qkv(attn, h)  # [T, 1, heads|groups, D]
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            pool.k[li].index_copy_(0, batch.new_slots, k[:, 0])
+            pool.v[li].index_copy_(0, batch.new_slots, v[:, 0])
+            keys = pool.k[li][batch.key_slots].transpose(1, 2)  # [B, groups, L, D]
+            values = pool.v[li][batch.key_slots].transpose(1, 2)
+            queries = q[:, 0][batch.query_index].transpose(1, 2)  # [B, heads, Q, D]
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
+                                               scale=attn.core_attention.softmax_scale,
+                                               enable_gqa=True)  # [B, heads, Q, D]
+            o = o.transpose(1, 2).reshape(B * Q, self.heads * self.head_dim)[batch.out_index]
+            x = x + _linear(attn.linear_proj, o.unsqueeze(1))
             x = x + self.moe.forward(li, layer.pre_mlp_layernorm(x))
-        for cache, n in zip((c for c, _ in segments), lens):
-            cache.length += n
-        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=self.device)
-        h = self.model.decoder.final_layernorm(x[last])
-        logits, _ = self.model.output_layer(h)
-        logits = logits[:, 0, : self.valid_vocab]
+        for r in running:
+            r.length += len(r.pending)
+        h = self.model.decoder.final_layernorm(x[batch.last])  # [B, 1, H]
+        logits = F.linear(h[:, 0], self._output_weight())[:, : self.valid_vocab]  # [B, V]
         return logits.float() if logits.dtype != torch.float64 else logits
+
+    def _qkv(self, attn, h: torch.Tensor):
+        """Megatron's `get_query_key_value_tensors` at TP=1 as raw ops on `linear_qkv`'s weight:
+        the fused projection viewed per query group as [q heads..., k, v], then the q/k norms.
+        A transformer-engine projection (its input norm fused in) goes through Megatron's call."""
+        if not _is_plain_linear(attn.linear_qkv):
+            return attn.get_query_key_value_tensors(h, None)[:3]
+        mixed = _linear(attn.linear_qkv, h)  # [T, 1, groups * (heads/groups + 2) * D]
+        per_group = self.heads // self.groups
+        D = self.head_dim
+        mixed = mixed.view(*mixed.shape[:2], self.groups, (per_group + 2) * D)
+        q, k, v = torch.split(mixed, [per_group * D, D, D], dim=3)
+        q = q.reshape(q.shape[0], q.shape[1], -1, D)
+        if attn.q_layernorm is not None:
+            q = attn.q_layernorm(q)
+        if attn.k_layernorm is not None:
+            k = attn.k_layernorm(k)
+        return q, k, v
+
+    def _output_weight(self) -> torch.Tensor:
+        if self.model.share_embeddings_and_output_weights:
+            return self.model.shared_embedding_or_output_weight()
+        return self.model.output_layer.weight
 
     def _empty_step(self) -> torch.Tensor:
         """A step with no own tokens: still enter every MoE layer's all-to-all, with 0 tokens."""
@@ -357,22 +463,6 @@ class RolloutEngine:
             self.moe.forward(li, x)
         return torch.empty(0, self.model.vocab_size, device=self.device)
 
-    def _attend(self, q, k, v, p0: int, scale: float) -> torch.Tensor:
-        """Causal attention of n new queries at positions p0.. over the cache [p0+n, G, D]."""
-        n = q.shape[0]
-        rep = self.heads // self.groups
-        kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, L, D]
-        vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
-        qq = q.transpose(0, 1)  # [heads, n, D]
-        scores = torch.matmul(qq, kk.transpose(1, 2)) * scale  # [heads, n, L]
-        if n > 1:
-            qpos = torch.arange(p0, p0 + n, device=q.device).view(n, 1)
-            kpos = torch.arange(p0 + n, device=q.device).view(1, -1)
-            scores = scores.masked_fill(kpos > qpos, -math.inf)
-        low = q.dtype in (torch.float16, torch.bfloat16)  # softmax in fp32 for half types
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if low else q.dtype).to(q.dtype)
-        return torch.matmul(probs, vv).transpose(0, 1).reshape(n, -1)  # [n, heads*D]
-
     # ---------------------------------------------------------------- generate
 
     @torch.no_grad()
@@ -380,150 +470,226 @@ class RolloutEngine:
         """Generate every request of this rank; returns exactly one result per request.
 
         All ranks of the EP group (`self.moe.group`) must call it together (with their own requests, possibly
-        none). Requests are admitted in the order given when a slot and KV room are free.
+        none). Requests are admitted in the order given when a slot and KV blocks are free.
         """
         with collective_phase(self.rank, "request check"):
             self._check_on_every_rank(requests)
         self.model.eval()
-        t0 = self._t0 = time.perf_counter()
-        record = self.record = RankRecord(rank=self.rank, requests=len(requests))
-        self.queue: deque[Request] = deque(requests)
-        self.running: list[_Running] = []
-        self.kv_used = 0
-        self.migrated_out: list[str] = []  # request ids handed to another rank
-        self.adopted: list[Request] = []  # requests taken over from another rank
-        results: list[Result] = []
-        self.finished_count = self.token_count = 0
-        self.request_count = len(requests)
-        bar = self._progress_bar()
-        with collective_phase(self.rank, "rollout start", 0):
-            keep, report = membership.step_boundary(self, self.has_work)  # nobody has work: no step
-        while keep:
-            # admit while a slot and KV room are free (longest-first order is the caller's)
-            while self.queue and len(self.running) < self.max_batch_size:
-                need = self.queue[0].max_total_tokens * self.kv_bytes_per_token
-                if self.kv_budget_bytes is not None and self.kv_used + need > self.kv_budget_bytes:
-                    if not self.running:  # nothing will free room: fail instead of spinning
-                        raise RolloutError(
-                            f"rank {self.rank}: request {self.queue[0].request_id} needs {need} KV "
-                            f"bytes and only {self.kv_budget_bytes - self.kv_used} are free with "
-                            "nothing running (borrowed experts hold the rest); raise "
-                            "rollout.kv_budget_tokens or elastic.min_active_ranks")
-                    break
-                req = self.queue.popleft()
-                self._start(req, req.generator(), pending=list(req.prompt_ids))
-            record.kv_peak_bytes = max(record.kv_peak_bytes, self.kv_used)
-
-            running = self.running
-            with collective_phase(self.rank, "decode (MoE all-to-all)", record.steps):
-                logits = self.forward([(r.cache, r.pending) for r in running])
-            record.steps += 1
-            if running:
-                record.busy_steps += 1
-            now = time.perf_counter() - t0
-            still = []
-            for row, r in zip(logits, running):
-                token, logprob = sample_token(row, r.request.sampling, r.gen)
-                r.tokens.append(token)
-                r.logprobs.append(logprob)
-                r.pending = [token]
-                reason = self._finish_reason(r, token)
-                if reason is None:
-                    still.append(r)
-                    continue
-                results.append(Result(
-                    request_id=r.request.request_id, prompt_uid=r.request.prompt_uid,
-                    sample_index=r.request.sample_index, prompt_ids=r.request.prompt_ids,
-                    token_ids=r.tokens, logprobs=r.logprobs, finish_reason=reason,
-                    rank=self.rank, admitted_s=r.admitted_s, finished_s=now,
-                ))
-                self.kv_used -= r.cache.nbytes
-                record.local_finish_s = now
-                record.extra["local_finish_step"] = record.steps
-                self.finished_count += 1
-            self.token_count += len(running)
-            record.tokens += len(running)
-            self.running = still
-            with collective_phase(self.rank, "step boundary (release)", record.steps):
-                keep, report = membership.step_boundary(self, self.has_work)
+        pool = BlockPool(num_layers=len(self.model.decoder.layers), groups=self.groups,
+                         head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+                         block_tokens=self.block_tokens, capacity=self.capacity_blocks)
+        st = self.rollout = Rollout(record=RankRecord(rank=self.rank, requests=len(requests)),
+                                    pool=pool, t0=time.perf_counter(), requests=len(requests))
+        st.queue.extend(_Running(r, pending=list(r.prompt_ids)) for r in requests)
+        record = st.record
+        try:
+            bar = self._progress_bar()
+            with collective_phase(self.rank, "rollout start", 0):
+                keep, report = self._boundary(membership, st)  # nobody has work: no step
+            while keep:
+                self._admit(st)
+                self._take_blocks(st)
+                record.kv_peak_bytes = max(record.kv_peak_bytes, pool.peak * pool.block_bytes)
+                running = st.running
+                with collective_phase(self.rank, "decode (MoE all-to-all)", record.steps):
+                    logits = self.forward(running, pool)
+                record.steps += 1
+                if running:
+                    record.busy_steps += 1
+                    self._sample(st, logits)
+                with collective_phase(self.rank, "step boundary (release)", record.steps):
+                    keep, report = self._boundary(membership, st)
+                if bar is not None:
+                    now = st.elapsed()
+                    bar.total = report.requests
+                    bar.set_postfix(tok_s=f"{report.tokens / max(now, 1e-9):.0f}",
+                                    active=len(report.has_work), refresh=False)
+                    bar.update(report.finished - bar.n)
+            if "release_step" not in record.extra:  # not released early: occupied to the end
+                record.release_s = st.elapsed()
+                record.extra["release_step"] = record.steps
             if bar is not None:
-                bar.total = report.requests
-                bar.set_postfix(tok_s=f"{report.tokens / max(now, 1e-9):.0f}",
-                                active=len(report.has_work), refresh=False)
-                bar.update(report.finished - bar.n)
-        if "release_step" not in record.extra:  # not released early: occupied to the end
-            record.release_s = time.perf_counter() - t0
+                bar.close()
+            if st.has_work:
+                raise RolloutError(
+                    f"rank {self.rank} left the rollout with {len(st.running)} running and "
+                    f"{len(st.queue)} queued requests"
+                )
+            # an adopted request may move on again (to a rank that stays longer): owed by that one
+            gone = set(st.migrated_out)
+            owed = [r for r in list(requests) + st.adopted if r.request_id not in gone]
+            self._check_complete(owed, st.results)
+            if pool.used:  # every finish, preemption and migration gives its blocks back
+                raise RolloutError(f"rank {self.rank}: {pool.used} KV blocks still held after "
+                                   "every request ended")
+            return RolloutOutput(results=st.results, record=record)
+        finally:
+            self.rollout = None  # the pool and every request go with the rollout
+
+    def _boundary(self, membership: Membership, st: Rollout) -> tuple[bool, StepReport]:
+        """Ask the membership and apply its decision: migrate, count the floor, shrink (a
+        leaver records its release). Returns (this rank keeps stepping, the report)."""
+        b = membership.step_boundary(self, st.has_work)
+        d, record = b.decision, st.record
+        if not any(b.report.has_work):
+            return False, b.report
+        if d.migrate:
+            self._migrate(st, d.migrate)
+        if d.floor_hit:
+            record.extra["floor_hits"] = record.extra.get("floor_hits", 0) + 1
+        if not d.leaving:
+            return True, b.report
+        now = st.elapsed()
+        shrink = membership.shrink(self.moe, d, now=now, step=record.steps)
+        if self.rank in d.leaving:
+            record.release_s = now
             record.extra["release_step"] = record.steps
-        if bar is not None:
-            bar.close()
-        if self.has_work:
-            raise RolloutError(
-                f"rank {self.rank} left the rollout with {len(self.running)} running and "
-                f"{len(self.queue)} queued requests"
-            )
-        # an adopted request may move on again (to a rank that stays longer): owed by that one
-        gone = set(self.migrated_out)
-        owed = [r for r in list(requests) + self.adopted if r.request_id not in gone]
-        self._check_complete(owed, results)
-        self.running, self.queue = [], deque()
-        return RolloutOutput(results=results, record=record)
+        else:
+            st.pool.withhold(shrink.borrowed_bytes)  # borrowed weights take KV room
+        extra = record.extra
+        extra["plan_s"] = extra.get("plan_s", 0.0) + b.plan_s
+        extra["transfer_s"] = extra.get("transfer_s", 0.0) + shrink.transfer_s
+        extra["switch_s"] = extra.get("switch_s", 0.0) + shrink.switch_s
+        extra["sent_bytes"] = extra.get("sent_bytes", 0) + shrink.sent_bytes
+        return self.rank not in d.leaving, b.report
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running or self.queue)
+    def _migrate(self, st: Rollout, plan: dict[int, int]) -> None:
+        """Carry out a migration plan: givers export their running requests, takers adopt
+        (one gather over the group)."""
+        ranks = list(self.moe.placement.ranks)
+        payload = self.export_running() if self.rank in plan else []
+        everyone = gather_objects(self.moe.group, payload)
+        mine = [p for giver, taker in sorted(plan.items()) if taker == self.rank
+                for p in everyone[ranks.index(giver)]]
+        if mine:
+            self.adopt(mine)
 
-    def _start(self, req: Request, gen: torch.Generator, *, pending: list[int],
-               tokens=(), logprobs=(), admitted_s: Optional[float] = None) -> None:
-        cache = KVCache(len(self.model.decoder.layers), req.max_total_tokens, self.groups,
-                        self.head_dim, self.dtype, self.device)
-        self.kv_used += cache.nbytes
-        self.running.append(_Running(
-            req, cache, gen, self.elapsed() if admitted_s is None else admitted_s,
-            tokens=list(tokens), logprobs=list(logprobs), pending=pending))
+    def _admit(self, st: Rollout) -> None:
+        """Admit queued requests (in order) while a batch slot and their prefill's blocks are
+        free, keeping a watermark of free blocks for the running requests' next tokens."""
+        pool = st.pool
+        watermark = watermark_blocks(pool.capacity)
+        while st.queue and len(st.running) < self.max_batch_size:
+            r = st.queue[0]
+            need = blocks_for(len(r.pending), self.block_tokens)
+            if not pool.can_allocate(need, keep=watermark if st.running else 0):
+                if not st.running:  # nothing will free room: fail instead of spinning
+                    raise RolloutError(
+                        f"rank {self.rank}: request {r.request.request_id} needs {need} KV blocks "
+                        f"and only {pool.free_blocks} are free with nothing running (borrowed "
+                        "experts hold the rest); raise rollout.kv_budget_tokens or "
+                        "elastic.min_active_ranks")
+                break
+            st.queue.popleft()
+            r.blocks = pool.allocate(need)
+            if r.admitted_s is None:
+                r.admitted_s = st.elapsed()
+            st.running.append(r)
+
+    def _take_blocks(self, st: Rollout) -> None:
+        """Give every running request the blocks its pending tokens need; when the pool runs
+        out, preempt the youngest running request (re-queued first, re-prefilled later from its
+        position: its tokens do not change)."""
+        pool, bt = st.pool, self.block_tokens
+        i = 0
+        while i < len(st.running):
+            r = st.running[i]
+            need = blocks_for(r.length + len(r.pending), bt) - len(r.blocks)
+            if need <= 0:
+                i += 1
+                continue
+            if pool.can_allocate(need):
+                r.blocks += pool.allocate(need)
+                i += 1
+                continue
+            victim = st.running.pop()  # the youngest (possibly r itself)
+            pool.free(victim.blocks)
+            victim.restart()
+            st.queue.appendleft(victim)
+            st.record.extra["preempted"] = st.record.extra.get("preempted", 0) + 1
+
+    def _sample(self, st: Rollout, logits: torch.Tensor) -> None:
+        """One batched draw for every running request; one device-to-host copy of the results."""
+        running = st.running
+        tokens, logprobs = sample(logits, [r.request for r in running],
+                                  [r.position for r in running])
+        drawn = torch.stack([tokens.double(), logprobs]).cpu().tolist()  # the step's one copy
+        now = st.elapsed()
+        still = []
+        for r, token, logprob in zip(running, map(int, drawn[0]), drawn[1]):
+            r.tokens.append(token)
+            r.logprobs.append(logprob)
+            r.pending = [token]
+            reason = self._finish_reason(r, token)
+            if reason is None:
+                still.append(r)
+                continue
+            req = r.request
+            st.results.append(Result(
+                request_id=req.request_id, prompt_uid=req.prompt_uid,
+                sample_index=req.sample_index, prompt_ids=req.prompt_ids,
+                token_ids=r.tokens, logprobs=r.logprobs, finish_reason=reason,
+                rank=self.rank, admitted_s=r.admitted_s, finished_s=now,
+            ))
+            st.pool.free(r.blocks)
+            r.blocks = []
+            st.record.local_finish_s = now
+            st.record.extra["local_finish_step"] = st.record.steps
+            st.finished += 1
+        st.tokens += len(running)
+        st.record.tokens += len(running)
+        st.running = still
 
     # ---------------------------------------------------------------- migration
 
     def export_running(self) -> list[dict]:
-        """Hand over every running request (the queue must be empty): its tokens so far and
-        its RNG stream's state. This rank then has no work and can be released."""
-        if self.queue:
-            raise RolloutError(f"rank {self.rank}: cannot migrate with {len(self.queue)} queued")
+        """Hand over every running request (the queue must be empty): its tokens so far. Its
+        randomness is keyed by position, so nothing else travels. This rank then has no work and
+        can be released."""
+        st = self.rollout
+        if st.queue:
+            raise RolloutError(f"rank {self.rank}: cannot migrate with {len(st.queue)} queued")
         out = [{"request": r.request, "tokens": r.tokens, "logprobs": r.logprobs,
-                "gen_state": r.gen.get_state(), "admitted_s": r.admitted_s}
-               for r in self.running]
-        for r in self.running:
-            self.kv_used -= r.cache.nbytes
-            self.migrated_out.append(r.request.request_id)
-        self.running = []
-        self.record.extra["migrated_out"] = self.record.extra.get("migrated_out", 0) + len(out)
+                "admitted_s": r.admitted_s} for r in st.running]
+        for r in st.running:
+            st.pool.free(r.blocks)
+            st.migrated_out.append(r.request.request_id)
+        st.running = []
+        st.record.extra["migrated_out"] = st.record.extra.get("migrated_out", 0) + len(out)
         return out
 
     def adopt(self, payloads: list[dict]) -> None:
-        """Continue requests another rank started: re-prefill prompt + tokens so far, then keep
-        sampling from the same RNG stream, so the tokens are those the other rank would have
-        produced."""
-        for p in payloads:
-            gen = torch.Generator(device="cpu")
-            gen.set_state(p["gen_state"])
-            req = p["request"]
-            self._start(req, gen, pending=list(req.prompt_ids) + list(p["tokens"]),
-                        tokens=p["tokens"], logprobs=p["logprobs"], admitted_s=p["admitted_s"])
-            self.adopted.append(req)
-        self.record.extra["adopted"] = self.record.extra.get("adopted", 0) + len(payloads)
+        """Continue requests another rank started: queued first, re-prefilled (prompt + tokens
+        so far) at admission, then sampled from the same position-keyed stream, so the tokens
+        are those the other rank would have produced."""
+        st = self.rollout
+        for p in reversed(payloads):
+            r = _Running(p["request"], p["admitted_s"], tokens=list(p["tokens"]),
+                         logprobs=list(p["logprobs"]))
+            r.restart()
+            st.queue.appendleft(r)
+        st.adopted.extend(p["request"] for p in payloads)
+        st.record.extra["adopted"] = st.record.extra.get("adopted", 0) + len(payloads)
 
     def kv_free_bytes(self) -> int:
-        if self.kv_budget_bytes is None:
-            return 1 << 62
-        return self.kv_budget_bytes - self.kv_used
-
-    def remaining_bound(self) -> int:
-        """Most tokens any running request of this rank may still produce (its reservation)."""
-        return max((r.request.max_total_tokens - len(r.request.prompt_ids) - len(r.tokens)
-                    for r in self.running), default=0)
+        return self.rollout.pool.free_bytes()
 
     def elapsed(self) -> float:
         """Seconds since this rollout started on this rank."""
-        return time.perf_counter() - self._t0
+        return self.rollout.elapsed()
+
+    @property
+    def record(self) -> RankRecord:
+        """The record of the rollout in progress."""
+        return self.rollout.record
+
+    @property
+    def running(self) -> list:
+        return self.rollout.running if self.rollout is not None else []
+
+    @property
+    def queue(self) -> deque:
+        return self.rollout.queue if self.rollout is not None else deque()
 
     @staticmethod
     def _finish_reason(r: _Running, token: int) -> Optional[FinishReason]:

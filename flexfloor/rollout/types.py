@@ -10,6 +10,10 @@ from typing import Optional
 import torch
 
 
+class RolloutError(RuntimeError):
+    """A request or rollout the engine refuses or cannot finish; the message names it."""
+
+
 class FinishReason(enum.Enum):
     EOS = "eos"  # the end-of-sequence token was sampled (it is kept in token_ids)
     STOP = "stop"  # one of the stop token ids was sampled (kept in token_ids)

@@ -26,6 +26,7 @@ OUT = sys.argv[1]
 MODEL = ModelConfig()
 GREEDY = SamplingParams(greedy=True)
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+TEMPERED = SamplingParams(temperature=0.7, top_k=20)
 
 
 def workload(sampling, n=16, seed=0):
@@ -66,16 +67,20 @@ def save0(name, obj):
             json.dump(obj, f)
 
 
-def recompute(model, results_by_rank):
-    """Teacher-forced full forward (no cache) over prompt + response: argmax and log-probs."""
+def recompute(model, results_by_rank, temperature=1.0):
+    """Teacher-forced full forward (no cache) over prompt + response: argmax and log-probs
+    (at temperature 1, and at `temperature`)."""
     ref = {}
     for r in results_by_rank:
         seq = list(r.prompt_ids) + r.token_ids
         logits = forward_logits(model, torch.tensor([seq[:-1]]))[0].double()
         resp = logits[len(r.prompt_ids) - 1:]
+        picked = torch.tensor(r.token_ids).view(-1, 1)
         ref[r.request_id] = {
             "argmax": resp.argmax(-1).tolist(),
-            "logprobs_t1": F.log_softmax(resp, -1).gather(1, torch.tensor(r.token_ids).view(-1, 1)).view(-1).tolist(),
+            "logprobs_t1": F.log_softmax(resp, -1).gather(1, picked).view(-1).tolist(),
+            "logprobs_t": F.log_softmax(resp / temperature, -1).gather(1, picked).view(-1).tolist(),
+            "logprobs": r.logprobs,
         }
     return ref
 
@@ -95,18 +100,28 @@ def main():
                 for bs in (1, 3):
                     save0(f"sampled_{dtype}_ep4_bs{bs}",
                           gathered(run(par, model, mine(sampled, rank, world, shift=1), max_batch_size=bs)))
+                # all 16 requests on one rank, decoded as one batch of 16
+                save0("sampled_float64_ep4_bs16",
+                      gathered(run(par, model, sampled if rank == 0 else [], max_batch_size=16)))
                 # a KV budget that holds about two requests at once
                 budget = 2 * 32 * run_kv_bytes(model)
                 out = run(par, model, mine(greedy, rank, world), kv_budget_bytes=budget)
                 save0("kv_budget", {"budget": budget, "parts": gathered(out)})
+                # a pool of 3 blocks for 4 requests of up to 2 blocks each: running requests
+                # are preempted and re-prefilled later
+                budget = 3 * 16 * run_kv_bytes(model)
+                out = run(par, model, mine(sampled, rank, world), kv_budget_bytes=budget)
+                save0("preempted", {"budget": budget, "parts": gathered(out)})
             if ep == 1:
                 # no-cache reference: EP=1 means each rank runs the stock layer alone
                 out = run(par, model, mine(greedy, rank, world))
                 ref = recompute(model, out.results)
                 outs = run(par, model, mine(sampled, rank, world))
                 refs = recompute(model, outs.results)
+                outt = run(par, model, mine(workload(TEMPERED, seed=2), rank, world))
+                reft = recompute(model, outt.results, temperature=TEMPERED.temperature)
                 parts = [None] * world
-                dist.all_gather_object(parts, {"greedy": ref, "sampled": refs})
+                dist.all_gather_object(parts, {"greedy": ref, "sampled": refs, "tempered": reft})
                 save0(f"reference_{dtype}", parts)
             del model
 
@@ -123,6 +138,13 @@ def main():
     refused = [None] * world
     dist.all_gather_object(refused, "long_prompt" in errors)
     errors["refused_on_every_rank"] = all(refused)
+    # a request that can never fit the KV budget (one block of 16 tokens)
+    big = Request(prompt_uid=98, sample_index=0, prompt_ids=tuple([5] * 12), max_new_tokens=8,
+                  sampling=GREEDY)
+    try:
+        run(par, model, [big] if rank == 1 else [], kv_budget_bytes=16 * run_kv_bytes(model))
+    except RolloutError as e:
+        errors["never_fits"] = str(e)
     out = run(par, model, [])
     errors["empty_steps"] = out.record.steps
     errors["empty_results"] = len(out.results)

@@ -1,0 +1,94 @@
+"""Every collective of the rollout path, in one place: the device rule and the error rule.
+
+A tensor handed to a collective lives on the group's device: CPU for gloo, the current CUDA
+device for NCCL. The step-state share, the MoE layer's split sizes and token exchange, and the
+migration payloads go through the functions below, which allocate their buffers there; a failed
+or timed-out collective becomes a `CollectiveError` naming the rank, the phase and the engine step
+(`collective_phase`). Nothing here imports Megatron or the engine: the MoE layers
+(`megatron_ext.elastic_moe`) call it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from flexfloor.rollout.types import RolloutError
+
+
+class CollectiveError(RolloutError):
+    """A collective of the rollout failed or timed out (a peer died or hangs)."""
+
+
+@contextlib.contextmanager
+def collective_phase(rank: int, phase: str, step: int | None = None):
+    """Turn a failed or timed-out collective into an error naming the rank, phase and step.
+
+    Every group is created with a timeout (parallel.timeout_s), so a hang ends as an error here
+    instead of waiting forever; the launcher then sees the process exit non-zero.
+    """
+    try:
+        yield
+    except RolloutError:
+        raise
+    except (RuntimeError, dist.DistError) as e:
+        where = f"rank {rank}, phase '{phase}'" + (f", engine step {step}" if step is not None else "")
+        raise CollectiveError(f"{where}: collective failed ({type(e).__name__}: {e})") from e
+
+
+def group_device(group) -> torch.device:
+    """Where a collective's tensors must live for `group`: CPU for gloo, the CUDA device for NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def share_rows(group, row: list[int]) -> list[list[int]]:
+    """All-gather one int64 row per rank of `group` (the step state): [ranks][fields] on the host."""
+    device = group_device(group)
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return torch.stack(parts).tolist()
+
+
+def gather_objects(group, obj) -> list:
+    """All-gather one picklable value per rank (request checks, migration payloads)."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """The MoE split sizes: counts [destination, expert] sent -> [source, expert] received."""
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts.contiguous(), group=group)
+    return recv
+
+
+def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def exchange_rows(x: torch.Tensor, p: torch.Tensor, recv_splits: list[int],
+                  send_splits: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows x [N, H] and their routing probabilities p [N] in one all-to-all: each row's
+    bytes with its probability's bytes appended (exact whatever the two dtypes)."""
+    n = x.shape[0]
+    w = x.shape[1:].numel() * x.element_size()
+    xb = x.contiguous().view(torch.uint8).reshape(n, w)
+    pb = p.contiguous().view(torch.uint8).reshape(n, p.element_size())
+    both = _all_to_all(torch.cat([xb, pb], dim=1), recv_splits, send_splits, group)
+    rx = both[:, :w].contiguous().view(x.dtype).reshape(-1, *x.shape[1:])
+    rp = both[:, w:].contiguous().view(p.dtype).reshape(-1)
+    return rx, rp
+
+
+def exchange_rows_back(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                       group) -> torch.Tensor:
+    """Expert outputs back to the ranks the rows came from (the reverse of `exchange_rows`)."""
+    return _all_to_all(rows, send_splits, recv_splits, group)

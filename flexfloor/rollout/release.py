@@ -1,0 +1,142 @@
+"""The release decision at a step boundary, as a pure function of the shared step state.
+
+Every active rank computes the same `ReleaseDecision` from the same `StepReport` (no collective,
+no process group): who hands its running requests to whom (migration), who leaves, and the
+placement and expert transfers after the shrink. `ElasticMembership` (flexfloor/rollout/elastic.py)
+applies it in the engine; the simulator (flexfloor/sim/) calls the same function, so both decide
+alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_ext.placement import plan_shrink
+
+
+@dataclass(frozen=True)
+class RankLimits:
+    """What the release decision needs to know of the engines (the same on every rank)."""
+
+    kv_bytes_per_token: int
+    max_seq_len: int
+    max_batch_size: int
+    kv_budget_bytes: Optional[int]  # a rank's KV room hosting only its own experts; None: unbounded
+    expert_nbytes: int  # one expert's weights over all layers
+
+    @classmethod
+    def of(cls, engine) -> "RankLimits":
+        return cls(kv_bytes_per_token=engine.kv_bytes_per_token, max_seq_len=engine.max_seq_len,
+                   max_batch_size=engine.max_batch_size, kv_budget_bytes=engine.kv_budget_bytes,
+                   expert_nbytes=engine.moe.expert_nbytes)
+
+
+@dataclass(frozen=True)
+class ReleaseRules:
+    """The elastic policy's knobs (elastic.* and scheduler.migrate_* of the config)."""
+
+    min_active_ranks: int = 1  # the floor
+    check_interval_steps: int = 1  # decide at every n-th step boundary
+    capacity: Optional[dict] = None  # rank -> most experts it can host; None: from the KV room
+    holding: Optional[dict] = None  # rank -> experts in its memory at start
+    migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
+
+
+@dataclass
+class ReleaseDecision:
+    """Who hands requests to whom, who leaves, and the placement and transfers after it. An
+    empty decision (the default) means: everybody stays, nothing moves."""
+
+    migrate: dict = field(default_factory=dict)  # giving rank -> taking rank
+    leaving: list = field(default_factory=list)
+    placement: object = None  # megatron_ext.placement.Placement after the shrink
+    transfers: list = field(default_factory=list)
+    floor_hit: bool = False  # some could leave, but the survivors could not hold the experts
+
+    def stays(self, rank: int) -> bool:
+        return rank not in self.leaving
+
+
+def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
+    """Who leaves at a step boundary: every done rank, except the lowest idle ones the floor
+    (`min_active_ranks`) still needs."""
+    done = [r for r, w in zip(ranks, has_work) if not w]
+    working = [r for r, w in zip(ranks, has_work) if w]
+    keep_idle = max(0, min_active_ranks - len(working))
+    return done[keep_idle:]
+
+
+def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
+           boundary: int) -> ReleaseDecision:
+    """The decision at the `boundary`-th step boundary (counted from 1) of a rollout, from the
+    shared report alone: the same on every rank."""
+    if boundary % rules.check_interval_steps:
+        return ReleaseDecision()
+    ranks = list(placement.ranks)
+    has = list(report.has_work)
+    migrate = {}
+    if rules.migrate_max_requests > 0:
+        migrate = migration_plan(rules, ranks, report, limits)
+        has = [w and r not in migrate for r, w in zip(ranks, has)]
+    leaving = choose_leavers(ranks, has, rules.min_active_ranks)
+    if not leaving:
+        return ReleaseDecision(migrate=migrate)
+    try:
+        new_placement, transfers = plan_shrink(
+            placement, leaving, capacity=capacity_now(rules, placement, report, limits),
+            holding=rules.holding)
+    except ValueError:
+        # the floor: survivors cannot hold every expert; nobody leaves this time
+        return ReleaseDecision(migrate=migrate, floor_hit=True)
+    return ReleaseDecision(migrate=migrate, leaving=leaving, placement=new_placement,
+                           transfers=transfers)
+
+
+def migration_plan(rules: ReleaseRules, ranks, report, limits: RankLimits) -> dict[int, int]:
+    """Beyond the paper: a rank whose last few requests (<= migrate_max_requests, none queued)
+    will end no later than the work of a rank that stays hands them to that rank (re-prefilled
+    there, same position-keyed randomness: the same tokens) and leaves now. Returns
+    {giving rank: taking rank}."""
+    has = list(report.has_work)
+    n = len(ranks)
+    order = sorted(range(n), key=lambda i: (-report.remaining[i], ranks[i]))
+    if len([i for i in range(n) if has[i]]) <= rules.min_active_ranks:
+        return {}
+    plan: dict[int, int] = {}  # giver index -> taker index
+    kv_taken: dict[int, int] = {}  # taker index -> KV bytes promised
+    n_taken: dict[int, int] = {}  # taker index -> requests promised
+    for i in range(n):
+        if i in n_taken or not (0 < report.running[i] <= rules.migrate_max_requests
+                                and report.queued[i] == 0):
+            continue
+        need = report.running[i] * limits.kv_bytes_per_token * limits.max_seq_len
+        for j in order:  # the rank with the most work left takes them, if it has room
+            if j == i or j in plan or not has[j] or report.remaining[j] < report.remaining[i]:
+                continue
+            if report.kv_free[j] - kv_taken.get(j, 0) < need:
+                continue
+            if report.running[j] + n_taken.get(j, 0) + report.running[i] > limits.max_batch_size:
+                continue
+            plan[i] = j
+            kv_taken[j] = kv_taken.get(j, 0) + need
+            n_taken[j] = n_taken.get(j, 0) + report.running[i]
+            break
+    if len([i for i in range(n) if has[i] and i not in plan]) < rules.min_active_ranks:
+        return {}
+    return {ranks[i]: ranks[j] for i, j in sorted(plan.items())}
+
+
+def capacity_now(rules: ReleaseRules, placement, report, limits: RankLimits
+                 ) -> Optional[dict[int, int]]:
+    """Most experts each active rank can host now: a fixed `capacity`, or, under a KV budget,
+    what it hosts plus what its free KV memory can hold (a borrowed expert takes KV room from
+    the survivor's requests). A rank with queued requests borrows nothing: the room is theirs.
+    None: unbounded."""
+    if rules.capacity is not None:
+        return rules.capacity
+    if limits.kv_budget_bytes is None:
+        return None
+    per = limits.expert_nbytes
+    return {r: len(placement.experts_of(r)) + (max(0, free) // per if queued == 0 else 0)
+            for r, free, queued in zip(placement.ranks, report.kv_free, report.queued)}

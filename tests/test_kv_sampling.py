@@ -1,0 +1,110 @@
+"""The KV block pool and the counter-based batch sampler, in one process (no Megatron)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexfloor.rollout.kv import BlockPool, blocks_for
+from flexfloor.rollout.sampling import draw_keys, key_fields, sample, splitmix64, uniforms
+from flexfloor.rollout.types import Request, RolloutError, SamplingParams
+
+
+def pool(capacity, block_tokens=4):
+    return BlockPool(num_layers=2, groups=2, head_dim=8, dtype=torch.float32, device="cpu",
+                     block_tokens=block_tokens, capacity=capacity)
+
+
+def test_blocks_for_counts_whole_blocks():
+    assert [blocks_for(t, 16) for t in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
+
+
+def test_pool_never_exceeds_capacity_and_reuses_freed_blocks():
+    p = pool(capacity=5)
+    a = p.allocate(3)
+    assert p.free_blocks == 2 and not p.can_allocate(3) and p.can_allocate(2)
+    with pytest.raises(RolloutError, match="3 blocks asked, 2 free"):
+        p.allocate(3)
+    assert p.used == 3  # a refused allocation takes nothing
+    b = p.allocate(2)
+    assert sorted(a + b) == list(range(5)) and p.k.shape[1] == 5 * 4  # storage stops at capacity
+    p.free(a)
+    assert p.free_blocks == 3 and sorted(p.allocate(3)) == sorted(a)
+    assert p.peak == 5
+    # borrowed expert bytes take whole blocks of the room
+    p.free(b)
+    p.withhold(p.block_bytes + 1)
+    assert p.free_blocks == 0 and p.peak == 5
+
+
+def test_pool_grows_on_demand_when_unbounded_and_keeps_contents():
+    p = pool(capacity=None)
+    a = p.allocate(2)
+    p.k[0, p.slots(a, 0, 8)] = 1.0
+    p.allocate(BlockPool.GROW + 5)  # storage grows
+    assert p.free_blocks is None and p.k.shape[1] >= (BlockPool.GROW + 7) * 4
+    assert bool((p.k[0, p.slots(a, 0, 8)] == 1.0).all())
+    assert p.slots([3, 1], 2, 7) == [14, 15, 4, 5, 6]  # block table: position -> slot
+
+
+def req(uid, sampling, sample_index=0):
+    return Request(prompt_uid=uid, sample_index=sample_index, prompt_ids=(1, 2, 3),
+                   max_new_tokens=8, sampling=sampling, seed=5, step=2)
+
+
+def test_hash_streams_are_keyed_by_every_field():
+    base = torch.tensor([[5, 2, 7, 0, 11]])
+    keys = {int(draw_keys(base)[0])}
+    for col in range(5):
+        other = base.clone()
+        other[0, col] += 1
+        keys.add(int(draw_keys(other)[0]))
+    assert len(keys) == 6
+    u = uniforms(draw_keys(base), 1000)
+    assert u.dtype == torch.float64 and 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.03
+    # wrapping int64 arithmetic, no overflow error, a bijection on a sample
+    x = torch.arange(-1000, 1000, dtype=torch.int64) * (1 << 40)
+    assert splitmix64(x).unique().numel() == x.numel()
+
+
+def test_sampling_follows_the_tempered_distribution_and_returns_unfiltered_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(12, dtype=torch.float64) * 2
+    sp = SamplingParams(temperature=0.7)
+    n = 4000
+    reqs = [req(i, sp) for i in range(n)]
+    tokens, logprobs = sample(logits.expand(n, -1), reqs, [3] * n)
+    want = F.softmax(logits / 0.7, dim=-1)
+    freq = torch.bincount(tokens, minlength=12).double() / n
+    assert float((freq - want).abs().max()) < 0.03
+    expect = F.log_softmax(logits / 0.7, dim=-1)[tokens]
+    assert torch.allclose(logprobs, expect, atol=1e-12, rtol=0)
+    # the same key draws the same token whatever the batch around it
+    alone, _ = sample(logits.view(1, -1), [reqs[17]], [3])
+    assert int(alone[0]) == int(tokens[17])
+    # another position is another draw
+    moved, _ = sample(logits.expand(n, -1), reqs, [4] * n)
+    assert not torch.equal(moved, tokens)
+
+
+def test_top_k_top_p_greedy_and_mixed_batches():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0], dtype=torch.float64)
+    n = 500
+    top_k = [req(i, SamplingParams(top_k=2)) for i in range(n)]
+    tokens, logprobs = sample(logits.expand(n, -1), top_k, [0] * n)
+    assert set(tokens.tolist()) == {0, 1}
+    # log-probs stay those of the unfiltered distribution (what the trainer recomputes)
+    assert math.isclose(float(logprobs[tokens == 1][0]), float(F.log_softmax(logits, -1)[1]))
+    # top_p 0.6: token 0 has 0.636 of the mass, so it alone is kept
+    top_p = [req(i, SamplingParams(top_p=0.6)) for i in range(n)]
+    assert set(sample(logits.expand(n, -1), top_p, [0] * n)[0].tolist()) == {0}
+    mixed = [req(0, SamplingParams(greedy=True)), req(1, SamplingParams(temperature=5.0))]
+    rows = torch.stack([logits.flip(0), logits])
+    tokens, logprobs = sample(rows, mixed, [0, 0])
+    assert int(tokens[0]) == 4
+    assert math.isclose(float(logprobs[0]), float(F.log_softmax(logits.flip(0), -1)[4]))
+    assert math.isclose(float(logprobs[1]), float(F.log_softmax(logits / 5.0, -1)[tokens[1]]))
+    fields = key_fields(mixed, [0, 9], "cpu")
+    assert fields.tolist() == [[5, 2, 0, 0, 0], [5, 2, 1, 0, 9]]
