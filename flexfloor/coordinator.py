@@ -1,5 +1,6 @@
 """The step loop: plan -> generate -> release -> resync -> reward -> advantages -> train ->
-checkpoint -> log. `Job.step()` reads as that sentence; the objects it calls do the work.
+validate -> log -> checkpoint. `Job.step()` reads as that sentence; the objects it calls do the
+work.
 
 Every rank runs the same loop (SPMD). Rollout results are gathered on every rank after resync and
 split evenly by request id for training, so training sees the same data whatever rank generated
@@ -19,8 +20,8 @@ schedule, step 0), then the random init of `model.seed`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-import math
 import os
 import random
 import time
@@ -33,18 +34,21 @@ import torch.distributed as dist
 from flexfloor.checkpoint import (CheckpointError, iter_name, load_checkpoint, read_meta,
                                   resolve_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from flexfloor.config import Algorithm, Config, NanPolicy, Resume, config_to_dict
-from flexfloor.data import compute_score, load_prompts, sft_response
+from flexfloor.data import Scorer, load_data, sft_response
+from flexfloor.data.cursor import DataCursor
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import ReleaseListener, RolloutLayout, membership_for, resync
 from flexfloor.rollout.engine import RolloutEngine
 from flexfloor.rollout.metrics import rollout_metrics
-from flexfloor.rollout.scheduler import MemoryModel, PromptGroup, Scheduler, prediction_accuracy
+from flexfloor.rollout.scheduler import (MemoryModel, PromptGroup, RolloutPlan, Scheduler,
+                                         prediction_accuracy)
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.tokenizer import check_vocab, load_tokenizer
 from flexfloor.trainer import algorithms as alg
-from flexfloor.trainer.actor import Actor, Sample, split_even
+from flexfloor.runlog import RunLog
+from flexfloor.trainer.actor import Actor, Sample, logprob_temperature, split_even
 from flexfloor.trainer.critic import Critic
 from flexfloor.trainer.optim import build_train_state
 
@@ -69,44 +73,22 @@ def _phase(rank: int, name: str, step: int):
         raise
 
 
-@dataclass
-class DataCursor:
-    """Where the run is in the prompt stream: epoch and position, reshuffled each epoch."""
-
-    num_prompts: int
-    seed: int
-    shuffle: bool
-    epoch: int = 0
-    position: int = 0
-
-    def order(self, epoch: int) -> list[int]:
-        idx = list(range(self.num_prompts))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
-        return idx
-
-    def next(self, n: int) -> list[int]:
-        out = []
-        while len(out) < n:
-            if self.position >= self.num_prompts:
-                self.epoch, self.position = self.epoch + 1, 0
-            take = self.order(self.epoch)[self.position : self.position + n - len(out)]
-            out += take
-            self.position += len(take)
-        return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-
-
 def gather_all(parallel, items: list) -> list:
     """Every rank's list, concatenated in rank order, on every rank."""
     parts = [None] * parallel.world_size
     dist.all_gather_object(parts, items, group=parallel.world_group)
     return [x for part in parts for x in part]
+
+
+@dataclass
+class Rollout:
+    """One rollout's results (every rank's, on every rank) and how it ran."""
+
+    results: list  # flexfloor.rollout.types.Result
+    records: list[dict]  # RankRecord.as_dict() of each rank
+    plan: RolloutPlan
+    membership: object  # the release policy's membership of this rollout
+    resync_s: float
 
 
 class Job:
@@ -128,6 +110,8 @@ class Job:
             elif init_from:
                 self._init_from(init_from)
         self.log = RunLog(cfg, self.rank, resumed_step=self.step_index)
+        if self._data_note:
+            self.log.say(self._data_note)
         if start:
             ignored = f"; checkpoint.init_from={init_from} ignored" if init_from else ""
             self.log.say(f"resumed from {iter_name(self.step_index)} ({start}){ignored}")
@@ -153,14 +137,21 @@ class Job:
         self.rank = self.parallel.rank
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
-        self.examples = load_prompts(cfg.data.train_files, cfg.data.synthetic_num_prompts,
-                                     cfg.data.synthetic_seed)
+        self.scorer = Scorer(cfg.reward.custom_fn)
+        data = load_data(cfg.data)
+        self.examples, self.val_examples = data.train, data.val  # val: never trained on
+        self.scorer.check(e.data_source for e in self.examples + self.val_examples)
         self.prompt_ids = [self._encode_prompt(e) for e in self.examples]
+        self.val_prompt_ids = [self._encode_prompt(e) for e in self.val_examples]
+        self._data_note = data.note
         self.model = build_model(cfg.model, self.parallel)
         self.train_state = build_train_state(self.model, cfg.trainer, self.parallel,
                                              total_steps=cfg.trainer.steps)
+        self.sampling = SamplingParams.from_rollout_config(cfg.rollout, eos_id=self.tokenizer.eos_id)
+        # the actor's log-probs and loss are under the distribution the engine samples from
         self.actor = Actor(self.train_state, cfg.trainer, self.parallel,
-                           valid_vocab=self.tokenizer.vocab_size)
+                           valid_vocab=self.tokenizer.vocab_size,
+                           temperature=logprob_temperature(self.sampling))
         self.critic = (Critic(cfg.model, cfg.trainer, self.parallel, total_steps=cfg.trainer.steps)
                        if cfg.trainer.algorithm == Algorithm.PPO else None)
         self.reference = None  # the frozen policy the KL is measured to (after the warm start)
@@ -177,7 +168,6 @@ class Job:
                                    max_share=cfg.scheduler.max_share,
                                    load_cap=cfg.scheduler.load_cap)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
-        self.sampling = SamplingParams.from_rollout_config(cfg.rollout, eos_id=self.tokenizer.eos_id)
 
     def _start_checkpoint(self) -> str | None:
         """checkpoint.resume=auto: the newest complete checkpoint of checkpoint.dir (a restarted
@@ -194,7 +184,7 @@ class Job:
             self.warm_start()
         while not self.done():
             self.step()
-        self.log.close(self)
+        self.log.close()
 
     def needs_warm_start(self) -> bool:
         """A new run (step 0) with trainer.sft_warmup_steps begins with the supervised warm
@@ -210,31 +200,40 @@ class Job:
         with self.phase("plan", k):
             self._freeze_reference()
             groups = self.next_prompt_groups()               # data
+        roll = self.rollout(groups, k)                       # plan + generate + release + resync
+        with self.phase("train", k):
+            rewards = self.rewards(roll.results)             # reward
+            samples = self.advantages(roll.results, rewards)  # advantages
+            train_metrics = self.train(samples)              # train
+        self.scheduler.observe(roll.results)
+        self.step_index += 1
+        metrics = self.step_metrics(roll, rewards, train_metrics, time.perf_counter() - t0)
+        if self._should_validate():
+            with self.phase("validate"):
+                metrics.update(self.validate())              # validate
+        self.log.write(metrics, roll.records)                # log
+        if self._should_save():
+            with self.phase("checkpoint save"):
+                self.save()                                  # checkpoint
+        return metrics
+
+    def rollout(self, groups: list[PromptGroup], k: int) -> Rollout:
+        """Plan the groups onto the ranks, generate (ranks released as their work ends), resync;
+        every rank gets every result."""
+        with self.phase("plan", k):
             plan = self.scheduler.plan(groups, range(self.parallel.world_size))
             membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
                                         self.layout, self.cfg.elastic,
                                         scheduler_cfg=self.cfg.scheduler, step=k,
                                         on_event=self.on_release_event)
-        with self.phase("rollout", k):                       # generate + release
+        with self.phase("rollout", k):
             out = self.engine.generate(plan.assignment[self.rank], membership)
-        with self.phase("resync", k):                        # resync
+        with self.phase("resync", k):
             resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k,
                               on_event=self.on_release_event)
             results = gather_all(self.parallel, out.results)
             records = gather_all(self.parallel, [out.record.as_dict()])
-        with self.phase("train", k):
-            rewards = self.rewards(results)                  # reward
-            samples = self.advantages(results, rewards)      # advantages
-            train_metrics = self.train(samples)              # train
-        self.scheduler.observe(results)
-        self.step_index += 1
-        metrics = self.step_metrics(results, rewards, records, plan, train_metrics,
-                                    time.perf_counter() - t0, resync_s, membership)
-        self.log.write(metrics, records)                     # log
-        if self._should_save():
-            with self.phase("checkpoint save"):
-                self.save()                                  # checkpoint
-        return metrics
+        return Rollout(results, records, plan, membership, resync_s)
 
     # ------------------------------------------------------------------ phases
 
@@ -252,21 +251,47 @@ class Job:
             groups.append(PromptGroup(ex.uid, reqs))
         return groups
 
-    def rewards(self, results) -> dict[str, float]:
-        by_uid = {e.uid: e for e in self.examples}
+    def rewards(self, results, examples=None) -> dict[str, float]:
+        """The score of each result (by request id) against its prompt in `examples` (default:
+        the training prompts)."""
+        by_uid = {e.uid: e for e in (self.examples if examples is None else examples)}
         out = {}
         for r in results:
-            ex = by_uid[r.prompt_uid]
             ids = [t for t in r.token_ids if t != self.tokenizer.eos_id]
-            out[r.request_id] = compute_score(ex.data_source, self.tokenizer.decode(ids), ex.ground_truth)
+            out[r.request_id] = self.scorer(by_uid[r.prompt_uid], self.tokenizer.decode(ids))
         return out
+
+    def validate(self) -> dict:
+        """Every val prompt with the same engine: greedy (trainer.val_samples=1) or sampled as in
+        training; the scheduler's length history is not told (val prompts are not its data)."""
+        cfg = self.cfg
+        n = cfg.trainer.val_samples
+        sampling = (dataclasses.replace(self.sampling, greedy=True) if n == 1 else self.sampling)
+        groups = [PromptGroup(ex.uid, tuple(
+            Request(prompt_uid=ex.uid, sample_index=s, prompt_ids=ids,
+                    max_new_tokens=cfg.rollout.max_new_tokens, sampling=sampling,
+                    seed=cfg.rollout.seed, step=self.step_index) for s in range(n)))
+            for ex, ids in zip(self.val_examples, self.val_prompt_ids)]
+        roll = self.rollout(groups, self.step_index)
+        scores = list(self.rewards(roll.results, self.val_examples).values())
+        return {
+            "val/reward/mean": float(np.mean(scores)),
+            "val/solved": float(np.mean([s == 1.0 for s in scores])),
+            "val/response_length/mean": float(np.mean([len(r.token_ids) for r in roll.results])),
+        }
+
+    def _should_validate(self) -> bool:
+        every = self.cfg.trainer.val_interval
+        return bool(every and self.val_examples) and (
+            self.step_index % every == 0 or self.step_index == self.cfg.trainer.steps)
 
     def advantages(self, results, rewards) -> list[Sample]:
         """Samples in request-id order (the same on every rank). GRPO: group-normalised rewards
         here; PPO: GAE in `train`, once the critic has valued this rank's share."""
         results = sorted(results, key=lambda r: (r.prompt_uid, r.sample_index))
         scores = [rewards[r.request_id] for r in results]
-        samples = [Sample(r.prompt_ids, r.token_ids, score=s) for r, s in zip(results, scores)]
+        samples = [Sample(r.prompt_ids, r.token_ids, score=s, rollout_logprobs=r.logprobs)
+                   for r, s in zip(results, scores)]
         if self.cfg.trainer.algorithm == Algorithm.GRPO:
             adv = alg.grpo_advantages(torch.tensor(scores, dtype=torch.float64),
                                       torch.tensor([r.prompt_uid for r in results]),
@@ -280,14 +305,15 @@ class Job:
         mine = split_even(samples, self.parallel.world_size)[self.rank]
         global_tokens = sum(len(s.response_ids) for s in samples)
         batches = self.actor.micro_batches(mine)
-        # old-policy log-probs recomputed on the training forward (the engine's are at the
-        # sampling temperature, from the KV-cache path)
+        # old-policy log-probs recomputed on the training forward, at the sampling temperature
+        # like the engine's (which come from the KV-cache path): their gap is a diagnostic
         for s, lp in zip(mine, self.actor.logprobs(batches)):
             s.old_logprobs = lp
+        diff = self.actor.logprob_diff(mine)
         inject(FaultPhase.TRAIN, self.rank, self.step_index + 1)
         ref = self.actor.logprobs(batches, model=self.reference) if self.reference else None
         metrics: dict = {}
-        values = None
+        values = None  # PPO: the critic's values of this rank's share
         if cfg.algorithm == Algorithm.PPO:
             values = self.critic.values(batches)
             returns = self._gae(mine, values, ref)
@@ -300,7 +326,7 @@ class Job:
             if values is not None:
                 metrics.update(self.critic.train(batches, values, returns,
                                                  global_tokens=global_tokens))
-        return metrics
+        return {**diff, **metrics}
 
     def _gae(self, samples: list[Sample], values, ref) -> list[list[float]]:
         """PPO: per-token rewards (the score on the last token, minus the KL to the reference
@@ -322,7 +348,8 @@ class Job:
             s.advantages = adv[0].tolist()
             returns.append(ret[0].tolist())
             flat += s.advantages
-        stats = torch.tensor([sum(flat), sum(a * a for a in flat), float(len(flat))], dtype=torch.float64)
+        stats = torch.tensor([sum(flat), sum(a * a for a in flat), float(len(flat))],
+                             dtype=torch.float64, device=self.parallel.device)
         dist.all_reduce(stats, group=self.parallel.world_group)
         mean = stats[0] / stats[2].clamp(min=1)
         std = (stats[1] / stats[2].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
@@ -344,7 +371,6 @@ class Job:
             self.train_state.optimizer.reload_model_params()  # fp32 main params of a bf16 model
             self.log.say(f"warm start: loaded the cached supervised model from {cache}")
             return
-        import dataclasses
 
         from tqdm import tqdm
 
@@ -372,8 +398,8 @@ class Job:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def step_metrics(self, results, rewards, records, plan, train_metrics, step_s, resync_s,
-                     membership) -> dict:
+    def step_metrics(self, rollout: Rollout, rewards, train_metrics, step_s) -> dict:
+        results, records, plan = rollout.results, rollout.records, rollout.plan
         roll = rollout_metrics(records, results)
         lengths = [len(r.token_ids) for r in results]
         realised = {}
@@ -401,7 +427,7 @@ class Job:
             "scheduler/mae": acc["mae"],
             "data/epoch": self.cursor.epoch,  # the cursor after this step's prompts
             "data/position": self.cursor.position,
-            "timing/resync_s": resync_s,
+            "timing/resync_s": rollout.resync_s,
             "timing/step_s": step_s,
         }
         m.update({k: v for k, v in train_metrics.items() if not isinstance(v, bool)})
@@ -526,88 +552,3 @@ def _warm_start_key(cfg: Config) -> str:
     if cfg.checkpoint.init_from:  # the weights it starts from, by content (the files' sha256)
         key["init_from"] = read_meta(cfg.checkpoint.init_from)["files"]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class RunLog:
-    """metrics.jsonl, TensorBoard, a per-step line and the release timeline plot (rank 0)."""
-
-    def __init__(self, cfg: Config, rank: int, resumed_step: int = 0):
-        self.rank = rank
-        self.run_dir = cfg.logging.run_dir
-        self.cfg = cfg
-        self.history: list[dict] = []
-        self.timelines: list[list[dict]] = []
-        self.writer = None
-        if rank != 0:
-            return
-        os.makedirs(self.run_dir, exist_ok=True)
-        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-        self._keep_steps_up_to(resumed_step)
-        with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-            json.dump(config_to_dict(cfg), f, indent=1)
-        if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
-
-    def _keep_steps_up_to(self, step: int) -> None:
-        """metrics.jsonl describes this run: lines of steps after the one it starts from (a
-        crashed attempt's steps that no checkpoint holds, an earlier run's) are dropped."""
-        if not os.path.exists(self.metrics_path):
-            return
-        keep = []
-        with open(self.metrics_path) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] <= step:
-                        keep.append(line)
-                except (ValueError, KeyError, TypeError):
-                    pass  # a line torn by the crash (or blank): the resumed run must not die on it
-        tmp = self.metrics_path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, self.metrics_path)
-
-    def say(self, text: str) -> None:
-        if self.rank == 0:
-            print(f"[flexfloor] {text}", flush=True)
-
-    def write(self, metrics: dict, records: list[dict]) -> None:
-        if self.rank != 0:
-            return
-        self.history.append(metrics)
-        self.timelines.append(records)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.writer is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-                    self.writer.add_scalar(k, v, metrics["step"])
-        release = " ".join(f"r{i}:{t:.2f}s" for i, t in enumerate(metrics["rollout/release_s"]))
-        print(
-            f"step {metrics['step']:>4} | reward {metrics['reward/mean']:.3f} "
-            f"(solved {metrics['reward/solved']:.2f}) | len mean {metrics['response_length/mean']:.1f} "
-            f"max {metrics['response_length/max']} | tok/occ-worker-s "
-            f"{metrics['rollout/tokens_per_occupied_worker_second']:.0f} | tail "
-            f"{metrics['rollout/tail_fraction']:.2f} | released {metrics['rollout/released_ranks']} "
-            f"| release {release} | {metrics['timing/step_s']:.1f}s",
-            flush=True,
-        )
-
-    def close(self, job: Job) -> None:
-        if self.rank != 0:
-            return
-        if self.writer is not None:
-            self.writer.close()
-        if self.cfg.logging.timeline_plot and self.timelines:
-            from flexfloor.rollout.timeline import plot_rank_timeline
-
-            path = os.path.join(self.run_dir, "timeline.png")
-            plot_rank_timeline({"last step": self.timelines[-1]}, path,
-                               title=f"release timeline, step {self.history[-1]['step']}")
-        if self.history:
-            first, last = self.history[0], self.history[-1]
-            self.say(f"reward {first['reward/mean']:.3f} (step {first['step']}) -> "
-                     f"{last['reward/mean']:.3f} (step {last['step']})")
-        self.say(f"run folder: {os.path.abspath(self.run_dir)} (metrics.jsonl, tensorboard/, "
-                 "timeline.png)")

@@ -1,6 +1,7 @@
 """Trainer cases on 2 gloo workers, one launch: GRPO steps change the weights with finite losses;
 a step after a static rollout equals one after an elastic rollout; resume after step k equals
-the uninterrupted run at step k+1.
+the uninterrupted run at step k+1; PPO; the trainer's log-probs against the engine's at T = 1
+and T = 0.7, truncated IS; validation on held-out prompts at its interval.
 
 Usage: torchrun --nproc-per-node 2 tests/workers/trainer.py OUT_DIR
 """
@@ -34,6 +35,7 @@ def sevens(response: str, ground_truth: str) -> float:
 
 
 DATA = os.path.join(OUT, "sevens.parquet")
+VAL = os.path.join(OUT, "sevens_val.parquet")
 
 
 def job(*overrides):
@@ -108,6 +110,48 @@ def main():
     j.step()
     res["ppo_resume_equals_uninterrupted"] = same(weights(j), ppo_w2)
     j.parallel.destroy()
+
+    # 5. the trainer's old log-probs are the engine's (same tokens, fp32) at T = 1 and T = 0.7;
+    #    an actor that dropped the temperature would be far off
+    res["diff_t1"] = [m1["rollout/logprob_diff_mean"], m1["rollout/logprob_diff_max"]]
+    j = job("rollout.temperature=0.7")
+    m = j.step()
+    res["diff_t07"] = [m["rollout/logprob_diff_mean"], m["rollout/logprob_diff_max"]]
+    j.parallel.destroy()
+    j = job("rollout.temperature=0.7")
+    j.actor.temperature = 1.0  # the bug: log-probs of the raw logits
+    m = j.step()
+    res["diff_t07_dropped"] = m["rollout/logprob_diff_max"]
+    j.parallel.destroy()
+    # truncated IS: the weights are ~1 (trainer == engine), the step runs and changes the weights
+    j = job("trainer.rollout_is=truncated", "trainer.rollout_is_cap=2.0", "trainer.steps=1")
+    w = weights(j)
+    m = j.step()
+    res["is_weight_mean"] = m["actor/is_weight_mean"]
+    res["is_changed"] = not same(w, weights(j))
+    j.parallel.destroy()
+
+    # 6. validation on held-out files every 2 steps and at the end; never trained on
+    val = [dataclasses.replace(e, data_source="test/sevens", uid=1000 + e.uid)
+           for e in make_synthetic_prompts(40, 0)[16:]]
+    if dist.get_rank() == 0:
+        write_examples(val, VAL)
+    dist.barrier()
+    j = job("trainer.steps=3", "trainer.val_interval=2", f"data.val_files=[{VAL}]",
+            f"logging.run_dir={OUT}/val_run")
+    res["val_steps"] = [sorted(k for k in j.step() if k.startswith("val/")) for _ in range(3)]
+    train_prompts = {e.prompt for e in j.examples}
+    res["val_disjoint"] = not train_prompts & {e.prompt for e in j.val_examples}
+    res["val_count"] = len(j.val_examples)
+    res["val_in_file"] = len(val)
+    seen = set(j.scheduler.history.lengths)  # the uids whose responses were trained on
+    res["trained_uids_are_train"] = seen <= {e.uid for e in j.examples}
+    res["trained_no_val_uid"] = not seen & {e.uid for e in j.val_examples}
+    j.parallel.destroy()
+    if dist.get_rank() == 0:
+        with open(f"{OUT}/val_run/metrics.jsonl") as f:
+            res["val_lines"] = [sorted(k for k in json.loads(line) if k.startswith("val/"))
+                                for line in f]
 
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, res)
