@@ -545,6 +545,8 @@ def _warm_start_key(cfg: Config) -> str:
 
     d = config_to_dict(cfg)
     key = {k: d[k] for k in ("model", "data")}
+    for k in ("val_files", "val_size"):  # the warm start never sees the val prompts
+        key["data"].pop(k)
     key["sft"] = {k: d["trainer"][k] for k in ("sft_warmup_steps", "sft_lr", "prompts_per_step",
                                                "micro_batch_size")}
     key["samples"] = d["rollout"]["samples_per_prompt"]

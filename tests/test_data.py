@@ -123,8 +123,8 @@ def test_reward_registry():
     with pytest.raises(ValueError, match="already registered"):
         register_reward("test/exact_match")(exact)
     with pytest.raises(KeyError) as error:
-        compute_score("openai/gsm8k", "42", "42")
-    assert "openai/gsm8k" in str(error.value) and SYNTHETIC_DATA_SOURCE in str(error.value)
+        compute_score("my/unregistered", "42", "42")
+    assert "my/unregistered" in str(error.value) and SYNTHETIC_DATA_SOURCE in str(error.value)
     with pytest.raises(ValueError, match="ground_truth must be"):
         compute_score(SYNTHETIC_DATA_SOURCE, "a3=3", "three")
 
@@ -409,3 +409,44 @@ def test_custom_reward_fn_from_a_file_and_errors_naming_file_and_function(tmp_pa
     assert str(fn) in str(e.value) and "'score'" in str(e.value) and "compute_score" in str(e.value)
     with pytest.raises(FileNotFoundError, match="missing.py"):
         Scorer(f"{tmp_path}/missing.py:compute_score")
+
+
+# --- real tasks: reasoning-gym, \\boxed{} math ----------------------------------------------------
+
+def test_reasoning_gym_source_round_trips_through_parquet_and_scores_with_its_own_scorer(tmp_path):
+    from flexfloor.config import DataConfig, DataSource
+    from flexfloor.data import load_data
+
+    data = load_data(DataConfig(source=DataSource.REASONING_GYM, task="basic_arithmetic",
+                                size=12, val_size=4, synthetic_seed=5))
+    assert len(data.train) == 12 and len(data.val) == 4
+    assert not {e.prompt for e in data.train} & {e.prompt for e in data.val}
+    assert all(e.data_source == "reasoning_gym/basic_arithmetic" for e in data.train)
+    path = tmp_path / "rg.parquet"
+    write_examples(data.train, path)
+    back = read_examples(path)
+    assert back == data.train
+    scorer = Scorer()
+    scorer.check(e.data_source for e in back)
+    e = back[0]
+    assert e.prompt.startswith("Calculate") and scorer(e, e.ground_truth) == 1.0
+    assert scorer(e, sft_response(e)) == 1.0  # the warm start teaches the answer
+    assert scorer(e, str(int(e.ground_truth) + 1)) == 0.0 and scorer(e, "no idea") == 0.0
+    # the same seed gives the same prompts; an unknown task names the field
+    again = load_data(DataConfig(source=DataSource.REASONING_GYM, task="basic_arithmetic",
+                                 size=12, synthetic_seed=5))
+    assert again.train == data.train
+    with pytest.raises(ValueError, match="data.task='no_such_task'"):
+        load_data(DataConfig(source=DataSource.REASONING_GYM, task="no_such_task"))
+
+
+@pytest.mark.parametrize("response, score", [
+    ("so 9 * 8 = 72, and the answer is \\boxed{72}", 1.0),
+    ("\\boxed{70} at first, then \\boxed{72.0}", 1.0),  # the last box counts, 72.0 == 72
+    ("the answer is \\boxed{71}", 0.0),
+    ("72", 0.0),  # no box: not an answer
+    ("\\boxed{\\frac{144}{2}}", 1.0),
+])
+def test_boxed_math_score_for_gsm8k_and_math(response, score):
+    assert compute_score("openai/gsm8k", response, "72") == score
+    assert compute_score("math", response, "72") == score

@@ -8,12 +8,8 @@ from flexfloor.config import DataConfig, DataSource
 from flexfloor.data.parquet import read_examples, write_examples
 from flexfloor.data.reward import (Scorer, compute_score, register_reward, registered_rewards,
                                    reward_for)
-from flexfloor.data.synthetic import (
-    SYNTHETIC_DATA_SOURCE,
-    Example,
-    make_synthetic_prompts,
-    sft_response,
-)
+from flexfloor.data import synthetic, tasks  # tasks registers the \boxed{} math rewards
+from flexfloor.data.synthetic import SYNTHETIC_DATA_SOURCE, Example, make_synthetic_prompts
 
 __all__ = [
     "SYNTHETIC_DATA_SOURCE",
@@ -32,6 +28,13 @@ __all__ = [
     "sft_response",
     "write_examples",
 ]
+
+
+def sft_response(example: Example) -> str:
+    """The correct response to a prompt, for the supervised warm start: a reasoning-gym
+    prompt's answer, the synthetic task's worked running sums (other data cannot warm start)."""
+    answer = tasks.warm_start_response(example)
+    return answer if answer is not None else synthetic.sft_response(example)
 
 
 def load_prompts(train_files: list[str], synthetic_num_prompts: int,
