@@ -11,30 +11,25 @@ and the step (`error_origin`), so the entry point prints one line that says wher
 Collectives have timeouts (parallel.timeout_s), so a dead or hung peer ends as such an error.
 A restarted job continues from `checkpoint.dir/latest` (checkpoint.resume=auto).
 
-Where the weights come from, first match wins: a resume (`checkpoint.dir/latest` with
-checkpoint.resume=auto, or `checkpoint.load`: weights, optimizer, step, data cursor, companions),
-then `checkpoint.init_from` (weights only, e.g. a converted HF checkpoint: fresh optimizer and
-schedule, step 0), then the random init of `model.seed`.
+The objects: the estimator (flexfloor.trainer.grpo / ppo: advantages and the update), the
+checkpoint manager (flexfloor.trainer.checkpointing: what is saved, when, where a run starts
+from), the warm start (flexfloor.trainer.warm_start) and the run log (flexfloor.runlog).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
-import random
 import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
-from flexfloor.checkpoint import (CheckpointError, iter_name, load_checkpoint, read_meta,
-                                  resolve_checkpoint, rng_state, save_checkpoint, set_rng_state)
-from flexfloor.config import Algorithm, Config, NanPolicy, Resume, config_to_dict
-from flexfloor.data import Scorer, load_data, sft_response
+from flexfloor.checkpoint import iter_name
+from flexfloor.config import Algorithm, Config, NanPolicy, config_to_dict
+from flexfloor.data import Scorer, load_data
 from flexfloor.data.cursor import DataCursor
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
@@ -46,11 +41,14 @@ from flexfloor.rollout.scheduler import (MemoryModel, PromptGroup, RolloutPlan, 
                                          prediction_accuracy)
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.tokenizer import check_vocab, load_tokenizer
-from flexfloor.trainer import algorithms as alg
 from flexfloor.runlog import RunLog
 from flexfloor.trainer.actor import Actor, Sample, logprob_temperature, split_even
+from flexfloor.trainer.checkpointing import CheckpointManager, Start
 from flexfloor.trainer.critic import Critic
+from flexfloor.trainer.grpo import GRPO
 from flexfloor.trainer.optim import build_train_state
+from flexfloor.trainer.ppo import PPO
+from flexfloor.trainer.warm_start import warm_start
 
 
 class TrainingError(RuntimeError):
@@ -103,19 +101,20 @@ class Job:
         self.on_release_event: ReleaseListener | None = None
         with self.phase("set-up"):
             self._set_up(cfg)
-        start, init_from = self._start_checkpoint(), cfg.checkpoint.init_from
+        start, init_from = self.checkpoints.start_point(), cfg.checkpoint.init_from
         with self.phase("checkpoint load"):
-            if start:
-                self._load(start)
-            elif init_from:
-                self._init_from(init_from)
+            if start.kind == Start.RESUME:
+                self._resume(start.path)
+            elif start.kind == Start.INIT_FROM:
+                self.checkpoints.init_from(start.path, model=self.model,
+                                           optimizer=self.train_state.optimizer)
         self.log = RunLog(cfg, self.rank, resumed_step=self.step_index)
         if self._data_note:
             self.log.say(self._data_note)
-        if start:
+        if start.kind == Start.RESUME:
             ignored = f"; checkpoint.init_from={init_from} ignored" if init_from else ""
-            self.log.say(f"resumed from {iter_name(self.step_index)} ({start}){ignored}")
-        elif init_from:
+            self.log.say(f"resumed from {iter_name(self.step_index)} ({start.path}){ignored}")
+        elif start.kind == Start.INIT_FROM:
             self.log.say(f"initialised the weights from checkpoint.init_from={init_from} "
                          "(fresh optimizer, step 0)")
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -152,9 +151,14 @@ class Job:
         self.actor = Actor(self.train_state, cfg.trainer, self.parallel,
                            valid_vocab=self.tokenizer.vocab_size,
                            temperature=logprob_temperature(self.sampling))
-        self.critic = (Critic(cfg.model, cfg.trainer, self.parallel, total_steps=cfg.trainer.steps)
-                       if cfg.trainer.algorithm == Algorithm.PPO else None)
+        self.critic = None  # PPO's value model
+        if cfg.trainer.algorithm == Algorithm.PPO:
+            self.critic = Critic(cfg.model, cfg.trainer, self.parallel, total_steps=cfg.trainer.steps)
+            self.algorithm = PPO(cfg.trainer, self.actor, self.critic, self.parallel)
+        else:
+            self.algorithm = GRPO(cfg.trainer, self.actor)
         self.reference = None  # the frozen policy the KL is measured to (after the warm start)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.model, total_steps=cfg.trainer.steps)
         self.layout = RolloutLayout.gather(self.model, self.parallel)
         self.moe = self.layout.moe(self.model, self.parallel)
         memory = MemoryModel.from_model_config(cfg.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)
@@ -168,14 +172,6 @@ class Job:
                                    max_share=cfg.scheduler.max_share,
                                    load_cap=cfg.scheduler.load_cap)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
-
-    def _start_checkpoint(self) -> str | None:
-        """checkpoint.resume=auto: the newest complete checkpoint of checkpoint.dir (a restarted
-        job continues); else checkpoint.load."""
-        c = self.cfg.checkpoint
-        if c.resume == Resume.AUTO and c.dir and os.path.isfile(os.path.join(c.dir, "latest")):
-            return c.dir
-        return c.load
 
     # ------------------------------------------------------------------ the loop
 
@@ -212,7 +208,7 @@ class Job:
             with self.phase("validate"):
                 metrics.update(self.validate())              # validate
         self.log.write(metrics, roll.records)                # log
-        if self._should_save():
+        if self.checkpoints.should_save(self.step_index):
             with self.phase("checkpoint save"):
                 self.save()                                  # checkpoint
         return metrics
@@ -286,115 +282,27 @@ class Job:
             self.step_index % every == 0 or self.step_index == self.cfg.trainer.steps)
 
     def advantages(self, results, rewards) -> list[Sample]:
-        """Samples in request-id order (the same on every rank). GRPO: group-normalised rewards
-        here; PPO: GAE in `train`, once the critic has valued this rank's share."""
+        """Every rank's samples in request-id order (the same on every rank), with the
+        estimator's advantages (PPO's come in `train`, once the critic has valued them)."""
         results = sorted(results, key=lambda r: (r.prompt_uid, r.sample_index))
-        scores = [rewards[r.request_id] for r in results]
-        samples = [Sample(r.prompt_ids, r.token_ids, score=s, rollout_logprobs=r.logprobs)
-                   for r, s in zip(results, scores)]
-        if self.cfg.trainer.algorithm == Algorithm.GRPO:
-            adv = alg.grpo_advantages(torch.tensor(scores, dtype=torch.float64),
-                                      torch.tensor([r.prompt_uid for r in results]),
-                                      std_norm=self.cfg.trainer.adv_std_norm)
-            for smp, a in zip(samples, adv.tolist()):
-                smp.advantage = a
+        samples = [Sample(r.prompt_ids, r.token_ids, score=rewards[r.request_id],
+                          group=r.prompt_uid, rollout_logprobs=r.logprobs) for r in results]
+        self.algorithm.advantages(samples)
         return samples
 
     def train(self, samples: list[Sample]) -> dict:
-        cfg = self.cfg.trainer
+        """The estimator's update on this rank's share (an even split by request id)."""
         mine = split_even(samples, self.parallel.world_size)[self.rank]
-        global_tokens = sum(len(s.response_ids) for s in samples)
-        batches = self.actor.micro_batches(mine)
-        # old-policy log-probs recomputed on the training forward, at the sampling temperature
-        # like the engine's (which come from the KV-cache path): their gap is a diagnostic
-        for s, lp in zip(mine, self.actor.logprobs(batches)):
-            s.old_logprobs = lp
-        diff = self.actor.logprob_diff(mine)
         inject(FaultPhase.TRAIN, self.rank, self.step_index + 1)
-        ref = self.actor.logprobs(batches, model=self.reference) if self.reference else None
-        metrics: dict = {}
-        values = None  # PPO: the critic's values of this rank's share
-        if cfg.algorithm == Algorithm.PPO:
-            values = self.critic.values(batches)
-            returns = self._gae(mine, values, ref)
-        for _ in range(cfg.ppo_epochs):
-            metrics = self.actor.train_policy(
-                batches, global_tokens=global_tokens,
-                ref_logprobs=ref if cfg.algorithm == Algorithm.GRPO else None)
-            if not metrics["actor/applied"]:
-                self._non_finite(metrics)
-            if values is not None:
-                metrics.update(self.critic.train(batches, values, returns,
-                                                 global_tokens=global_tokens))
-        return {**diff, **metrics}
-
-    def _gae(self, samples: list[Sample], values, ref) -> list[list[float]]:
-        """PPO: per-token rewards (the score on the last token, minus the KL to the reference
-        when trainer.kl_coef > 0), GAE, advantages whitened over every rank's tokens."""
-        cfg = self.cfg.trainer
-        returns, flat = [], []
-        for i, s in enumerate(samples):
-            n = len(s.response_ids)
-            mask = torch.ones(1, n, dtype=torch.float64)
-            kl = None
-            if ref is not None:
-                kl = alg.kl_penalty(torch.tensor([s.old_logprobs], dtype=torch.float64),
-                                    torch.tensor([ref[i]], dtype=torch.float64),
-                                    estimator=cfg.kl_estimator)
-            rew = alg.token_level_rewards(torch.tensor([s.score], dtype=torch.float64), mask,
-                                          kl=kl, kl_coef=cfg.kl_coef)
-            adv, ret = alg.gae(rew, torch.tensor([values[i]], dtype=torch.float64), mask,
-                               gamma=cfg.gamma, lam=cfg.gae_lambda)
-            s.advantages = adv[0].tolist()
-            returns.append(ret[0].tolist())
-            flat += s.advantages
-        stats = torch.tensor([sum(flat), sum(a * a for a in flat), float(len(flat))],
-                             dtype=torch.float64, device=self.parallel.device)
-        dist.all_reduce(stats, group=self.parallel.world_group)
-        mean = stats[0] / stats[2].clamp(min=1)
-        std = (stats[1] / stats[2].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
-        for s in samples:
-            s.advantages = [(a - float(mean)) / (float(std) + 1e-8) for a in s.advantages]
-        return returns
+        return self.algorithm.update(mine, global_tokens=sum(len(s.response_ids) for s in samples),
+                                     reference=self.reference, on_skipped=self._non_finite)
 
     def warm_start(self) -> None:
-        """Supervised steps on correct answers before RL (cached in the run folder's parent)."""
+        """Supervised steps on correct answers of the training prompts before RL (cached)."""
         with self.phase("warm start"):
-            self._warm_start()
-
-    def _warm_start(self) -> None:
-        cfg = self.cfg
-        cache = os.path.join(os.path.dirname(os.path.abspath(cfg.logging.run_dir)), "sft_cache",
-                             _warm_start_key(cfg))
-        if os.path.exists(os.path.join(cache, "latest")):
-            load_checkpoint(cache, model=self.model, model_cfg=cfg.model)
-            self.train_state.optimizer.reload_model_params()  # fp32 main params of a bf16 model
-            self.log.say(f"warm start: loaded the cached supervised model from {cache}")
-            return
-
-        from tqdm import tqdm
-
-        rng = random.Random(cfg.data.synthetic_seed + 17)
-        steps = cfg.trainer.sft_warmup_steps
-        sft_cfg = dataclasses.replace(cfg.trainer, lr=cfg.trainer.sft_lr, min_lr=0.0,
-                                      lr_warmup_steps=min(10, steps // 10))
-        sft = Actor(build_train_state(self.model, sft_cfg, self.parallel, total_steps=steps,
-                                      ddp=self.train_state.model),
-                    sft_cfg, self.parallel, valid_vocab=self.tokenizer.vocab_size)
-        bar = tqdm(range(steps), desc="warm start (supervised)", disable=self.rank != 0,
-                   dynamic_ncols=True, mininterval=2.0)
-        per_step = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
-        for _ in bar:
-            picks = [rng.randrange(len(self.examples)) for _ in range(per_step)]
-            samples = [Sample(self.prompt_ids[i],
-                              self.tokenizer.encode(sft_response(self.examples[i])) + [self.tokenizer.eos_id])
-                       for i in picks]
-            loss = sft.train_sft(split_even(samples, self.parallel.world_size)[self.rank])
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        # RL keeps its own optimizer and schedule (untouched so far); the cache holds the weights
-        self.train_state.optimizer.reload_model_params()
-        save_checkpoint(cache, 0, model=self.model, model_cfg=cfg.model)
-        self.log.say(f"warm start: {steps} supervised steps, cached in {cache}")
+            warm_start(self.cfg, model=self.model, train_state=self.train_state,
+                       parallel=self.parallel, examples=self.examples, prompt_ids=self.prompt_ids,
+                       tokenizer=self.tokenizer, say=self.log.say)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -449,13 +357,6 @@ class Job:
             raise TrainingError(msg + "; set trainer.nan_policy=skip to skip such steps")
         self.log.say(msg + " (trainer.nan_policy=skip)")
 
-    def _should_save(self) -> bool:
-        c = self.cfg.checkpoint
-        if not c.dir:
-            return False
-        last = self.step_index == self.cfg.trainer.steps
-        return last or (c.save_interval > 0 and self.step_index % c.save_interval == 0)
-
     def save(self) -> None:
         extra = {
             "step": self.step_index,
@@ -464,63 +365,26 @@ class Job:
             "train_state": self.train_state.state_dict(),
             "config": config_to_dict(self.cfg),
         }
-        root, keep = self.cfg.checkpoint.dir, self.cfg.checkpoint.keep_last
-        # the critic and the reference first: the policy's checkpoint, written last, is the one
-        # whose presence marks the step complete
-        for name, model, optimizer in self._companions():
-            save_checkpoint(os.path.join(root, name), self.step_index, model=model,
-                            model_cfg=self.cfg.model, optimizer=optimizer, keep_last=keep)
-        path = save_checkpoint(root, self.step_index, model=self.model, model_cfg=self.cfg.model,
-                               optimizer=self.train_state.optimizer, extra_state=extra,
-                               keep_last=keep)
+        path = self.checkpoints.save(self.step_index, model=self.model,
+                                     optimizer=self.train_state.optimizer, extra=extra,
+                                     companions=self._companions())
         self.log.say(f"checkpoint: {path}")
 
     def _companions(self):
-        """(sub-folder, model, optimizer) saved beside the policy: the critic, the reference."""
-        out = []
-        if self.critic is not None:
-            out.append(("critic", self.critic.module, self.critic.state.optimizer))
+        """(sub-folder, model, optimizer) saved beside the policy: the estimator's (the
+        critic), the reference."""
+        out = list(self.algorithm.companions())
         if self.reference is not None:
             out.append(("reference", self.reference, None))
         return out
 
-    def _init_from(self, path: str) -> None:
-        """checkpoint.init_from: the model's weights only. The optimizer, the LR schedule, the
-        data cursor and this rank's RNG stay as a new run sets them up; the critic stays fresh;
-        the KL reference is frozen from these weights at the first step (after a warm start)."""
-        if not os.path.exists(path):
-            raise CheckpointError(f"checkpoint.init_from={path} does not exist; give a checkpoint "
-                                  "root (e.g. the --out of tools/convert_checkpoint.py) or an iter_N")
-        rng = rng_state()  # load_checkpoint restores the saving job's RNG: not ours to take
-        try:
-            load_checkpoint(path, model=self.model, model_cfg=self.cfg.model)
-        except CheckpointError as e:
-            raise CheckpointError(f"{e} (checkpoint.init_from={path})") from e
-        set_rng_state(rng)
-        self.train_state.optimizer.reload_model_params()  # fp32 main params of a bf16 model
-
-    def _load(self, path: str) -> None:
-        try:
-            if not read_meta(path)["has_optimizer"]:
-                raise CheckpointError(
-                    f"{resolve_checkpoint(path)} holds weights only (no optimizer state, e.g. a "
-                    "converted HF checkpoint): there is no training run to resume; to start one "
-                    f"from these weights, set checkpoint.init_from={path} and checkpoint.load=null")
-            step, extra = load_checkpoint(path, model=self.model, model_cfg=self.cfg.model,
-                                          optimizer=self.train_state.optimizer)
-        except CheckpointError as e:
-            if path != self.cfg.checkpoint.load:  # found by checkpoint.resume=auto
-                raise CheckpointError(
-                    f"{e} (found in checkpoint.dir={path} by checkpoint.resume=auto; to start "
-                    "afresh, use another checkpoint.dir or set checkpoint.resume=off)") from e
-            raise
-        if self.cfg.trainer.kl_coef > 0:
+    def _resume(self, path: str) -> None:
+        if self.cfg.trainer.kl_coef > 0:  # its weights come from the checkpoint
             self.reference = build_model(self.cfg.model, self.parallel)
             self.reference.requires_grad_(False)
-        root = os.path.dirname(os.path.abspath(resolve_checkpoint(path)))
-        for name, model, optimizer in self._companions():
-            load_checkpoint(os.path.join(root, name, iter_name(step)), model=model,
-                            model_cfg=self.cfg.model, optimizer=optimizer)
+        step, extra = self.checkpoints.resume(path, model=self.model,
+                                              optimizer=self.train_state.optimizer,
+                                              companions=self._companions())
         self.train_state.load_state_dict(extra["train_state"])
         self.cursor.load_state_dict(extra["cursor"])
         self.scheduler.load_state_dict(extra["scheduler"])
@@ -538,19 +402,3 @@ class Job:
                 f"{self.cfg.data.max_prompt_len}; raise data.max_prompt_len (with "
                 "model.max_seq_len) or remove the prompt from the data")
         return tuple(ids)
-
-
-def _warm_start_key(cfg: Config) -> str:
-    import hashlib
-
-    d = config_to_dict(cfg)
-    key = {k: d[k] for k in ("model", "data")}
-    for k in ("val_files", "val_size"):  # the warm start never sees the val prompts
-        key["data"].pop(k)
-    key["sft"] = {k: d["trainer"][k] for k in ("sft_warmup_steps", "sft_lr", "prompts_per_step",
-                                               "micro_batch_size")}
-    key["samples"] = d["rollout"]["samples_per_prompt"]
-    key["world"] = d["parallel"]["world_size"]
-    if cfg.checkpoint.init_from:  # the weights it starts from, by content (the files' sha256)
-        key["init_from"] = read_meta(cfg.checkpoint.init_from)["files"]
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]

@@ -75,10 +75,11 @@ def load_data(cfg: DataConfig) -> PromptSets:
     if source == DataSource.AUTO:
         source = DataSource.PARQUET if cfg.train_files else DataSource.SYNTHETIC
     if source == DataSource.PARQUET:
-        if cfg.val_size:
-            raise ValueError(f"data.val_size={cfg.val_size}: a held-out split is for generated "
-                             "sources; for parquet data give data.val_files (and data.val_size=0)")
         train = load_prompts(cfg.train_files, 0, 0)
+        if cfg.val_size:
+            raise ValueError(f"data.val_size={cfg.val_size}: a held-out split is generated, so "
+                             "only for generated sources (synthetic, reasoning_gym); for parquet "
+                             "data set data.val_size=0 and give data.val_files")
         return _with_val_files(train, cfg.val_files)
     if source == DataSource.SYNTHETIC:
         generate = lambda n: make_synthetic_prompts(n, cfg.synthetic_seed)  # noqa: E731

@@ -30,6 +30,7 @@ class Sample:
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
     advantage: float = 0.0  # GRPO: one per response
+    group: int = 0  # the prompt it answers (GRPO's group)
     old_logprobs: Sequence[float] | None = None  # recomputed on the training forward
     score: float = 0.0  # the reward of the whole response
     advantages: Sequence[float] | None = None  # PPO: one per response token (GAE)
@@ -124,6 +125,14 @@ class Actor:
                 start = len(s.prompt_ids) - 1
                 out.append(lp[i, start : start + len(s.response_ids)].tolist())
         return out
+
+    def set_old_logprobs(self, batches: list[list[Sample]]) -> dict:
+        """Each sample's old-policy log-probs, recomputed on the training forward at the
+        sampling temperature like the engine's (which come from the KV-cache path); returns
+        their gap to the engine's, a diagnostic (`logprob_diff`)."""
+        for s, lp in zip([s for mb in batches for s in mb], self.logprobs(batches)):
+            s.old_logprobs = lp
+        return self.logprob_diff([s for mb in batches for s in mb])
 
     def logprob_diff(self, samples: Sequence[Sample]) -> dict:
         """|old log-prob - engine log-prob| over every rank's response tokens (this rank's share
