@@ -64,3 +64,9 @@ def test_validation_at_the_interval_on_prompts_never_trained_on(res):
         assert r["val_disjoint"] and r["trained_uids_are_train"] and r["trained_no_val_uid"]
         assert 0 < r["val_count"] <= r["val_in_file"]
     assert res[0]["val_lines"] == [[], VAL_KEYS, VAL_KEYS]
+
+
+def test_distributed_grpo_gradient_equals_the_single_process_gradient(res):
+    for r in res:
+        assert r["nonzero_advantages"] > 0 and r["grad_scale"] > 1e-4
+        assert r["grad_diff"] <= 1e-5 * r["grad_scale"], (r["grad_diff"], r["grad_scale"])
