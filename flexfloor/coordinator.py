@@ -172,6 +172,7 @@ class Job:
                                    max_share=cfg.scheduler.max_share,
                                    load_cap=cfg.scheduler.load_cap)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
+        self.cursor.check(cfg.trainer.prompts_per_step)
 
     # ------------------------------------------------------------------ the loop
 

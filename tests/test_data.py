@@ -357,7 +357,7 @@ def test_cursor_never_repeats_a_prompt_in_a_step_across_epochs_and_resumes_exact
     resumed.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint holds it
     assert [resumed.next(per_step) for _ in range(5)] == steps[3:]
     with pytest.raises(ValueError, match="trainer.prompts_per_step=11"):
-        DataCursor(n, seed, shuffle=True).next(11)
+        DataCursor(n, seed, shuffle=True).check(11)
 
 
 def test_cursor_in_order_without_shuffle():

@@ -33,12 +33,16 @@ class DataCursor:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
         return idx
 
-    def next(self, n: int) -> list[int]:
-        """The next `n` prompt indices, all different."""
+    def check(self, n: int) -> None:
+        """Steps of `n` prompts can be served without repeats (checked at set-up)."""
         if n > self.num_prompts:
             raise ValueError(f"trainer.prompts_per_step={n} is more than the {self.num_prompts} "
                              "prompts of the data set, so a step would repeat a prompt; set "
                              f"trainer.prompts_per_step <= {self.num_prompts} or add prompts")
+
+    def next(self, n: int) -> list[int]:
+        """The next `n` prompt indices, all different."""
+        self.check(n)
         # deferred prompts come first: the step is empty, so none of them is in it; with
         # n <= num_prompts a step scans at most one epoch boundary, so none stays behind
         out, held = list(self.deferred), set(self.deferred)
