@@ -146,19 +146,22 @@ class Job:
         self.model = build_model(cfg.model, self.parallel)
         self.train_state = build_train_state(self.model, cfg.trainer, self.parallel,
                                              total_steps=cfg.trainer.steps)
-        self.sampling = SamplingParams.from_rollout_config(cfg.rollout, eos_id=self.tokenizer.eos_id)
+        self.sampling = SamplingParams.from_rollout_config(cfg.rollout,
+                                                           eos_id=self.tokenizer.eos_id)
         # the actor's log-probs and loss are under the distribution the engine samples from
         self.actor = Actor(self.train_state, cfg.trainer, self.parallel,
                            valid_vocab=self.tokenizer.vocab_size,
                            temperature=logprob_temperature(self.sampling))
         self.critic = None  # PPO's value model
         if cfg.trainer.algorithm == Algorithm.PPO:
-            self.critic = Critic(cfg.model, cfg.trainer, self.parallel, total_steps=cfg.trainer.steps)
+            self.critic = Critic(cfg.model, cfg.trainer, self.parallel,
+                                 total_steps=cfg.trainer.steps)
             self.algorithm = PPO(cfg.trainer, self.actor, self.critic, self.parallel)
         else:
             self.algorithm = GRPO(cfg.trainer, self.actor)
         self.reference = None  # the frozen policy the KL is measured to (after the warm start)
-        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.model, total_steps=cfg.trainer.steps)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.model,
+                                             total_steps=cfg.trainer.steps)
         self.layout = RolloutLayout.gather(self.model, self.parallel)
         self.moe = self.layout.moe(self.model, self.parallel)
         memory = MemoryModel.from_model_config(cfg.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)

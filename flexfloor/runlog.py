@@ -109,8 +109,8 @@ class RunLog:
             f"{metrics['rollout/tokens_per_occupied_worker_second']:.0f} | tail "
             f"{metrics['rollout/tail_fraction']:.2f} | released {metrics['rollout/released_ranks']} "
             f"| release {release} | {metrics['timing/step_s']:.1f}s"
-            + (f" | val reward {metrics['val/reward/mean']:.3f} (solved {metrics['val/solved']:.2f})"
-               if "val/reward/mean" in metrics else ""),
+            + (f" | val reward {metrics['val/reward/mean']:.3f} "
+               f"(solved {metrics['val/solved']:.2f})" if "val/reward/mean" in metrics else ""),
             flush=True,
         )
 

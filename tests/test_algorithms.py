@@ -187,7 +187,8 @@ def test_dual_clip_caps_the_loss_of_negative_advantages_at_clip_ratio_c():
 
 
 def test_truncated_is_weight_scales_the_policy_loss():
-    # w = min(exp(old - rollout), 2): exp(0.1) = 1.105171, exp(1) = 2.718282 -> 2, exp(-0.5) = 0.606531
+    # w = min(exp(old - rollout), 2):
+    #   exp(0.1) = 1.105171, exp(1) = 2.718282 -> 2, exp(-0.5) = 0.606531
     old = t([[0.1, 1.0, -0.5]])
     w = truncated_is_weight(old, torch.zeros(1, 3), cap=2.0)
     close(w, [[1.105171, 2.0, 0.606531]])
@@ -198,7 +199,8 @@ def test_truncated_is_weight_scales_the_policy_loss():
 
 
 def test_logprob_diff_sum_max_count_over_valid_tokens_only():
-    # |[-1, -2, -3] - [-1.5, -2, -1]| = [0.5, 0, 2]; row 1: |-1 - -1.25| = 0.25, padding (99) ignored
+    # |[-1, -2, -3] - [-1.5, -2, -1]| = [0.5, 0, 2];
+    # row 1: |-1 - -1.25| = 0.25, padding (99) ignored
     old = t([[-1, -2, -3], [-1, 99, 99]])
     eng = t([[-1.5, -2, -1], [-1.25, -99, -99]])
     total, biggest, count = logprob_diff(old, eng, MASK_3_1)

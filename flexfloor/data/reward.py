@@ -60,8 +60,8 @@ def load_custom_fn(spec: str) -> CustomFn:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"reward.custom_fn={spec}: file {path} not found; give the path "
                                 "of a .py file, e.g. reward.custom_fn=my_reward.py:compute_score")
-    module_spec = importlib.util.spec_from_file_location(f"flexfloor_custom_reward_{abs(hash(path))}",
-                                                         path)
+    module_spec = importlib.util.spec_from_file_location(
+        f"flexfloor_custom_reward_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)

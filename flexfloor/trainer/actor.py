@@ -226,7 +226,8 @@ class Actor:
         model = self.state.model
         model.module.train()
         self.state.zero_grad()
-        tokens = torch.tensor([float(sum(len(s.response_ids) for s in samples))], device=self.device)
+        tokens = torch.tensor([float(sum(len(s.response_ids) for s in samples))],
+                              device=self.device)
         dist.all_reduce(tokens, group=self.parallel.world_group)
         dp = self.parallel.world_size
         total = 0.0

@@ -145,7 +145,8 @@ def main():
     loss, _ = alg.policy_loss(logp, logp.detach(), adv, b["mask"], clip_eps=0.2, agg="token_mean")
     loss.backward()
     reduced = dict(j.model.named_parameters())
-    diff = max(float((p.grad - reduced[n].main_grad).abs().max()) for n, p in single.named_parameters())
+    diff = max(float((p.grad - reduced[n].main_grad).abs().max())
+               for n, p in single.named_parameters())
     scale = max(float(p.grad.abs().max()) for p in single.parameters())
     res["grad_diff"], res["grad_scale"] = diff, scale
     res["nonzero_advantages"] = sum(1 for s in samples if s.advantage != 0)
