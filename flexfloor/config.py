@@ -73,6 +73,20 @@ class KLEstimator(enum.Enum):
     K3 = "k3"  # ref/pi - log(ref/pi) - 1: non-negative, lower variance
 
 
+class RolloutIS(enum.Enum):
+    """Importance-sampling correction of the policy loss for the engine/trainer mismatch."""
+
+    NONE = "none"  # the loss as is
+    TRUNCATED = "truncated"  # each token's loss times min(exp(old - engine log-prob), cap)
+
+
+class DataSource(enum.Enum):
+    AUTO = "auto"  # data.train_files when given, else the synthetic task
+    SYNTHETIC = "synthetic"  # the running-sum task (data.synthetic_*)
+    PARQUET = "parquet"  # verl-format data.train_files
+    REASONING_GYM = "reasoning_gym"  # a reasoning-gym task (data.task, data.size), offline
+
+
 class NanPolicy(enum.Enum):
     SKIP = "skip"  # drop the step's update and continue
     STOP = "stop"  # raise
@@ -306,10 +320,23 @@ class TrainerConfig:
     nan_policy: NanPolicy = NanPolicy.STOP  # what a non-finite loss or grad norm does
     sft_warmup_steps: int = 0  # supervised steps on the data before RL
     sft_lr: float = 1e-3  # peak learning rate of the supervised warm start (cosine to 0)
+    # dual-clip: the loss of a token with a negative advantage is capped at -A * clip_ratio_c
+    # (verl's default 3.0); null turns it off
+    clip_ratio_c: float | None = 3.0
+    rollout_is: RolloutIS = RolloutIS.NONE  # correction for the engine's log-probs
+    rollout_is_cap: float = 2.0  # the largest truncated importance weight (rollout_is=truncated)
+    val_interval: int = 0  # validate every N steps and at the end; 0 = never
+    val_samples: int = 1  # responses per val prompt: 1 = greedy, more = sampled as in training
 
     def validate(self) -> None:
         _positive("trainer", self, "steps", "prompts_per_step", "micro_batch_size", "lr", "sft_lr",
-                  "ppo_epochs", "clip_eps", "critic_lr", "value_clip_eps")
+                  "ppo_epochs", "clip_eps", "critic_lr", "value_clip_eps", "rollout_is_cap",
+                  "val_samples")
+        _non_negative("trainer", self, "val_interval")
+        if self.clip_ratio_c is not None:
+            _require(self.clip_ratio_c > 1.0, "trainer.clip_ratio_c",
+                     f"must be above 1 (the ratio the cap starts at), got {self.clip_ratio_c}; "
+                     "e.g. 3.0, or null to turn dual-clip off")
         _non_negative("trainer", self, "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad",
                       "kl_coef", "entropy_coef", "sft_warmup_steps")
         _require(self.min_lr <= self.lr, "trainer.min_lr",
@@ -325,16 +352,52 @@ class TrainerConfig:
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # verl-format parquet; [] = synthetic
     synthetic_num_prompts: int = 64  # size of the synthetic task's prompt set
-    synthetic_seed: int = 0  # seed of the synthetic task
+    synthetic_seed: int = 0  # seed of the generated task (synthetic or reasoning_gym)
     tokenizer: str | None = None  # tokenizer path; None = the bundled one
     max_prompt_len: int = 128  # in tokens; a longer prompt is an error that names it
     shuffle: bool = True  # reshuffle prompts every epoch
+    source: DataSource = DataSource.AUTO  # where the prompts come from
+    val_files: list[str] = field(default_factory=list)  # verl-format parquet of held-out prompts
+    val_size: int = 0  # generated sources: prompts held out for validation (never trained on)
+    task: str | None = None  # data.source=reasoning_gym: the task name, e.g. basic_arithmetic
+    size: int = 256  # data.source=reasoning_gym: training prompts generated
 
     def validate(self) -> None:
-        _positive("data", self, "synthetic_num_prompts", "max_prompt_len")
-        for i, f in enumerate(self.train_files):
-            _require(bool(f.strip()), f"data.train_files[{i}]",
-                     "is empty; remove it or give a parquet path")
+        _positive("data", self, "synthetic_num_prompts", "max_prompt_len", "size")
+        _non_negative("data", self, "val_size")
+        for name in ("train_files", "val_files"):
+            for i, f in enumerate(getattr(self, name)):
+                _require(bool(f.strip()), f"data.{name}[{i}]",
+                         "is empty; remove it or give a parquet path")
+        _require(not (self.val_files and self.val_size), "data.val_size",
+                 f"{self.val_size} held-out prompts and data.val_files are both set; validate on "
+                 "the files (data.val_size=0) or on a held-out split (data.val_files=[])")
+        if self.source == DataSource.REASONING_GYM:
+            _require(bool(self.task), "data.task",
+                     "is not set; data.source=reasoning_gym needs a task name, e.g. "
+                     "data.task=basic_arithmetic")
+        if self.source == DataSource.PARQUET:
+            _require(bool(self.train_files), "data.train_files",
+                     "is empty; data.source=parquet needs verl-format parquet files")
+        if self.source in (DataSource.SYNTHETIC, DataSource.REASONING_GYM):
+            _require(not self.train_files, "data.train_files",
+                     f"is set but data.source={self.source.value} generates its prompts; set "
+                     "data.train_files=[] or data.source=parquet")
+
+
+@dataclass
+class RewardConfig:
+    # verl's custom reward function, "path/to/file.py:function", called as
+    # function(data_source, solution_str, ground_truth, extra_info) for every data_source;
+    # None = the registered reward of each data_source (flexfloor.data.reward)
+    custom_fn: str | None = None
+
+    def validate(self) -> None:
+        if self.custom_fn is not None:
+            path, sep, name = self.custom_fn.rpartition(":")
+            _require(bool(sep and path.strip() and name.strip()), "reward.custom_fn",
+                     f"{self.custom_fn!r} is not 'path/to/file.py:function'; e.g. "
+                     "reward.custom_fn=my_reward.py:compute_score")
 
 
 @dataclass
@@ -379,6 +442,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -420,6 +484,11 @@ class Config:
         for i, tok in enumerate(r.stop_token_ids):
             _require(tok < m.vocab_size, f"rollout.stop_token_ids[{i}]",
                      f"{tok} is outside model.vocab_size={m.vocab_size}; use an id below it")
+        _require(t.algorithm != Algorithm.GRPO or r.samples_per_prompt >= 2,
+                 "rollout.samples_per_prompt",
+                 f"{r.samples_per_prompt} with trainer.algorithm=grpo: a group of one response has "
+                 "advantage 0 and learns nothing; set rollout.samples_per_prompt >= 2 (e.g. 8) or "
+                 "trainer.algorithm=ppo")
         global_batch = t.prompts_per_step * r.samples_per_prompt
         _require(t.micro_batch_size <= global_batch, "trainer.micro_batch_size",
                  f"{t.micro_batch_size} is larger than the {global_batch} responses of a step "

@@ -1,5 +1,6 @@
 """The step loop: plan -> generate -> release -> resync -> reward -> advantages -> train ->
-checkpoint -> log. `Job.step()` reads as that sentence; the objects it calls do the work.
+validate -> log -> checkpoint. `Job.step()` reads as that sentence; the objects it calls do the
+work.
 
 Every rank runs the same loop (SPMD). Rollout results are gathered on every rank after resync and
 split evenly by request id for training, so training sees the same data whatever rank generated
@@ -10,43 +11,44 @@ and the step (`error_origin`), so the entry point prints one line that says wher
 Collectives have timeouts (parallel.timeout_s), so a dead or hung peer ends as such an error.
 A restarted job continues from `checkpoint.dir/latest` (checkpoint.resume=auto).
 
-Where the weights come from, first match wins: a resume (`checkpoint.dir/latest` with
-checkpoint.resume=auto, or `checkpoint.load`: weights, optimizer, step, data cursor, companions),
-then `checkpoint.init_from` (weights only, e.g. a converted HF checkpoint: fresh optimizer and
-schedule, step 0), then the random init of `model.seed`.
+The objects: the estimator (flexfloor.trainer.grpo / ppo: advantages and the update), the
+checkpoint manager (flexfloor.trainer.checkpointing: what is saved, when, where a run starts
+from), the warm start (flexfloor.trainer.warm_start) and the run log (flexfloor.runlog).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
+import dataclasses
 import os
-import random
 import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
-from flexfloor.checkpoint import (CheckpointError, iter_name, load_checkpoint, read_meta,
-                                  resolve_checkpoint, rng_state, save_checkpoint, set_rng_state)
-from flexfloor.config import Algorithm, Config, NanPolicy, Resume, config_to_dict
-from flexfloor.data import compute_score, load_prompts, sft_response
+from flexfloor.checkpoint import iter_name
+from flexfloor.config import Algorithm, Config, NanPolicy, config_to_dict
+from flexfloor.data import Scorer, load_data
+from flexfloor.data.cursor import DataCursor
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import ReleaseListener, RolloutLayout, membership_for, resync
 from flexfloor.rollout.engine import RolloutEngine
 from flexfloor.rollout.metrics import rollout_metrics
-from flexfloor.rollout.scheduler import MemoryModel, PromptGroup, Scheduler, prediction_accuracy
+from flexfloor.rollout.scheduler import (MemoryModel, PromptGroup, RolloutPlan, Scheduler,
+                                         prediction_accuracy)
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.tokenizer import check_vocab, load_tokenizer
-from flexfloor.trainer import algorithms as alg
-from flexfloor.trainer.actor import Actor, Sample, split_even
+from flexfloor.runlog import RunLog
+from flexfloor.trainer.actor import Actor, Sample, logprob_temperature, split_even
+from flexfloor.trainer.checkpointing import CheckpointManager, Start
 from flexfloor.trainer.critic import Critic
+from flexfloor.trainer.grpo import GRPO
 from flexfloor.trainer.optim import build_train_state
+from flexfloor.trainer.ppo import PPO
+from flexfloor.trainer.warm_start import warm_start
 
 
 class TrainingError(RuntimeError):
@@ -69,44 +71,22 @@ def _phase(rank: int, name: str, step: int):
         raise
 
 
-@dataclass
-class DataCursor:
-    """Where the run is in the prompt stream: epoch and position, reshuffled each epoch."""
-
-    num_prompts: int
-    seed: int
-    shuffle: bool
-    epoch: int = 0
-    position: int = 0
-
-    def order(self, epoch: int) -> list[int]:
-        idx = list(range(self.num_prompts))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
-        return idx
-
-    def next(self, n: int) -> list[int]:
-        out = []
-        while len(out) < n:
-            if self.position >= self.num_prompts:
-                self.epoch, self.position = self.epoch + 1, 0
-            take = self.order(self.epoch)[self.position : self.position + n - len(out)]
-            out += take
-            self.position += len(take)
-        return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-
-
 def gather_all(parallel, items: list) -> list:
     """Every rank's list, concatenated in rank order, on every rank."""
     parts = [None] * parallel.world_size
     dist.all_gather_object(parts, items, group=parallel.world_group)
     return [x for part in parts for x in part]
+
+
+@dataclass
+class Rollout:
+    """One rollout's results (every rank's, on every rank) and how it ran."""
+
+    results: list  # flexfloor.rollout.types.Result
+    records: list[dict]  # RankRecord.as_dict() of each rank
+    plan: RolloutPlan
+    membership: object  # the release policy's membership of this rollout
+    resync_s: float
 
 
 class Job:
@@ -121,17 +101,20 @@ class Job:
         self.on_release_event: ReleaseListener | None = None
         with self.phase("set-up"):
             self._set_up(cfg)
-        start, init_from = self._start_checkpoint(), cfg.checkpoint.init_from
+        start, init_from = self.checkpoints.start_point(), cfg.checkpoint.init_from
         with self.phase("checkpoint load"):
-            if start:
-                self._load(start)
-            elif init_from:
-                self._init_from(init_from)
+            if start.kind == Start.RESUME:
+                self._resume(start.path)
+            elif start.kind == Start.INIT_FROM:
+                self.checkpoints.init_from(start.path, model=self.model,
+                                           optimizer=self.train_state.optimizer)
         self.log = RunLog(cfg, self.rank, resumed_step=self.step_index)
-        if start:
+        if self._data_note:
+            self.log.say(self._data_note)
+        if start.kind == Start.RESUME:
             ignored = f"; checkpoint.init_from={init_from} ignored" if init_from else ""
-            self.log.say(f"resumed from {iter_name(self.step_index)} ({start}){ignored}")
-        elif init_from:
+            self.log.say(f"resumed from {iter_name(self.step_index)} ({start.path}){ignored}")
+        elif start.kind == Start.INIT_FROM:
             self.log.say(f"initialised the weights from checkpoint.init_from={init_from} "
                          "(fresh optimizer, step 0)")
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -153,17 +136,32 @@ class Job:
         self.rank = self.parallel.rank
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
-        self.examples = load_prompts(cfg.data.train_files, cfg.data.synthetic_num_prompts,
-                                     cfg.data.synthetic_seed)
+        self.scorer = Scorer(cfg.reward.custom_fn)
+        data = load_data(cfg.data)
+        self.examples, self.val_examples = data.train, data.val  # val: never trained on
+        self.scorer.check(e.data_source for e in self.examples + self.val_examples)
         self.prompt_ids = [self._encode_prompt(e) for e in self.examples]
+        self.val_prompt_ids = [self._encode_prompt(e) for e in self.val_examples]
+        self._data_note = data.note
         self.model = build_model(cfg.model, self.parallel)
         self.train_state = build_train_state(self.model, cfg.trainer, self.parallel,
                                              total_steps=cfg.trainer.steps)
+        self.sampling = SamplingParams.from_rollout_config(cfg.rollout,
+                                                           eos_id=self.tokenizer.eos_id)
+        # the actor's log-probs and loss are under the distribution the engine samples from
         self.actor = Actor(self.train_state, cfg.trainer, self.parallel,
-                           valid_vocab=self.tokenizer.vocab_size)
-        self.critic = (Critic(cfg.model, cfg.trainer, self.parallel, total_steps=cfg.trainer.steps)
-                       if cfg.trainer.algorithm == Algorithm.PPO else None)
+                           valid_vocab=self.tokenizer.vocab_size,
+                           temperature=logprob_temperature(self.sampling))
+        self.critic = None  # PPO's value model
+        if cfg.trainer.algorithm == Algorithm.PPO:
+            self.critic = Critic(cfg.model, cfg.trainer, self.parallel,
+                                 total_steps=cfg.trainer.steps)
+            self.algorithm = PPO(cfg.trainer, self.actor, self.critic, self.parallel)
+        else:
+            self.algorithm = GRPO(cfg.trainer, self.actor)
         self.reference = None  # the frozen policy the KL is measured to (after the warm start)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.model,
+                                             total_steps=cfg.trainer.steps)
         self.layout = RolloutLayout.gather(self.model, self.parallel)
         self.moe = self.layout.moe(self.model, self.parallel)
         memory = MemoryModel.from_model_config(cfg.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)
@@ -178,15 +176,7 @@ class Job:
                                    max_share=cfg.scheduler.max_share,
                                    load_cap=cfg.scheduler.load_cap)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
-        self.sampling = SamplingParams.from_rollout_config(cfg.rollout, eos_id=self.tokenizer.eos_id)
-
-    def _start_checkpoint(self) -> str | None:
-        """checkpoint.resume=auto: the newest complete checkpoint of checkpoint.dir (a restarted
-        job continues); else checkpoint.load."""
-        c = self.cfg.checkpoint
-        if c.resume == Resume.AUTO and c.dir and os.path.isfile(os.path.join(c.dir, "latest")):
-            return c.dir
-        return c.load
+        self.cursor.check(cfg.trainer.prompts_per_step)
 
     # ------------------------------------------------------------------ the loop
 
@@ -195,7 +185,7 @@ class Job:
             self.warm_start()
         while not self.done():
             self.step()
-        self.log.close(self)
+        self.log.close()
 
     def needs_warm_start(self) -> bool:
         """A new run (step 0) with trainer.sft_warmup_steps begins with the supervised warm
@@ -211,31 +201,40 @@ class Job:
         with self.phase("plan", k):
             self._freeze_reference()
             groups = self.next_prompt_groups()               # data
+        roll = self.rollout(groups, k)                       # plan + generate + release + resync
+        with self.phase("train", k):
+            rewards = self.rewards(roll.results)             # reward
+            samples = self.advantages(roll.results, rewards)  # advantages
+            train_metrics = self.train(samples)              # train
+        self.scheduler.observe(roll.results)
+        self.step_index += 1
+        metrics = self.step_metrics(roll, rewards, train_metrics, time.perf_counter() - t0)
+        if self._should_validate():
+            with self.phase("validate"):
+                metrics.update(self.validate())              # validate
+        self.log.write(metrics, roll.records)                # log
+        if self.checkpoints.should_save(self.step_index):
+            with self.phase("checkpoint save"):
+                self.save()                                  # checkpoint
+        return metrics
+
+    def rollout(self, groups: list[PromptGroup], k: int) -> Rollout:
+        """Plan the groups onto the ranks, generate (ranks released as their work ends), resync;
+        every rank gets every result."""
+        with self.phase("plan", k):
             plan = self.scheduler.plan(groups, range(self.parallel.world_size))
             membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
                                         self.layout, self.cfg.elastic,
                                         scheduler_cfg=self.cfg.scheduler, step=k,
                                         on_event=self.on_release_event)
-        with self.phase("rollout", k):                       # generate + release
+        with self.phase("rollout", k):
             out = self.engine.generate(plan.assignment[self.rank], membership)
-        with self.phase("resync", k):                        # resync
+        with self.phase("resync", k):
             resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k,
                               on_event=self.on_release_event)
             results = gather_all(self.parallel, out.results)
             records = gather_all(self.parallel, [out.record.as_dict()])
-        with self.phase("train", k):
-            rewards = self.rewards(results)                  # reward
-            samples = self.advantages(results, rewards)      # advantages
-            train_metrics = self.train(samples)              # train
-        self.scheduler.observe(results)
-        self.step_index += 1
-        metrics = self.step_metrics(results, rewards, records, plan, train_metrics,
-                                    time.perf_counter() - t0, resync_s, membership)
-        self.log.write(metrics, records)                     # log
-        if self._should_save():
-            with self.phase("checkpoint save"):
-                self.save()                                  # checkpoint
-        return metrics
+        return Rollout(results, records, plan, membership, resync_s)
 
     # ------------------------------------------------------------------ phases
 
@@ -253,128 +252,67 @@ class Job:
             groups.append(PromptGroup(ex.uid, reqs))
         return groups
 
-    def rewards(self, results) -> dict[str, float]:
-        by_uid = {e.uid: e for e in self.examples}
+    def rewards(self, results, examples=None) -> dict[str, float]:
+        """The score of each result (by request id) against its prompt in `examples` (default:
+        the training prompts)."""
+        by_uid = {e.uid: e for e in (self.examples if examples is None else examples)}
         out = {}
         for r in results:
-            ex = by_uid[r.prompt_uid]
             ids = [t for t in r.token_ids if t != self.tokenizer.eos_id]
-            out[r.request_id] = compute_score(ex.data_source, self.tokenizer.decode(ids), ex.ground_truth)
+            out[r.request_id] = self.scorer(by_uid[r.prompt_uid], self.tokenizer.decode(ids))
         return out
 
+    def validate(self) -> dict:
+        """Every val prompt with the same engine: greedy (trainer.val_samples=1) or sampled as in
+        training; the scheduler's length history is not told (val prompts are not its data)."""
+        cfg = self.cfg
+        n = cfg.trainer.val_samples
+        sampling = (dataclasses.replace(self.sampling, greedy=True) if n == 1 else self.sampling)
+        groups = [PromptGroup(ex.uid, tuple(
+            Request(prompt_uid=ex.uid, sample_index=s, prompt_ids=ids,
+                    max_new_tokens=cfg.rollout.max_new_tokens, sampling=sampling,
+                    seed=cfg.rollout.seed, step=self.step_index) for s in range(n)))
+            for ex, ids in zip(self.val_examples, self.val_prompt_ids)]
+        roll = self.rollout(groups, self.step_index)
+        scores = list(self.rewards(roll.results, self.val_examples).values())
+        return {
+            "val/reward/mean": float(np.mean(scores)),
+            "val/solved": float(np.mean([s == 1.0 for s in scores])),
+            "val/response_length/mean": float(np.mean([len(r.token_ids) for r in roll.results])),
+        }
+
+    def _should_validate(self) -> bool:
+        every = self.cfg.trainer.val_interval
+        return bool(every and self.val_examples) and (
+            self.step_index % every == 0 or self.step_index == self.cfg.trainer.steps)
+
     def advantages(self, results, rewards) -> list[Sample]:
-        """Samples in request-id order (the same on every rank). GRPO: group-normalised rewards
-        here; PPO: GAE in `train`, once the critic has valued this rank's share."""
+        """Every rank's samples in request-id order (the same on every rank), with the
+        estimator's advantages (PPO's come in `train`, once the critic has valued them)."""
         results = sorted(results, key=lambda r: (r.prompt_uid, r.sample_index))
-        scores = [rewards[r.request_id] for r in results]
-        samples = [Sample(r.prompt_ids, r.token_ids, score=s) for r, s in zip(results, scores)]
-        if self.cfg.trainer.algorithm == Algorithm.GRPO:
-            adv = alg.grpo_advantages(torch.tensor(scores, dtype=torch.float64),
-                                      torch.tensor([r.prompt_uid for r in results]),
-                                      std_norm=self.cfg.trainer.adv_std_norm)
-            for smp, a in zip(samples, adv.tolist()):
-                smp.advantage = a
+        samples = [Sample(r.prompt_ids, r.token_ids, score=rewards[r.request_id],
+                          group=r.prompt_uid, rollout_logprobs=r.logprobs) for r in results]
+        self.algorithm.advantages(samples)
         return samples
 
     def train(self, samples: list[Sample]) -> dict:
-        cfg = self.cfg.trainer
+        """The estimator's update on this rank's share (an even split by request id)."""
         mine = split_even(samples, self.parallel.world_size)[self.rank]
-        global_tokens = sum(len(s.response_ids) for s in samples)
-        batches = self.actor.micro_batches(mine)
-        # old-policy log-probs recomputed on the training forward (the engine's are at the
-        # sampling temperature, from the KV-cache path)
-        for s, lp in zip(mine, self.actor.logprobs(batches)):
-            s.old_logprobs = lp
         inject(FaultPhase.TRAIN, self.rank, self.step_index + 1)
-        ref = self.actor.logprobs(batches, model=self.reference) if self.reference else None
-        metrics: dict = {}
-        values = None
-        if cfg.algorithm == Algorithm.PPO:
-            values = self.critic.values(batches)
-            returns = self._gae(mine, values, ref)
-        for _ in range(cfg.ppo_epochs):
-            metrics = self.actor.train_policy(
-                batches, global_tokens=global_tokens,
-                ref_logprobs=ref if cfg.algorithm == Algorithm.GRPO else None)
-            if not metrics["actor/applied"]:
-                self._non_finite(metrics)
-            if values is not None:
-                metrics.update(self.critic.train(batches, values, returns,
-                                                 global_tokens=global_tokens))
-        return metrics
-
-    def _gae(self, samples: list[Sample], values, ref) -> list[list[float]]:
-        """PPO: per-token rewards (the score on the last token, minus the KL to the reference
-        when trainer.kl_coef > 0), GAE, advantages whitened over every rank's tokens."""
-        cfg = self.cfg.trainer
-        returns, flat = [], []
-        for i, s in enumerate(samples):
-            n = len(s.response_ids)
-            mask = torch.ones(1, n, dtype=torch.float64)
-            kl = None
-            if ref is not None:
-                kl = alg.kl_penalty(torch.tensor([s.old_logprobs], dtype=torch.float64),
-                                    torch.tensor([ref[i]], dtype=torch.float64),
-                                    estimator=cfg.kl_estimator)
-            rew = alg.token_level_rewards(torch.tensor([s.score], dtype=torch.float64), mask,
-                                          kl=kl, kl_coef=cfg.kl_coef)
-            adv, ret = alg.gae(rew, torch.tensor([values[i]], dtype=torch.float64), mask,
-                               gamma=cfg.gamma, lam=cfg.gae_lambda)
-            s.advantages = adv[0].tolist()
-            returns.append(ret[0].tolist())
-            flat += s.advantages
-        stats = torch.tensor([sum(flat), sum(a * a for a in flat), float(len(flat))], dtype=torch.float64)
-        dist.all_reduce(stats, group=self.parallel.world_group)
-        mean = stats[0] / stats[2].clamp(min=1)
-        std = (stats[1] / stats[2].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
-        for s in samples:
-            s.advantages = [(a - float(mean)) / (float(std) + 1e-8) for a in s.advantages]
-        return returns
+        return self.algorithm.update(mine, global_tokens=sum(len(s.response_ids) for s in samples),
+                                     reference=self.reference, on_skipped=self._non_finite)
 
     def warm_start(self) -> None:
-        """Supervised steps on correct answers before RL (cached in the run folder's parent)."""
+        """Supervised steps on correct answers of the training prompts before RL (cached)."""
         with self.phase("warm start"):
-            self._warm_start()
-
-    def _warm_start(self) -> None:
-        cfg = self.cfg
-        cache = os.path.join(os.path.dirname(os.path.abspath(cfg.logging.run_dir)), "sft_cache",
-                             _warm_start_key(cfg))
-        if os.path.exists(os.path.join(cache, "latest")):
-            load_checkpoint(cache, model=self.model, model_cfg=cfg.model)
-            self.train_state.optimizer.reload_model_params()  # fp32 main params of a bf16 model
-            self.log.say(f"warm start: loaded the cached supervised model from {cache}")
-            return
-        import dataclasses
-
-        from tqdm import tqdm
-
-        rng = random.Random(cfg.data.synthetic_seed + 17)
-        steps = cfg.trainer.sft_warmup_steps
-        sft_cfg = dataclasses.replace(cfg.trainer, lr=cfg.trainer.sft_lr, min_lr=0.0,
-                                      lr_warmup_steps=min(10, steps // 10))
-        sft = Actor(build_train_state(self.model, sft_cfg, self.parallel, total_steps=steps,
-                                      ddp=self.train_state.model),
-                    sft_cfg, self.parallel, valid_vocab=self.tokenizer.vocab_size)
-        bar = tqdm(range(steps), desc="warm start (supervised)", disable=self.rank != 0,
-                   dynamic_ncols=True, mininterval=2.0)
-        per_step = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
-        for _ in bar:
-            picks = [rng.randrange(len(self.examples)) for _ in range(per_step)]
-            samples = [Sample(self.prompt_ids[i],
-                              self.tokenizer.encode(sft_response(self.examples[i])) + [self.tokenizer.eos_id])
-                       for i in picks]
-            loss = sft.train_sft(split_even(samples, self.parallel.world_size)[self.rank])
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        # RL keeps its own optimizer and schedule (untouched so far); the cache holds the weights
-        self.train_state.optimizer.reload_model_params()
-        save_checkpoint(cache, 0, model=self.model, model_cfg=cfg.model)
-        self.log.say(f"warm start: {steps} supervised steps, cached in {cache}")
+            warm_start(self.cfg, model=self.model, train_state=self.train_state,
+                       parallel=self.parallel, examples=self.examples, prompt_ids=self.prompt_ids,
+                       tokenizer=self.tokenizer, say=self.log.say)
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def step_metrics(self, results, rewards, records, plan, train_metrics, step_s, resync_s,
-                     membership) -> dict:
+    def step_metrics(self, rollout: Rollout, rewards, train_metrics, step_s) -> dict:
+        results, records, plan = rollout.results, rollout.records, rollout.plan
         roll = rollout_metrics(records, results)
         lengths = [len(r.token_ids) for r in results]
         realised = {}
@@ -402,7 +340,7 @@ class Job:
             "scheduler/mae": acc["mae"],
             "data/epoch": self.cursor.epoch,  # the cursor after this step's prompts
             "data/position": self.cursor.position,
-            "timing/resync_s": resync_s,
+            "timing/resync_s": rollout.resync_s,
             "timing/step_s": step_s,
         }
         m.update({k: v for k, v in train_metrics.items() if not isinstance(v, bool)})
@@ -424,13 +362,6 @@ class Job:
             raise TrainingError(msg + "; set trainer.nan_policy=skip to skip such steps")
         self.log.say(msg + " (trainer.nan_policy=skip)")
 
-    def _should_save(self) -> bool:
-        c = self.cfg.checkpoint
-        if not c.dir:
-            return False
-        last = self.step_index == self.cfg.trainer.steps
-        return last or (c.save_interval > 0 and self.step_index % c.save_interval == 0)
-
     def save(self) -> None:
         extra = {
             "step": self.step_index,
@@ -439,63 +370,26 @@ class Job:
             "train_state": self.train_state.state_dict(),
             "config": config_to_dict(self.cfg),
         }
-        root, keep = self.cfg.checkpoint.dir, self.cfg.checkpoint.keep_last
-        # the critic and the reference first: the policy's checkpoint, written last, is the one
-        # whose presence marks the step complete
-        for name, model, optimizer in self._companions():
-            save_checkpoint(os.path.join(root, name), self.step_index, model=model,
-                            model_cfg=self.cfg.model, optimizer=optimizer, keep_last=keep)
-        path = save_checkpoint(root, self.step_index, model=self.model, model_cfg=self.cfg.model,
-                               optimizer=self.train_state.optimizer, extra_state=extra,
-                               keep_last=keep)
+        path = self.checkpoints.save(self.step_index, model=self.model,
+                                     optimizer=self.train_state.optimizer, extra=extra,
+                                     companions=self._companions())
         self.log.say(f"checkpoint: {path}")
 
     def _companions(self):
-        """(sub-folder, model, optimizer) saved beside the policy: the critic, the reference."""
-        out = []
-        if self.critic is not None:
-            out.append(("critic", self.critic.module, self.critic.state.optimizer))
+        """(sub-folder, model, optimizer) saved beside the policy: the estimator's (the
+        critic), the reference."""
+        out = list(self.algorithm.companions())
         if self.reference is not None:
             out.append(("reference", self.reference, None))
         return out
 
-    def _init_from(self, path: str) -> None:
-        """checkpoint.init_from: the model's weights only. The optimizer, the LR schedule, the
-        data cursor and this rank's RNG stay as a new run sets them up; the critic stays fresh;
-        the KL reference is frozen from these weights at the first step (after a warm start)."""
-        if not os.path.exists(path):
-            raise CheckpointError(f"checkpoint.init_from={path} does not exist; give a checkpoint "
-                                  "root (e.g. the --out of tools/convert_checkpoint.py) or an iter_N")
-        rng = rng_state()  # load_checkpoint restores the saving job's RNG: not ours to take
-        try:
-            load_checkpoint(path, model=self.model, model_cfg=self.cfg.model)
-        except CheckpointError as e:
-            raise CheckpointError(f"{e} (checkpoint.init_from={path})") from e
-        set_rng_state(rng)
-        self.train_state.optimizer.reload_model_params()  # fp32 main params of a bf16 model
-
-    def _load(self, path: str) -> None:
-        try:
-            if not read_meta(path)["has_optimizer"]:
-                raise CheckpointError(
-                    f"{resolve_checkpoint(path)} holds weights only (no optimizer state, e.g. a "
-                    "converted HF checkpoint): there is no training run to resume; to start one "
-                    f"from these weights, set checkpoint.init_from={path} and checkpoint.load=null")
-            step, extra = load_checkpoint(path, model=self.model, model_cfg=self.cfg.model,
-                                          optimizer=self.train_state.optimizer)
-        except CheckpointError as e:
-            if path != self.cfg.checkpoint.load:  # found by checkpoint.resume=auto
-                raise CheckpointError(
-                    f"{e} (found in checkpoint.dir={path} by checkpoint.resume=auto; to start "
-                    "afresh, use another checkpoint.dir or set checkpoint.resume=off)") from e
-            raise
-        if self.cfg.trainer.kl_coef > 0:
+    def _resume(self, path: str) -> None:
+        if self.cfg.trainer.kl_coef > 0:  # its weights come from the checkpoint
             self.reference = build_model(self.cfg.model, self.parallel)
             self.reference.requires_grad_(False)
-        root = os.path.dirname(os.path.abspath(resolve_checkpoint(path)))
-        for name, model, optimizer in self._companions():
-            load_checkpoint(os.path.join(root, name, iter_name(step)), model=model,
-                            model_cfg=self.cfg.model, optimizer=optimizer)
+        step, extra = self.checkpoints.resume(path, model=self.model,
+                                              optimizer=self.train_state.optimizer,
+                                              companions=self._companions())
         self.train_state.load_state_dict(extra["train_state"])
         self.cursor.load_state_dict(extra["cursor"])
         self.scheduler.load_state_dict(extra["scheduler"])
@@ -513,102 +407,3 @@ class Job:
                 f"{self.cfg.data.max_prompt_len}; raise data.max_prompt_len (with "
                 "model.max_seq_len) or remove the prompt from the data")
         return tuple(ids)
-
-
-def _warm_start_key(cfg: Config) -> str:
-    import hashlib
-
-    d = config_to_dict(cfg)
-    key = {k: d[k] for k in ("model", "data")}
-    key["sft"] = {k: d["trainer"][k] for k in ("sft_warmup_steps", "sft_lr", "prompts_per_step",
-                                               "micro_batch_size")}
-    key["samples"] = d["rollout"]["samples_per_prompt"]
-    key["world"] = d["parallel"]["world_size"]
-    if cfg.checkpoint.init_from:  # the weights it starts from, by content (the files' sha256)
-        key["init_from"] = read_meta(cfg.checkpoint.init_from)["files"]
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class RunLog:
-    """metrics.jsonl, TensorBoard, a per-step line and the release timeline plot (rank 0)."""
-
-    def __init__(self, cfg: Config, rank: int, resumed_step: int = 0):
-        self.rank = rank
-        self.run_dir = cfg.logging.run_dir
-        self.cfg = cfg
-        self.history: list[dict] = []
-        self.timelines: list[list[dict]] = []
-        self.writer = None
-        if rank != 0:
-            return
-        os.makedirs(self.run_dir, exist_ok=True)
-        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-        self._keep_steps_up_to(resumed_step)
-        with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-            json.dump(config_to_dict(cfg), f, indent=1)
-        if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
-
-    def _keep_steps_up_to(self, step: int) -> None:
-        """metrics.jsonl describes this run: lines of steps after the one it starts from (a
-        crashed attempt's steps that no checkpoint holds, an earlier run's) are dropped."""
-        if not os.path.exists(self.metrics_path):
-            return
-        keep = []
-        with open(self.metrics_path) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] <= step:
-                        keep.append(line)
-                except (ValueError, KeyError, TypeError):
-                    pass  # a line torn by the crash (or blank): the resumed run must not die on it
-        tmp = self.metrics_path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, self.metrics_path)
-
-    def say(self, text: str) -> None:
-        if self.rank == 0:
-            print(f"[flexfloor] {text}", flush=True)
-
-    def write(self, metrics: dict, records: list[dict]) -> None:
-        if self.rank != 0:
-            return
-        self.history.append(metrics)
-        self.timelines.append(records)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.writer is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-                    self.writer.add_scalar(k, v, metrics["step"])
-        release = " ".join(f"r{i}:{t:.2f}s" for i, t in enumerate(metrics["rollout/release_s"]))
-        print(
-            f"step {metrics['step']:>4} | reward {metrics['reward/mean']:.3f} "
-            f"(solved {metrics['reward/solved']:.2f}) | len mean {metrics['response_length/mean']:.1f} "
-            f"max {metrics['response_length/max']} | tok/occ-worker-s "
-            f"{metrics['rollout/tokens_per_occupied_worker_second']:.0f} | tail "
-            f"{metrics['rollout/tail_fraction']:.2f} | released {metrics['rollout/released_ranks']} "
-            f"| release {release} | {metrics['timing/step_s']:.1f}s",
-            flush=True,
-        )
-
-    def close(self, job: Job) -> None:
-        if self.rank != 0:
-            return
-        if self.writer is not None:
-            self.writer.close()
-        if self.cfg.logging.timeline_plot and self.timelines:
-            from flexfloor.rollout.timeline import plot_rank_timeline
-
-            path = os.path.join(self.run_dir, "timeline.png")
-            plot_rank_timeline({"last step": self.timelines[-1]}, path,
-                               title=f"release timeline, step {self.history[-1]['step']}")
-        if self.history:
-            first, last = self.history[0], self.history[-1]
-            self.say(f"reward {first['reward/mean']:.3f} (step {first['step']}) -> "
-                     f"{last['reward/mean']:.3f} (step {last['step']})")
-        self.say(f"run folder: {os.path.abspath(self.run_dir)} (metrics.jsonl, tensorboard/, "
-                 "timeline.png)")

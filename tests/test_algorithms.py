@@ -8,7 +8,8 @@ import torch
 from flexfloor.config import KLEstimator, LossAgg
 from flexfloor.trainer.algorithms import (
     aggregate, broadcast_to_tokens, entropy_from_logits, gae, grpo_advantages, kl_penalty,
-    policy_loss, token_level_rewards, token_logprobs, value_loss, whiten,
+    logprob_diff, policy_loss, token_level_rewards, token_logprobs, truncated_is_weight,
+    value_loss, whiten,
 )
 
 NAN = float("nan")
@@ -158,6 +159,54 @@ def test_policy_loss_clipped():
                               clip_eps=0.2, agg="token_mean")
     close(loss, 0.8)
     close(stats["clip_frac"], 1.0)
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_at_clip_ratio_c():
+    # Three tokens (ratio, A): (e^2, -1), (e^2, +1), (0.5, -1); clip_eps 0.2, clip_ratio_c 3.
+    #   token 0: L1 = max(-(-1) * 7.389056, -(-1) * 1.2) = 7.389056; A < 0: min(7.389056, 3) = 3
+    #   token 1: L1 = max(-7.389056, -1.2) = -1.2; A > 0: no dual-clip               -> -1.2
+    #   token 2: L1 = max(0.5, 0.8) = 0.8; A < 0: min(0.8, 3) = 0.8                  ->  0.8
+    # token mean: (3 - 1.2 + 0.8) / 3 = 0.866667; without dual-clip
+    # (7.389056 - 1.2 + 0.8) / 3 = 2.329685. Token 0 is the one capped: clip_frac_lower 1/3.
+    old = torch.zeros(1, 3)
+    logp = torch.tensor([[2.0, 2.0, math.log(0.5)]], requires_grad=True)
+    adv, mask = t([[-1, 1, -1]]), torch.ones(1, 3)
+    loss, stats = policy_loss(logp, old, adv, mask, clip_eps=0.2, clip_ratio_c=3.0,
+                              agg="token_mean")
+    close(loss, 0.866667)
+    close(stats["clip_frac_lower"], 1 / 3)
+    loss.backward()  # the capped token and the two clipped ones carry no gradient
+    close(logp.grad, [[0.0, 0.0, 0.0]])
+    off, stats = policy_loss(logp, old, adv, mask, clip_eps=0.2, agg="token_mean")
+    close(off, 2.329685)
+    close(stats["clip_frac_lower"], 0.0)
+    # a ratio below the cap is untouched: ratio 2, A = -1 -> L1 = 2 < 3
+    two, _ = policy_loss(torch.full((1, 1), math.log(2.0)), torch.zeros(1, 1), t([[-1]]),
+                         torch.ones(1, 1), clip_eps=0.2, clip_ratio_c=3.0, agg="token_mean")
+    close(two, 2.0)
+
+
+def test_truncated_is_weight_scales_the_policy_loss():
+    # w = min(exp(old - rollout), 2):
+    #   exp(0.1) = 1.105171, exp(1) = 2.718282 -> 2, exp(-0.5) = 0.606531
+    old = t([[0.1, 1.0, -0.5]])
+    w = truncated_is_weight(old, torch.zeros(1, 3), cap=2.0)
+    close(w, [[1.105171, 2.0, 0.606531]])
+    # ratio 1 (logp == old), A = [1, 1, 1]: loss = -(1.105171 + 2 + 0.606531) / 3 = -1.237234
+    loss, _ = policy_loss(old, old, t([[1, 1, 1]]), torch.ones(1, 3), clip_eps=0.2,
+                          is_weight=w, agg="token_mean")
+    close(loss, -1.237234)
+
+
+def test_logprob_diff_sum_max_count_over_valid_tokens_only():
+    # |[-1, -2, -3] - [-1.5, -2, -1]| = [0.5, 0, 2];
+    # row 1: |-1 - -1.25| = 0.25, padding (99) ignored
+    old = t([[-1, -2, -3], [-1, 99, 99]])
+    eng = t([[-1.5, -2, -1], [-1.25, -99, -99]])
+    total, biggest, count = logprob_diff(old, eng, MASK_3_1)
+    close(total, 2.75)
+    close(biggest, 2.0)
+    close(count, 4.0)
 
 
 def test_token_mean_and_seq_mean_differ_on_different_lengths():

@@ -15,6 +15,7 @@ from flexfloor.data import (
     SYNTHETIC_DATA_SOURCE,
     Example,
     compute_score,
+    Scorer,
     load_prompts,
     make_synthetic_prompts,
     read_examples,
@@ -122,8 +123,8 @@ def test_reward_registry():
     with pytest.raises(ValueError, match="already registered"):
         register_reward("test/exact_match")(exact)
     with pytest.raises(KeyError) as error:
-        compute_score("openai/gsm8k", "42", "42")
-    assert "openai/gsm8k" in str(error.value) and SYNTHETIC_DATA_SOURCE in str(error.value)
+        compute_score("my/unregistered", "42", "42")
+    assert "my/unregistered" in str(error.value) and SYNTHETIC_DATA_SOURCE in str(error.value)
     with pytest.raises(ValueError, match="ground_truth must be"):
         compute_score(SYNTHETIC_DATA_SOURCE, "a3=3", "three")
 
@@ -218,7 +219,7 @@ def test_load_prompts(tmp_path):
     unknown = write_rows(tmp_path / "unknown.parquet",
                          [verl_row(0, [{"role": "user", "content": "hi"}], data_source="my/task")])
     with pytest.raises(KeyError, match="my/task"):
-        load_prompts([str(unknown)], 0, 0)
+        Scorer().check(e.data_source for e in load_prompts([str(unknown)], 0, 0))
 
 
 # --- tokenizer --------------------------------------------------------------------------------
@@ -324,3 +325,128 @@ def test_hf_tokenizer_without_the_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import now fails
     with pytest.raises(ImportError, match="pip install tokenizers"):
         load_tokenizer(str(path))
+
+
+# --- data cursor ------------------------------------------------------------------------------
+
+def test_cursor_never_repeats_a_prompt_in_a_step_across_epochs_and_resumes_exactly():
+    from flexfloor.data.cursor import DataCursor
+
+    # 10 prompts, 4 per step: steps 3 and 8 straddle an epoch end (prompts 10 and 30). With
+    # seed 0 the next epoch's order begins with a prompt of the previous epoch's end both times:
+    # the plain "fill the step from the next epoch" cursor would serve it twice in one step.
+    n, per_step, seed = 10, 4, 0
+    run = DataCursor(n, seed, shuffle=True)
+    assert set(run.order(0)[8:]) & set(run.order(1)[:2])  # the cases that used to repeat
+    assert set(run.order(2)[8:]) & set(run.order(3)[:2])
+    steps = [run.next(per_step) for _ in range(8)]
+    for step in steps:
+        assert len(set(step)) == per_step, step
+    served = [i for step in steps for i in step]
+    # every prompt exactly once per epoch (a deferred prompt is served early in the next step)
+    assert sorted(served[:10]) == list(range(n))
+    assert sorted(served[10:20]) == list(range(n))
+    assert sorted(served[20:30]) == list(range(n))
+    # resume after step 3 (a deferral pending) continues the same stream
+    again = DataCursor(n, seed, shuffle=True)
+    for _ in range(3):
+        again.next(per_step)
+    state = again.state_dict()
+    assert state["epoch"] == 1 and state["deferred"]
+    resumed = DataCursor(n, seed, shuffle=True)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint holds it
+    assert [resumed.next(per_step) for _ in range(5)] == steps[3:]
+    with pytest.raises(ValueError, match="trainer.prompts_per_step=11"):
+        DataCursor(n, seed, shuffle=True).check(11)
+
+
+def test_cursor_in_order_without_shuffle():
+    from flexfloor.data.cursor import DataCursor
+
+    c = DataCursor(5, 0, shuffle=False)
+    assert [c.next(2) for _ in range(4)] == [[0, 1], [2, 3], [4, 0], [1, 2]]
+
+
+# --- validation split, custom reward ------------------------------------------------------------
+
+def test_held_out_synthetic_split_is_never_a_training_prompt(tmp_path):
+    from flexfloor.config import DataConfig
+    from flexfloor.data import load_data
+
+    data = load_data(DataConfig(synthetic_num_prompts=64, val_size=32))
+    assert data.train == make_synthetic_prompts(64, 0)  # the same training prompts as without it
+    assert len(data.val) == 32
+    assert not {e.prompt for e in data.train} & {e.prompt for e in data.val}
+    assert not {e.uid for e in data.train} & {e.uid for e in data.val}
+    assert len({e.prompt for e in data.val}) == 32
+    # the raw generator does repeat short training prompts: the split had to drop some
+    pool = make_synthetic_prompts(64 + 32, 0)[64:]
+    assert {e.prompt for e in pool} & {e.prompt for e in data.train}
+    # val_files: prompts that are training prompts are dropped, with a note
+    val = make_synthetic_prompts(80, 0)[60:]  # 4 of them are training prompts (uids 60..63)
+    path = tmp_path / "val.parquet"
+    write_examples(val, path)
+    files = load_data(DataConfig(val_files=[str(path)]))
+    assert not {e.prompt for e in files.train} & {e.prompt for e in files.val}
+    assert 60 not in {e.uid for e in files.val} and "repeat a training prompt" in files.note
+
+
+def test_custom_reward_fn_from_a_file_and_errors_naming_file_and_function(tmp_path):
+    fn = tmp_path / "my_reward.py"
+    fn.write_text(
+        "calls = []\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    calls.append((data_source, solution_str, ground_truth, extra_info))\n"
+        "    return 1.0 if solution_str.strip() == ground_truth else 0.0\n")
+    scorer = Scorer(f"{fn}:compute_score")
+    scorer.check(["anything/at_all"])  # a custom function scores every data_source
+    ex = Example(uid=7, prompt="2+2?", ground_truth="4", data_source="my/task")
+    assert scorer(ex, " 4 ") == 1.0 and scorer(ex, "5") == 0.0
+    assert scorer.custom.__module__ and scorer.custom.__globals__["calls"][0] == \
+        ("my/task", " 4 ", "4", {"index": 7})
+    with pytest.raises(AttributeError) as e:
+        Scorer(f"{fn}:score")
+    assert str(fn) in str(e.value) and "'score'" in str(e.value) and "compute_score" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        Scorer(f"{tmp_path}/missing.py:compute_score")
+
+
+# --- real tasks: reasoning-gym, \\boxed{} math ----------------------------------------------------
+
+def test_reasoning_gym_source_round_trips_through_parquet_and_scores_with_its_own_scorer(tmp_path):
+    from flexfloor.config import DataConfig, DataSource
+    from flexfloor.data import load_data
+
+    data = load_data(DataConfig(source=DataSource.REASONING_GYM, task="basic_arithmetic",
+                                size=12, val_size=4, synthetic_seed=5))
+    assert len(data.train) == 12 and len(data.val) == 4
+    assert not {e.prompt for e in data.train} & {e.prompt for e in data.val}
+    assert all(e.data_source == "reasoning_gym/basic_arithmetic" for e in data.train)
+    path = tmp_path / "rg.parquet"
+    write_examples(data.train, path)
+    back = read_examples(path)
+    assert back == data.train
+    scorer = Scorer()
+    scorer.check(e.data_source for e in back)
+    e = back[0]
+    assert e.prompt.startswith("Calculate") and scorer(e, e.ground_truth) == 1.0
+    assert scorer(e, sft_response(e)) == 1.0  # the warm start teaches the answer
+    assert scorer(e, str(int(e.ground_truth) + 1)) == 0.0 and scorer(e, "no idea") == 0.0
+    # the same seed gives the same prompts; an unknown task names the field
+    again = load_data(DataConfig(source=DataSource.REASONING_GYM, task="basic_arithmetic",
+                                 size=12, synthetic_seed=5))
+    assert again.train == data.train
+    with pytest.raises(ValueError, match="data.task='no_such_task'"):
+        load_data(DataConfig(source=DataSource.REASONING_GYM, task="no_such_task"))
+
+
+@pytest.mark.parametrize("response, score", [
+    ("so 9 * 8 = 72, and the answer is \\boxed{72}", 1.0),
+    ("\\boxed{70} at first, then \\boxed{72.0}", 1.0),  # the last box counts, 72.0 == 72
+    ("the answer is \\boxed{71}", 0.0),
+    ("72", 0.0),  # no box: not an answer
+    ("\\boxed{\\frac{144}{2}}", 1.0),
+])
+def test_boxed_math_score_for_gsm8k_and_math(response, score):
+    assert compute_score("openai/gsm8k", response, "72") == score
+    assert compute_score("math", response, "72") == score

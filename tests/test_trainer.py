@@ -29,7 +29,7 @@ def test_step_after_static_rollout_equals_step_after_elastic(res):
 def test_resume_continues_exactly(res):
     for r in res:
         assert r["resumed_step"] == 1
-        assert r["resumed_cursor"] == {"epoch": 0, "position": 4}
+        assert r["resumed_cursor"] == {"epoch": 0, "position": 4, "deferred": []}
         assert r["resumed_history_uids"] == 4  # the length history came back too
         assert r["resume_equals_uninterrupted"] is True
 
@@ -40,3 +40,33 @@ def test_ppo_trains_actor_and_critic_with_a_frozen_reference(res):
         assert r["ppo_actor_changed"] and r["ppo_critic_changed"]
         assert r["ppo_kl_ref_frozen"] is True  # the reference is the starting policy, unchanged
         assert r["ppo_resume_equals_uninterrupted"] is True  # critic + reference came back too
+
+
+VAL_KEYS = ["val/response_length/mean", "val/reward/mean", "val/solved"]
+
+
+def test_trainer_logprobs_equal_the_engines_at_the_sampling_temperature(res):
+    for r in res:
+        assert r["diff_t1"][1] < 1e-5, r["diff_t1"]  # T = 1 (fp32, same tokens)
+        assert r["diff_t07"][1] < 1e-5, r["diff_t07"]  # T = 0.7
+        assert 0 < r["diff_t07"][0] <= r["diff_t07"][1] or r["diff_t07"][1] == 0
+        assert r["diff_t07_dropped"] > 1e-2  # the check sees a dropped temperature
+
+
+def test_truncated_importance_sampling_runs_with_weights_near_one(res):
+    for r in res:
+        assert abs(r["is_weight_mean"] - 1.0) < 1e-4 and r["is_changed"]
+
+
+def test_validation_at_the_interval_on_prompts_never_trained_on(res):
+    for r in res:
+        assert r["val_steps"] == [[], VAL_KEYS, VAL_KEYS]  # steps 2 (interval) and 3 (the end)
+        assert r["val_disjoint"] and r["trained_uids_are_train"] and r["trained_no_val_uid"]
+        assert 0 < r["val_count"] <= r["val_in_file"]
+    assert res[0]["val_lines"] == [[], VAL_KEYS, VAL_KEYS]
+
+
+def test_distributed_grpo_gradient_equals_the_single_process_gradient(res):
+    for r in res:
+        assert r["nonzero_advantages"] > 0 and r["grad_scale"] > 1e-4
+        assert r["grad_diff"] <= 1e-5 * r["grad_scale"], (r["grad_diff"], r["grad_scale"])

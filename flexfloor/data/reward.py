@@ -5,14 +5,19 @@ Add your own with the decorator; the function takes (response, ground_truth) and
     @register_reward("openai/gsm8k")
     def gsm8k_score(response: str, ground_truth: str) -> float: ...
 
-The module that defines it must be imported before prompts are loaded (`load_prompts` checks that
-every data_source of the data set has a reward).
+The module that defines it must be imported before the job starts (`Scorer.check` runs at set-up,
+before any rollout, for every data_source of the data). Or, as in verl, one function for every
+data_source in a file of your own: `reward.custom_fn: path/to/file.py:compute_score`, called as
+compute_score(data_source, solution_str, ground_truth, extra_info) (`Scorer`).
 """
 
 from __future__ import annotations
 
 import string
-from typing import Callable
+import importlib.util
+import inspect
+import os
+from typing import Callable, Iterable
 
 from flexfloor.data.synthetic import LABELS, SYNTHETIC_DATA_SOURCE
 
@@ -44,6 +49,52 @@ def reward_for(data_source: str) -> RewardFn:
 
 def compute_score(data_source: str, response: str, ground_truth: str) -> float:
     return float(reward_for(data_source)(response, ground_truth))
+
+
+CustomFn = Callable[[str, str, str, dict], float]
+
+
+def load_custom_fn(spec: str) -> CustomFn:
+    """The function of reward.custom_fn, "path/to/file.py:function" (verl's interface)."""
+    path, _, name = spec.rpartition(":")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"reward.custom_fn={spec}: file {path} not found; give the path "
+                                "of a .py file, e.g. reward.custom_fn=my_reward.py:compute_score")
+    module_spec = importlib.util.spec_from_file_location(
+        f"flexfloor_custom_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        e.add_note(f"[flexfloor] while loading reward.custom_fn={spec}")
+        raise
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        found = sorted(n for n, v in vars(module).items()
+                       if inspect.isfunction(v) and v.__module__ == module.__name__)
+        raise AttributeError(f"reward.custom_fn={spec}: {path} has no function {name!r} "
+                             f"(functions there: {found}); fix the name after ':'")
+    return fn
+
+
+class Scorer:
+    """How a response is scored: reward.custom_fn when set, else the reward registered for the
+    prompt's data_source."""
+
+    def __init__(self, custom_fn: str | None = None):
+        self.custom = load_custom_fn(custom_fn) if custom_fn else None
+
+    def check(self, data_sources: Iterable[str]) -> None:
+        """Fail before any rollout when a data_source has no reward."""
+        if self.custom is None:
+            for data_source in sorted(set(data_sources)):
+                reward_for(data_source)
+
+    def __call__(self, example, response: str) -> float:
+        if self.custom is not None:
+            return float(self.custom(example.data_source, response, example.ground_truth,
+                                     {"index": example.uid}))
+        return compute_score(example.data_source, response, example.ground_truth)
 
 
 @register_reward(SYNTHETIC_DATA_SOURCE)

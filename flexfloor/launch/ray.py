@@ -101,7 +101,7 @@ class Worker:
     def finish(self) -> None:
         import torch.distributed as dist
 
-        self.job.log.close(self.job)
+        self.job.log.close()
         self.job.close()
         dist.destroy_process_group()
 

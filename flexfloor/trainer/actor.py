@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from flexfloor.config import RolloutIS
 from flexfloor.model import causal_positions
 from flexfloor.trainer import algorithms as alg
 from flexfloor.trainer.optim import TrainState
@@ -29,9 +30,11 @@ class Sample:
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
     advantage: float = 0.0  # GRPO: one per response
+    group: int = 0  # the prompt it answers (GRPO's group)
     old_logprobs: Sequence[float] | None = None  # recomputed on the training forward
     score: float = 0.0  # the reward of the whole response
     advantages: Sequence[float] | None = None  # PPO: one per response token (GAE)
+    rollout_logprobs: Sequence[float] | None = None  # the engine's, one per response token
 
 
 def pad_batch(samples: Sequence[Sample], *, device) -> dict[str, torch.Tensor]:
@@ -57,6 +60,14 @@ def place_per_token(mb: Sequence[Sample], values, like: torch.Tensor) -> torch.T
     return out
 
 
+def logprob_temperature(sampling) -> float:
+    """The temperature of the distribution the engine's log-probs are under (SamplingParams):
+    the sampling temperature, 1 for greedy decoding (the engine reports those at 1)."""
+    if sampling.greedy or sampling.temperature == 0.0:
+        return 1.0
+    return sampling.temperature
+
+
 def split_even(items: list, parts: int) -> list[list]:
     base, extra = divmod(len(items), parts)
     out, start = [], 0
@@ -70,9 +81,13 @@ def split_even(items: list, parts: int) -> list[list]:
 class Actor:
     """Policy updates on a `TrainState` (DDP-wrapped GPTModel + optimizer + LR schedule)."""
 
-    def __init__(self, state: TrainState, trainer_cfg, parallel, *, valid_vocab: int | None = None):
+    def __init__(self, state: TrainState, trainer_cfg, parallel, *, valid_vocab: int | None = None,
+                 temperature: float = 1.0):
         self.state = state
         self.valid_vocab = valid_vocab  # the engine samples only below it; so does the loss
+        # log-probs, entropy and the loss are under softmax(logits / temperature): the policy the
+        # engine samples from (logprob_temperature); 1 for the supervised warm start
+        self.temperature = temperature
         self.cfg = trainer_cfg
         self.parallel = parallel
         self.device = parallel.device
@@ -84,13 +99,14 @@ class Actor:
     def micro_batches(self, samples: Sequence[Sample]) -> list[list[Sample]]:
         """The same number of micro-batches on every rank (collectives in the MoE layers)."""
         n = max(1, math.ceil(len(samples) / self.cfg.micro_batch_size))
-        counts = torch.tensor([n])
+        counts = torch.tensor([n], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.parallel.world_group)
         return split_even(list(samples), int(counts))
 
     def _logits(self, model, tokens: torch.Tensor) -> torch.Tensor:
         logits = model(tokens, causal_positions(tokens), attention_mask=None)  # (B, S, V)
-        return logits[:, :-1, : self.valid_vocab]
+        logits = logits[:, :-1, : self.valid_vocab]  # (B, S-1, V)
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
     @torch.no_grad()
     def logprobs(self, batches: list[list[Sample]], model=None) -> list[list[float]]:
@@ -109,6 +125,30 @@ class Actor:
                 start = len(s.prompt_ids) - 1
                 out.append(lp[i, start : start + len(s.response_ids)].tolist())
         return out
+
+    def set_old_logprobs(self, batches: list[list[Sample]]) -> dict:
+        """Each sample's old-policy log-probs, recomputed on the training forward at the
+        sampling temperature like the engine's (which come from the KV-cache path); returns
+        their gap to the engine's, a diagnostic (`logprob_diff`)."""
+        for s, lp in zip([s for mb in batches for s in mb], self.logprobs(batches)):
+            s.old_logprobs = lp
+        return self.logprob_diff([s for mb in batches for s in mb])
+
+    def logprob_diff(self, samples: Sequence[Sample]) -> dict:
+        """|old log-prob - engine log-prob| over every rank's response tokens (this rank's share
+        in `samples`): rollout/logprob_diff_mean and rollout/logprob_diff_max."""
+        total, count, peak = 0.0, 0.0, 0.0
+        for s in samples:
+            d_sum, d_max, n = alg.logprob_diff(
+                torch.tensor([list(s.old_logprobs)]), torch.tensor([list(s.rollout_logprobs)]),
+                torch.ones(1, len(s.response_ids)))
+            total, count, peak = total + float(d_sum), count + float(n), max(peak, float(d_max))
+        sums = torch.tensor([total, count], dtype=torch.float64, device=self.device)
+        peak = torch.tensor([peak], dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums, group=self.parallel.world_group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.parallel.world_group)
+        return {"rollout/logprob_diff_mean": float(sums[0] / sums[1].clamp(min=1)),
+                "rollout/logprob_diff_max": float(peak[0])}
 
     def _empty_forward(self, model=None):
         """A rank with no samples in this micro-batch still enters the MoE all-to-alls."""
@@ -130,7 +170,7 @@ class Actor:
         model.module.train()
         self.state.zero_grad()
         dp = self.parallel.world_size
-        global_seqs = torch.tensor([float(sum(len(mb) for mb in batches))])
+        global_seqs = torch.tensor([float(sum(len(mb) for mb in batches))], device=self.device)
         dist.all_reduce(global_seqs, group=self.parallel.world_group)
         token_mean = alg.LossAgg(cfg.loss_agg) == alg.LossAgg.TOKEN_MEAN
         total_loss, stats_acc, n_mb, offset = 0.0, {}, 0, 0
@@ -145,8 +185,15 @@ class Actor:
             old = place_per_token(mb, [s.old_logprobs for s in mb], logp)
             adv = place_per_token(mb, [s.advantages if s.advantages is not None
                                        else [s.advantage] * len(s.response_ids) for s in mb], logp)
+            is_weight = None
+            if cfg.rollout_is == RolloutIS.TRUNCATED:
+                rollout = place_per_token(mb, [s.rollout_logprobs for s in mb], logp)
+                is_weight = alg.truncated_is_weight(old, rollout, cap=cfg.rollout_is_cap)
             loss, stats = alg.policy_loss(logp, old, adv, mask, clip_eps=cfg.clip_eps,
+                                          clip_ratio_c=cfg.clip_ratio_c, is_weight=is_weight,
                                           agg=cfg.loss_agg)
+            if is_weight is not None:
+                stats["is_weight_mean"] = alg.aggregate(is_weight, mask, alg.LossAgg.TOKEN_MEAN)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * alg.aggregate(
                     alg.entropy_from_logits(logits), mask, cfg.loss_agg)
@@ -163,7 +210,7 @@ class Actor:
                 stats_acc[k] = stats_acc.get(k, 0.0) + float(v)
             n_mb += 1
             offset += len(mb)
-        loss_t = torch.tensor([total_loss])
+        loss_t = torch.tensor([total_loss], device=self.device)
         dist.all_reduce(loss_t, group=self.parallel.world_group)
         if not math.isfinite(float(loss_t)):
             self.state.zero_grad()
@@ -179,7 +226,8 @@ class Actor:
         model = self.state.model
         model.module.train()
         self.state.zero_grad()
-        tokens = torch.tensor([float(sum(len(s.response_ids) for s in samples))])
+        tokens = torch.tensor([float(sum(len(s.response_ids) for s in samples))],
+                              device=self.device)
         dist.all_reduce(tokens, group=self.parallel.world_group)
         dp = self.parallel.world_size
         total = 0.0
@@ -194,7 +242,7 @@ class Actor:
             loss = (ce * b["mask"]).sum() / float(tokens) * dp
             loss.backward()
             total += float(loss) / dp
-        loss_t = torch.tensor([total])
+        loss_t = torch.tensor([total], device=self.device)
         dist.all_reduce(loss_t, group=self.parallel.world_group)
         self.state.step()
         return float(loss_t)

@@ -19,7 +19,8 @@ from flexfloor.config import KLEstimator, LossAgg
 
 __all__ = [
     "aggregate", "broadcast_to_tokens", "entropy_from_logits", "gae", "grpo_advantages",
-    "kl_penalty", "policy_loss", "token_level_rewards", "token_logprobs", "value_loss", "whiten",
+    "kl_penalty", "logprob_diff", "policy_loss", "token_level_rewards", "token_logprobs",
+    "truncated_is_weight", "value_loss", "whiten",
 ]
 
 
@@ -145,13 +146,23 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg | str) -> torch.
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                 mask: torch.Tensor, *, clip_eps: float, clip_eps_high: float | None = None,
+                clip_ratio_c: float | None = None, is_weight: torch.Tensor | None = None,
                 agg: LossAgg | str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate: max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high)).
+    """PPO clipped surrogate, with verl's dual-clip for negative advantages.
 
-    ratio = exp(logp - old_logp); `clip_eps_high` defaults to `clip_eps` (set it higher for the
-    asymmetric "clip-higher" bound). Returns (loss scalar, stats). The stats are detached scalars,
-    always token means: clip_frac (tokens where the clipped term is the one used), approx_kl
-    (mean of old_logp - logp), ratio_mean.
+        ratio = exp(logp - old_logp)
+        L1    = max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))
+        L     = min(L1, -A * clip_ratio_c)   where A < 0 (dual-clip)
+        L     = L1                           where A >= 0
+        loss  = aggregate(L * is_weight)
+
+    With A < 0 a large ratio would make L1 = -A * ratio unbounded; dual-clip caps it at
+    -A * clip_ratio_c (> 1; None turns it off). `clip_eps_high` defaults to `clip_eps` (set it
+    higher for the asymmetric "clip-higher" bound). `is_weight` (B, T), detached, scales each
+    token's loss, e.g. `truncated_is_weight` to correct for the rollout engine's policy.
+    Returns (loss scalar, stats). The stats are detached scalars, always token means: clip_frac
+    (tokens where the clipped term is the one used), clip_frac_lower (tokens capped by
+    dual-clip), approx_kl (mean of old_logp - logp), ratio_mean.
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logp - old_logp  # (B, T)
@@ -159,14 +170,47 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     unclipped = -adv * ratio  # (B, T)
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)  # (B, T)
     per_token = torch.maximum(unclipped, clipped)  # (B, T)
+    capped = torch.zeros_like(per_token, dtype=torch.bool)  # (B, T)
+    if clip_ratio_c is not None:
+        bound = -adv * clip_ratio_c  # (B, T)
+        capped = (adv < 0) & (bound < per_token)  # (B, T)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)  # (B, T)
+    if is_weight is not None:
+        per_token = per_token * is_weight.detach()  # (B, T)
     loss = aggregate(per_token, mask, agg)
     with torch.no_grad():
         stats = {
             "clip_frac": aggregate((clipped > unclipped).to(ratio.dtype), mask, LossAgg.TOKEN_MEAN),
+            "clip_frac_lower": aggregate(capped.to(ratio.dtype), mask, LossAgg.TOKEN_MEAN),
             "approx_kl": aggregate(-log_ratio, mask, LossAgg.TOKEN_MEAN),
             "ratio_mean": aggregate(ratio, mask, LossAgg.TOKEN_MEAN),
         }
     return loss, stats
+
+
+def truncated_is_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, *,
+                        cap: float) -> torch.Tensor:
+    """Truncated importance weight of each token (B, T), detached:
+
+        w = min(exp(old_logp - rollout_logp), cap)
+
+    old_logp: the trainer's log-probs of the sampled tokens before the update; rollout_logp: the
+    engine's, the policy that actually sampled them. The two differ by numerics (or by a stale
+    engine); w corrects the policy gradient for it, and `cap` bounds its variance (verl's
+    truncated importance sampling).
+    """
+    return torch.clamp(torch.exp(_float(old_logp) - _float(rollout_logp)), max=cap).detach()
+
+
+def logprob_diff(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """|old_logp - rollout_logp| over the valid tokens: (sum, max, count), float64 scalars, so
+    that sums and maxima over micro-batches and ranks give the exact mean and max."""
+    d = (_float(old_logp) - _float(rollout_logp)).abs().to(torch.float64)  # (B, T)
+    m = mask.bool()  # (B, T)
+    zero = torch.zeros((), dtype=torch.float64, device=d.device)
+    return (_masked_sum(d, m), torch.where(m, d, zero).max() if m.any() else zero,
+            m.sum().to(torch.float64))
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -102,7 +102,7 @@ class Critic:
             share = float(b["mask"].sum()) / global_tokens
             (loss * share * dp).backward()
             total += float(loss) * share
-        t = torch.tensor([total])
+        t = torch.tensor([total], device=self.device)
         dist.all_reduce(t, group=self.parallel.world_group)
         applied, grad_norm = self.state.step()
         return {"critic/loss": float(t), "critic/grad_norm": grad_norm}

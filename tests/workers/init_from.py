@@ -31,7 +31,8 @@ sys.path.insert(0, REPO)
 
 from flexfloor.config import load_config  # noqa: E402
 from flexfloor.convert.hf_reference import tiny_hf_model  # noqa: E402
-from flexfloor.coordinator import Job, _warm_start_key  # noqa: E402
+from flexfloor.coordinator import Job  # noqa: E402
+from flexfloor.trainer.warm_start import warm_start_key  # noqa: E402
 from flexfloor.data import make_synthetic_prompts, register_reward, write_examples  # noqa: E402
 from flexfloor.model import forward_logits  # noqa: E402
 from tools.convert_checkpoint import main as convert_cli  # noqa: E402
@@ -43,6 +44,7 @@ SMALL = [  # 2 workers, one small GRPO step, no warm start, full lr at once
     "parallel.world_size=2", "parallel.expert_parallel_size=2", "trainer.steps=1",
     "trainer.prompts_per_step=4", "trainer.micro_batch_size=4", "trainer.ppo_epochs=1",
     "trainer.sft_warmup_steps=0", "trainer.lr_warmup_steps=0", f"data.train_files=[{DATA}]",
+    "data.val_size=0",  # the YAML's held-out split is for its synthetic task
     "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16", "rollout.progress=false",
     "logging.tensorboard=false", "logging.timeline_plot=false", f"logging.run_dir={OUT}/run",
 ]
@@ -121,7 +123,7 @@ def main():
     res["changed"] = not same(w0, w1)
     res["reference_is_init"] = same(w0, weights(j.reference))
     res["warm_start_key_differs"] = (
-        _warm_start_key(j.cfg) != _warm_start_key(load_config(RUN_YAML, SMALL).resolve_world(2)))
+        warm_start_key(j.cfg) != warm_start_key(load_config(RUN_YAML, SMALL).resolve_world(2)))
     j.parallel.destroy()
 
     # 2. checkpoint.dir/latest exists now: the resume wins over init_from

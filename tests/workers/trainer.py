@@ -1,6 +1,8 @@
 """Trainer cases on 2 gloo workers, one launch: GRPO steps change the weights with finite losses;
 a step after a static rollout equals one after an elastic rollout; resume after step k equals
-the uninterrupted run at step k+1.
+the uninterrupted run at step k+1; PPO; the trainer's log-probs against the engine's at T = 1
+and T = 0.7, truncated IS; validation on held-out prompts at its interval; the reduced gradient
+of a GRPO step on 2 workers against the single-process gradient of the same batch.
 
 Usage: torchrun --nproc-per-node 2 tests/workers/trainer.py OUT_DIR
 """
@@ -17,6 +19,9 @@ import dataclasses
 from flexfloor.config import load_config
 from flexfloor.coordinator import Job
 from flexfloor.data import make_synthetic_prompts, register_reward, write_examples
+from flexfloor.model import build_model, causal_positions
+from flexfloor.trainer import algorithms as alg
+from flexfloor.trainer.actor import pad_batch, place_per_token
 
 OUT = sys.argv[1]
 BASE = [
@@ -34,6 +39,7 @@ def sevens(response: str, ground_truth: str) -> float:
 
 
 DATA = os.path.join(OUT, "sevens.parquet")
+VAL = os.path.join(OUT, "sevens_val.parquet")
 
 
 def job(*overrides):
@@ -108,6 +114,65 @@ def main():
     j.step()
     res["ppo_resume_equals_uninterrupted"] = same(weights(j), ppo_w2)
     j.parallel.destroy()
+
+    # 5. the trainer's old log-probs are the engine's (same tokens, fp32) at T = 1 (case 1) and
+    #    T = 0.7, with truncated IS (weights ~1 then); an actor that dropped the temperature
+    #    (step 2, the bug put back) would be far off
+    res["diff_t1"] = [m1["rollout/logprob_diff_mean"], m1["rollout/logprob_diff_max"]]
+    j = job("rollout.temperature=0.7", "trainer.rollout_is=truncated", "trainer.rollout_is_cap=2.0")
+    w = weights(j)
+    m = j.step()
+    res["diff_t07"] = [m["rollout/logprob_diff_mean"], m["rollout/logprob_diff_max"]]
+    res["is_weight_mean"] = m["actor/is_weight_mean"]
+    res["is_changed"] = not same(w, weights(j))
+    j.actor.temperature = 1.0  # the bug: log-probs of the raw logits
+    res["diff_t07_dropped"] = j.step()["rollout/logprob_diff_max"]
+    j.parallel.destroy()
+
+    # 6. the reduced gradient of a GRPO step on 2 data-parallel workers (micro-batches of 4)
+    #    equals the single-process gradient of the whole batch in one forward/backward
+    j = job("parallel.expert_parallel_size=1", "elastic.release_policy=static",
+            "trainer.clip_grad=0", "trainer.ppo_epochs=1")
+    single = build_model(j.cfg.model, j.parallel)  # unwrapped, no process group in its math
+    single.load_state_dict(j.model.state_dict())
+    roll = j.rollout(j.next_prompt_groups(), 1)
+    samples = j.advantages(roll.results, j.rewards(roll.results))
+    j.train(samples)  # the job's own split, micro-batches, loss scaling and DDP all-reduce
+    b = pad_batch(samples, device=j.parallel.device)
+    logits = single(b["tokens"], causal_positions(b["tokens"]), attention_mask=None)
+    logp = alg.token_logprobs(logits[:, :-1, : j.tokenizer.vocab_size].float(), b["tokens"][:, 1:])
+    adv = place_per_token(samples, [[s.advantage] * len(s.response_ids) for s in samples], logp)
+    loss, _ = alg.policy_loss(logp, logp.detach(), adv, b["mask"], clip_eps=0.2, agg="token_mean")
+    loss.backward()
+    reduced = dict(j.model.named_parameters())
+    diff = max(float((p.grad - reduced[n].main_grad).abs().max())
+               for n, p in single.named_parameters())
+    scale = max(float(p.grad.abs().max()) for p in single.parameters())
+    res["grad_diff"], res["grad_scale"] = diff, scale
+    res["nonzero_advantages"] = sum(1 for s in samples if s.advantage != 0)
+    j.parallel.destroy()
+
+    # 7. validation on held-out files every 2 steps and at the end; never trained on
+    val = [dataclasses.replace(e, data_source="test/sevens", uid=1000 + e.uid)
+           for e in make_synthetic_prompts(40, 0)[16:]]
+    if dist.get_rank() == 0:
+        write_examples(val, VAL)
+    dist.barrier()
+    j = job("trainer.steps=3", "trainer.val_interval=2", f"data.val_files=[{VAL}]",
+            f"logging.run_dir={OUT}/val_run")
+    res["val_steps"] = [sorted(k for k in j.step() if k.startswith("val/")) for _ in range(3)]
+    train_prompts = {e.prompt for e in j.examples}
+    res["val_disjoint"] = not train_prompts & {e.prompt for e in j.val_examples}
+    res["val_count"] = len(j.val_examples)
+    res["val_in_file"] = len(val)
+    seen = set(j.scheduler.history.lengths)  # the uids whose responses were trained on
+    res["trained_uids_are_train"] = seen <= {e.uid for e in j.examples}
+    res["trained_no_val_uid"] = not seen & {e.uid for e in j.val_examples}
+    j.parallel.destroy()
+    if dist.get_rank() == 0:
+        with open(f"{OUT}/val_run/metrics.jsonl") as f:
+            res["val_lines"] = [sorted(k for k in json.loads(line) if k.startswith("val/"))
+                                for line in f]
 
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, res)
