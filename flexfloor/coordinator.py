@@ -30,8 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexfloor.checkpoint import (CheckpointError, iter_name, load_checkpoint, read_meta,
-                                  resolve_checkpoint, rng_state, save_checkpoint, set_rng_state)
+from flexfloor.checkpoint import (CheckpointError, hold_checkpoint_dir, iter_name,
+                                  load_checkpoint, read_meta, resolve_checkpoint, rng_state,
+                                  save_checkpoint, set_rng_state)
 from flexfloor.config import Algorithm, Config, NanPolicy, Resume, config_to_dict
 from flexfloor.data import compute_score, load_prompts, sft_response
 from flexfloor.faults import FaultPhase, inject
@@ -121,6 +122,9 @@ class Job:
         self.on_release_event: ReleaseListener | None = None
         with self.phase("set-up"):
             self._set_up(cfg)
+            self.dir_lock = (hold_checkpoint_dir(cfg.checkpoint.dir, rank=self.rank,
+                                                 say=lambda t: print(f"[flexfloor] {t}"))
+                             if cfg.checkpoint.dir else None)
         start, init_from = self._start_checkpoint(), cfg.checkpoint.init_from
         with self.phase("checkpoint load"):
             if start:
@@ -189,11 +193,15 @@ class Job:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self) -> None:
+    def run(self, stop=None) -> None:
+        """The whole run; `stop()` (every rank, after each step: flexfloor.preemption) ends it
+        early, the run then unfinished (`done()` False)."""
         if self.needs_warm_start():
             self.warm_start()
         while not self.done():
             self.step()
+            if stop is not None and not self.done() and stop():
+                return
         self.log.close(self)
 
     def needs_warm_start(self) -> bool:
@@ -501,6 +509,8 @@ class Job:
         self.step_index = step
 
     def close(self) -> None:
+        if self.dir_lock is not None:
+            self.dir_lock.release()
         self.parallel.destroy()
 
     def _encode_prompt(self, example) -> tuple[int, ...]:

@@ -216,3 +216,176 @@ def test_nan_loss_skips_loudly(job_errors):
 
 def test_orphan_checkpoint_newer_than_latest_is_replaced(job_errors):
     assert job_errors["nan_skip"]["orphan_replaced"] is True
+
+
+# ------------------------------------------------- config files (issue 17: read before workers)
+
+
+def _yaml(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def config_file_error(path, *overrides) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, list(overrides))
+    return e.value
+
+
+def test_yaml_syntax_error_names_file_line_column(tmp_path):
+    path = _yaml(tmp_path, "trainer:\n  steps: [3\n")
+    e = config_file_error(path)
+    assert str(e).startswith(f"{path}:3:1: expected ',' or ']'") and "fix the YAML syntax" in str(e)
+
+
+def test_yaml_tab_names_file_line_column(tmp_path):
+    path = _yaml(tmp_path, "trainer:\n\tsteps: 3\n")
+    e = config_file_error(path)
+    assert e.field == f"{path}:2:1" and "indent with spaces" in str(e)
+
+
+def test_yaml_duplicate_key_refused(tmp_path):
+    path = _yaml(tmp_path, "trainer:\n  steps: 3\n  lr: 1.0e-4\n  steps: 4\n")
+    e = config_file_error(path)
+    assert e.field == "trainer.steps"
+    assert f"set twice, at {path}:2:3 and {path}:4:3; keep one of them" in str(e)
+    e = config_file_error(_yaml(tmp_path, "trainer: {steps: 3}\ntrainer: {lr: 1.0}\n", "s.yaml"))
+    assert e.field == "trainer" and "set twice" in str(e)
+
+
+def test_config_path_is_a_directory_or_missing(tmp_path):
+    e = config_file_error(str(tmp_path))
+    assert e.field == "--config" and "is a directory; give a YAML file" in str(e)
+    e = config_file_error(str(tmp_path / "nope.yaml"))
+    assert e.field == "--config" and "does not exist" in str(e)
+
+
+def test_non_finite_numbers_refused_by_field(tmp_path):
+    e = config_error("parallel.timeout_s=.inf")
+    assert e.field == "parallel.timeout_s" and "must be a finite number, got inf" in str(e)
+    e = config_file_error(_yaml(tmp_path, "trainer:\n  lr: .nan\n"))
+    assert e.field == "trainer.lr" and "finite" in str(e)
+
+
+def test_suggestions_can_be_followed():
+    """model.max_seq_len=50 (under data.max_prompt_len=128) must not suggest a negative
+    rollout.max_new_tokens; following the suggestion gives a valid config."""
+    e = config_error("model.max_seq_len=50")
+    assert e.field == "data.max_prompt_len" and "-" not in str(e).split(";", 1)[1]
+    assert "data.max_prompt_len=25 rollout.max_new_tokens=25" in str(e)
+    load_config(None, ["model.max_seq_len=50", "data.max_prompt_len=25",
+                       "rollout.max_new_tokens=25"])
+    e = config_error("model.max_seq_len=200")
+    assert e.field == "rollout.max_new_tokens" and "rollout.max_new_tokens <= 72" in str(e)
+    load_config(None, ["model.max_seq_len=200", "rollout.max_new_tokens=72"])
+    # YAML 1.1 reads off/on as bools: an enum that has the word takes it
+    assert load_config(None, ["checkpoint.resume=off"]).checkpoint.resume.value == "off"
+
+
+def test_example_script_config_error_exits_2_printed_once(tmp_path):
+    """`bash examples/grpo_moe.sh` checks the config once before torchrun starts any worker."""
+    env = dict(os.environ, NPROC="4", RUN_DIR=str(tmp_path / "run"))
+    for bad, says in (("trainer.stesp=3", "trainer.stesp: unknown key; did you mean 'steps'?"),
+                      ("parallel.timeout_s=.inf", "parallel.timeout_s: must be a finite number")):
+        proc = subprocess.run(["bash", os.path.join(REPO, "examples", "grpo_moe.sh"), bad],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.count("config error:") == 1 and says in proc.stderr, proc.stderr
+        assert "torch.distributed" not in proc.stderr + proc.stdout  # no worker started
+    proc = subprocess.run(["bash", os.path.join(REPO, "examples", "grpo_moe.sh")],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(env, CONFIG=str(tmp_path)))
+    assert proc.returncode == 2 and "is a directory; give a YAML file" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------- parquet cells (issue 17)
+
+
+def _prompts_file(tmp_path, prompts, name="p.parquet"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "x", "prompt": p, "reward_model": {"style": "rule",
+             "ground_truth": "1"}, "extra_info": {"index": i, "split": "train"}}
+            for i, p in enumerate(prompts)]
+    path = tmp_path / name
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)
+
+
+def test_parquet_type_error_names_file_row_and_column(tmp_path):
+    from flexfloor.data import read_examples
+
+    path = _prompts_file(tmp_path, [5, 6])
+    with pytest.raises(ValueError) as e:
+        read_examples(path)
+    assert str(e.value).startswith(f"{path} row 0, column prompt: expected a list of chat "
+                                   "messages")
+    assert "got int 5" in str(e.value)
+
+
+def test_parquet_plain_string_prompt_is_the_prompt_text(tmp_path):
+    from flexfloor.data import read_examples
+
+    (ex,) = read_examples(_prompts_file(tmp_path, ["what is 1+1?"]))
+    assert ex.prompt == "what is 1+1?"  # not iterated character by character
+
+
+def test_parquet_empty_prompt_refused_by_row(tmp_path):
+    from flexfloor.data import read_examples
+
+    chat = ([{"role": "user", "content": "1+1="}], [{"role": "user", "content": "  "}])
+    for name, prompts in (("chat", chat), ("text", ("1+1=", ""))):  # one type per column
+        path = _prompts_file(tmp_path, list(prompts), name=f"{name}.parquet")
+        with pytest.raises(ValueError) as e:
+            read_examples(path)
+        assert f"{path} row 1, column prompt: the prompt is empty" in str(e.value)
+
+
+# ------------------------------------------------------ checkpoint.dir at start-up (issue 17)
+
+
+def test_checkpoint_dir_not_writable_refused_at_start(tmp_path):
+    from flexfloor.checkpoint import CheckpointError, lock_checkpoint_dir
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError) as e:
+        lock_checkpoint_dir(str(tmp_path / "file" / "ckpt"), print)
+    assert f"checkpoint.dir={tmp_path / 'file' / 'ckpt'} cannot hold checkpoints" in str(e.value)
+    assert "NotADirectoryError" in str(e.value)
+    made = tmp_path / "new" / "ckpt"
+    lock = lock_checkpoint_dir(str(made), print)  # created, probed, locked
+    assert sorted(os.listdir(made)) == ["flexfloor.lock"]
+    lock.release()
+    assert os.listdir(made) == []
+
+
+def test_second_job_on_a_checkpoint_dir_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    from flexfloor.checkpoint import CheckpointError, lock_checkpoint_dir
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = tmp_path / "flexfloor.lock"
+        lock.write_text(json.dumps({"host": os.uname().nodename, "pid": other.pid,
+                                    "started": "2026-01-01T00:00:00Z"}))
+        with pytest.raises(CheckpointError) as e:
+            lock_checkpoint_dir(str(tmp_path), print)
+        assert (f"is in use by another job (pid {other.pid} on host {os.uname().nodename}, "
+                "started 2026-01-01T00:00:00Z") in str(e.value)
+        assert "use another checkpoint.dir or stop that job" in str(e.value)
+    finally:
+        other.kill()
+        other.wait()
+    said = []
+    mine = lock_checkpoint_dir(str(tmp_path), said.append)  # its process is gone: stale
+    assert said == [f"checkpoint.dir: took over the stale lock of pid {other.pid} on host "
+                    f"{os.uname().nodename}, started 2026-01-01T00:00:00Z (that process is gone)"]
+    owner = json.loads(lock.read_text())
+    assert owner["pid"] == os.getpid() and owner["host"] == os.uname().nodename
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "x"}))
+    with pytest.raises(CheckpointError, match="locked by another job .pid 1 on host elsewhere"):
+        lock_checkpoint_dir(str(tmp_path), print)
+    mine.release()  # not ours any more: left alone
+    assert lock.exists()
