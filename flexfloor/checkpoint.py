@@ -76,7 +76,11 @@ def _io(what: str, path: str, fix: str):
     except (CheckpointError, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-        raise CheckpointError(f"{what} {path} failed: {root_cause(e)}; {fix}") from e
+        try:  # a full disk often surfaces as a torch serializer error, not as Errno 28
+            free = f" ({shutil.disk_usage(os.path.dirname(path)).free / 2**20:.0f} MiB free there)"
+        except OSError:
+            free = ""
+        raise CheckpointError(f"{what} {path} failed{free}: {root_cause(e)}; {fix}") from e
 
 
 def iter_name(step: int) -> str:
