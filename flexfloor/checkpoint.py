@@ -366,13 +366,16 @@ def _read_lock(path: str) -> Optional[dict]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (a zombie, killed but not yet reaped by its
+    parent, does not)."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:  # someone else's live process
+    except psutil.Error:  # e.g. access denied: it exists
         return True
-    return True
 
 
 def lock_checkpoint_dir(directory: str, say) -> DirLock:
