@@ -3,16 +3,21 @@
 # ppo_moe.sh. Environment: CONFIG, NPROC (4), STEPS, RUN_DIR, MASTER_PORT, MAX_RESTARTS (0: a
 # lost worker ends the job; N: torchrun restarts it up to N times and it resumes from
 # checkpoint.dir, see docs/reliability.md); extra arguments are section.field=value overrides.
+# Exit codes: 0 done, 2 a bad config (checked once, before any worker starts), 75 preempted
+# (SIGTERM/SIGINT: the step in progress was saved; run the same command again), 1 a failure.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/tools/setup_env.sh"
 cd "$FLEXFLOOR_ROOT"
 NPROC="${NPROC:-4}"
 CONFIG="${CONFIG:?set CONFIG to a YAML file}"
 RUN_DIR="${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)_$(date +%Y%m%d_%H%M%S)}"
-extra=()
-[ -n "${STEPS:-}" ] && extra+=("trainer.steps=$STEPS")
+args=(--config "$CONFIG" "parallel.world_size=$NPROC" "parallel.expert_parallel_size=$NPROC"
+      "logging.run_dir=$RUN_DIR")
+[ -n "${STEPS:-}" ] && args+=("trainer.steps=$STEPS")
+args+=("$@")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python -m torch.distributed.run --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-0}" --master-addr 127.0.0.1 \
+# the config once, here: an error is printed once (not by every worker) and exits 2
+WORLD_SIZE="$NPROC" python -m flexfloor.train --check-config "${args[@]}" || exit $?
+exec python -m torch.distributed.run --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-0}" --master-addr 127.0.0.1 \
   --master-port "${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}" \
-  -m flexfloor.train --config "$CONFIG" "parallel.world_size=$NPROC" "parallel.expert_parallel_size=$NPROC" \
-  "logging.run_dir=$RUN_DIR" "${extra[@]}" "$@"
+  -m flexfloor.train "${args[@]}"

@@ -19,12 +19,13 @@ present with its size and checksum) and the model shape before reading a single 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Optional
 
 import numpy as np
@@ -40,7 +41,46 @@ LATEST_FILE = "latest"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, incomplete, corrupted or of another model."""
+    """A checkpoint that cannot be used: missing, incomplete, corrupted or of another model; or
+    a save or load that failed (disk full, permissions), whatever the exception class."""
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost reason of a failed save/load on one line: torch's `CheckpointException`
+    (a BaseException) wraps each rank's error with its traceback; Megatron's writer chains them."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            parts.append(f"rank {rank}: {root_cause(inner)}")
+        return "; ".join(parts)
+    while exc.__cause__ is not None or (exc.__context__ is not None
+                                        and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+_SAVE_FIX = ("free space or fix the permissions of checkpoint.dir (the last complete checkpoint "
+             "is kept)")
+_LOAD_FIX = "check the files or load an earlier checkpoint"
+
+
+@contextlib.contextmanager
+def _io(what: str, path: str, fix: str):
+    """Any failure of a save or load, whatever its class, leaves as one CheckpointError that
+    names the cause (`Errno 28`, a permission) and the fix. An interrupt stays an interrupt."""
+    try:
+        yield
+    except (CheckpointError, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        try:  # a full disk often surfaces as a torch serializer error, not as Errno 28
+            free = f" ({shutil.disk_usage(os.path.dirname(path)).free / 2**20:.0f} MiB free there)"
+        except OSError:
+            free = ""
+        raise CheckpointError(f"{what} {path} failed{free}: {root_cause(e)}; {fix}") from e
 
 
 def iter_name(step: int) -> str:
@@ -175,11 +215,12 @@ def save_checkpoint(
             )
         os.makedirs(tmp)
     _barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    if _is_rank0():
-        torch.save(extra_state or {}, os.path.join(tmp, EXTRA_FILE))
+    with _io("saving", tmp, _SAVE_FIX):
+        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
+        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        if _is_rank0():
+            torch.save(extra_state or {}, os.path.join(tmp, EXTRA_FILE))
     inject(FaultPhase.SAVE, rank, step)
     _barrier()
     if _is_rank0():
@@ -278,20 +319,141 @@ def load_checkpoint(
     if verify:
         _verify_manifest(directory, meta)
     _barrier()
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), directory)
-    model.load_state_dict(state["model"], strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rng_file = os.path.join(directory, f"rng_rank{rank}.pt")
-    if os.path.exists(rng_file):  # absent when resumed on more ranks than saved
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    extra = torch.load(os.path.join(directory, EXTRA_FILE), weights_only=False)
+    with _io("loading", directory, _LOAD_FIX):
+        state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True),
+                                        directory)
+        model.load_state_dict(state["model"], strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        rng_file = os.path.join(directory, f"rng_rank{rank}.pt")
+        if os.path.exists(rng_file):  # absent when resumed on more ranks than saved
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        extra = torch.load(os.path.join(directory, EXTRA_FILE), weights_only=False)
     return meta["step"], extra
+
+
+# --------------------------------------------------------------------------------------------
+# start-up: the directory is writable and this job holds it
+
+LOCK_FILE = "flexfloor.lock"
+
+
+@dataclass(frozen=True)
+class DirLock:
+    """`checkpoint.dir/flexfloor.lock`, held by rank 0 of the job for the whole run."""
+
+    path: str
+    host: str
+    pid: int
+    started: str  # ISO time, UTC
+
+    def release(self) -> None:
+        """Remove the lock if it is still this job's (a job that took it over keeps it)."""
+        if _read_lock(self.path) == {"host": self.host, "pid": self.pid, "started": self.started}:
+            os.remove(self.path)
+
+
+def _read_lock(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+        return {k: owner[k] for k in ("host", "pid", "started")}
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return {"host": "?", "pid": -1, "started": "?"}  # torn by a crash while written: stale
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (a zombie, killed but not yet reaped by its
+    parent, does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # e.g. access denied: it exists
+        return True
+
+
+def lock_checkpoint_dir(directory: str, say) -> DirLock:
+    """Create `directory`, prove that it takes a file (write, fsync, delete) and take its lock.
+
+    Runs on one process (rank 0) before the first step, so a directory that cannot hold a
+    checkpoint fails at start-up, not at the first save. A lock whose process is gone (a killed
+    job, the previous attempt of a restarted one) is taken over, and `say` logs it; a live one
+    (or one of another host, whose process cannot be checked) refuses the start, naming it.
+    """
+    import socket
+    import time
+
+    field = f"checkpoint.dir={directory}"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".probe.{socket.gethostname()}.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("flexfloor write probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(
+            f"{field} cannot hold checkpoints ({type(e).__name__}: {e}); give a directory this "
+            "job can create and write (or fix its permissions or free space)") from None
+    me = DirLock(os.path.join(directory, LOCK_FILE), socket.gethostname(), os.getpid(),
+                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    text = json.dumps({"host": me.host, "pid": me.pid, "started": me.started})
+    while True:
+        try:
+            fd = os.open(me.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            owner = _read_lock(me.path)
+            if owner is None:  # released meanwhile
+                continue
+            who = f"pid {owner['pid']} on host {owner['host']}, started {owner['started']}"
+            if (owner["host"], owner["pid"]) == (me.host, me.pid):  # an earlier Job of ours
+                os.remove(me.path)
+                continue
+            if owner["host"] not in (me.host, "?"):
+                raise CheckpointError(
+                    f"{field} is locked by another job ({who}, {me.path}); use another "
+                    "checkpoint.dir, or remove the lock file if that job is gone") from None
+            if owner["pid"] != -1 and _pid_alive(owner["pid"]):
+                raise CheckpointError(
+                    f"{field} is in use by another job ({who}, {me.path}); use another "
+                    "checkpoint.dir or stop that job") from None
+            os.remove(me.path)
+            say(f"checkpoint.dir: took over the stale lock of {who} (that process is gone)")
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        return me
+
+
+def hold_checkpoint_dir(directory: str, *, rank: int, group=None, say=print) -> Optional[DirLock]:
+    """`lock_checkpoint_dir` on rank 0; every rank raises its refusal (none waits on a rank that
+    failed). Returns the lock on rank 0, None elsewhere."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = lock_checkpoint_dir(directory, say)
+        except CheckpointError as e:
+            error = str(e)
+    box = [error]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0, group=group)
+    if box[0] is not None:
+        raise CheckpointError(box[0])
+    return lock
 
 
 __all__ = [
     "CheckpointError",
+    "DirLock",
+    "hold_checkpoint_dir",
+    "lock_checkpoint_dir",
     "save_checkpoint",
     "load_checkpoint",
     "resolve_checkpoint",

@@ -30,6 +30,8 @@ import copy
 import dataclasses
 import difflib
 import enum
+import math
+import os
 import re
 import types
 import typing
@@ -410,10 +412,13 @@ class CheckpointConfig:
     init_from: str | None = None
     keep_last: int = 2  # older checkpoints are deleted
     resume: Resume = Resume.AUTO  # auto: checkpoint.dir/latest, when present, wins over load
+    # SIGTERM/SIGINT: the step in progress and a checkpoint must be done within this many
+    # seconds of the signal (flexfloor/preemption.py); else the worker exits 1 without one
+    preempt_grace_s: float = 60.0
 
     def validate(self) -> None:
         _non_negative("checkpoint", self, "save_interval")
-        _positive("checkpoint", self, "keep_last")
+        _positive("checkpoint", self, "keep_last", "preempt_grace_s")
         _require(not (self.load and self.init_from), "checkpoint.init_from",
                  f"{self.init_from!r} and checkpoint.load={self.load!r} are both set; "
                  "checkpoint.load resumes a training run (optimizer, step, data), "
@@ -470,10 +475,18 @@ class Config:
                      f"{self.elastic.min_active_ranks} is more than the {ep} EP ranks "
                      f"(parallel.expert_parallel_size); set elastic.min_active_ranks <= {ep}")
         longest = self.data.max_prompt_len + r.max_new_tokens
+        room = m.max_seq_len - self.data.max_prompt_len  # new tokens that fit after a prompt
+        split = (f"keep data.max_prompt_len + rollout.max_new_tokens <= {m.max_seq_len} (e.g. "
+                 f"data.max_prompt_len={(m.max_seq_len + 1) // 2} rollout.max_new_tokens="
+                 f"{m.max_seq_len // 2}) or " if m.max_seq_len >= 2 else "")
+        _require(room >= 1, "data.max_prompt_len",
+                 f"prompts of up to {self.data.max_prompt_len} tokens leave no room for a "
+                 f"response in model.max_seq_len={m.max_seq_len}; {split}raise "
+                 f"model.max_seq_len to at least {longest}")
         _require(longest <= m.max_seq_len, "rollout.max_new_tokens",
                  f"{r.max_new_tokens} new tokens after prompts of up to data.max_prompt_len="
                  f"{self.data.max_prompt_len} exceed model.max_seq_len={m.max_seq_len}; set "
-                 f"rollout.max_new_tokens <= {m.max_seq_len - self.data.max_prompt_len}")
+                 f"rollout.max_new_tokens <= {room}")
         if r.kv_budget_tokens is not None:
             bt = r.kv_block_tokens
             whole = -(-longest // bt) * bt  # the KV pool counts whole blocks
@@ -558,6 +571,9 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, tp):
             return value
         allowed = [e.value for e in tp]
+        if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as bools
+            words = ("on", "yes", "true") if value else ("off", "no", "false")
+            value = next((w for w in words if w in allowed), value)
         if value not in allowed:
             raise ConfigError(name, f"{value!r} is not allowed; use one of: {', '.join(allowed)}")
         return tp(value)
@@ -571,6 +587,9 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ConfigError(name, f"expected {tp.__name__}, got {type(value).__name__} "
                           f"{value!r}; {_TYPE_HINTS[tp]}")
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(name, f"must be a finite number, got {value!r}; write a number such "
+                          "as 0.5 or 1e-5 (.inf and .nan are not accepted)")
     return value
 
 
@@ -645,12 +664,61 @@ def _apply_override(tree: dict, override: str) -> None:
     node[path[-1]] = value
 
 
+def _where(path: str, mark) -> str:
+    """`file:line:column` (1-based) of a YAML node or error mark."""
+    return f"{path}:{mark.line + 1}:{mark.column + 1}"
+
+
+def _check_duplicate_keys(node, path: str, prefix: str = "") -> None:
+    """YAML keeps the last of two equal keys without a word; a config must not."""
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key is not None and key in seen:
+            raise ConfigError(name, f"is set twice, at {_where(path, seen[key])} and "
+                              f"{_where(path, key_node.start_mark)}; keep one of them")
+        if key is not None:
+            seen[key] = key_node.start_mark
+        _check_duplicate_keys(value_node, path, name)
+
+
+def _read_yaml(path: str) -> Any:
+    """The YAML file's data; every problem (missing, a directory, bad syntax, a key set twice)
+    is a ConfigError that says where (file:line:column) and what to do."""
+    if os.path.isdir(path):
+        raise ConfigError("--config", f"{path} is a directory; give a YAML file, e.g. "
+                          "examples/configs/grpo_tiny.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError("--config", f"{path} does not exist; give the path of a YAML file, "
+                          "e.g. examples/configs/grpo_tiny.yaml") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("--config", f"{path} cannot be read as text ({e}); give a YAML "
+                          "file") from None
+    try:
+        _check_duplicate_keys(yaml.compose(text, Loader=_YamlLoader), path)
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = _where(path, mark) if mark is not None else path
+        problem = " ".join(str(e.problem or e.context or e).split())
+        hint = ("indent with spaces: YAML does not accept tabs" if "'\\t'" in problem
+                else "fix the YAML syntax there")
+        raise ConfigError(where, f"{problem}; {hint}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(path, f"not valid YAML ({e}); fix the syntax") from None
+
+
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     """Read YAML at `path` (None = defaults), apply `section.field=value` overrides, validate."""
     tree: Any = {}
     if path is not None:
-        with open(path) as f:
-            tree = yaml.load(f, Loader=_YamlLoader)
+        tree = _read_yaml(path)
         if tree is None:
             tree = {}
         if not isinstance(tree, dict):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 
-from flexfloor.checkpoint import iter_name
+from flexfloor.checkpoint import hold_checkpoint_dir, iter_name
 from flexfloor.config import Algorithm, Config, NanPolicy, config_to_dict
 from flexfloor.data import Scorer, load_data
 from flexfloor.data.cursor import DataCursor
@@ -101,6 +101,9 @@ class Job:
         self.on_release_event: ReleaseListener | None = None
         with self.phase("set-up"):
             self._set_up(cfg)
+            self.dir_lock = (hold_checkpoint_dir(cfg.checkpoint.dir, rank=self.rank,
+                                                 say=lambda t: print(f"[flexfloor] {t}"))
+                             if cfg.checkpoint.dir else None)
         start, init_from = self.checkpoints.start_point(), cfg.checkpoint.init_from
         with self.phase("checkpoint load"):
             if start.kind == Start.RESUME:
@@ -180,11 +183,15 @@ class Job:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self) -> None:
+    def run(self, stop=None) -> None:
+        """The whole run; `stop()` (every rank, after each step: flexfloor.preemption) ends it
+        early, the run then unfinished (`done()` False)."""
         if self.needs_warm_start():
             self.warm_start()
         while not self.done():
             self.step()
+            if stop is not None and not self.done() and stop():
+                return
         self.log.close()
 
     def needs_warm_start(self) -> bool:
@@ -396,6 +403,8 @@ class Job:
         self.step_index = step
 
     def close(self) -> None:
+        if self.dir_lock is not None:
+            self.dir_lock.release()
         self.parallel.destroy()
 
     def _encode_prompt(self, example) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 
     FLEXFLOOR_FAULT="PHASE:RANK:STEP[:ENGINE_STEP][,PHASE:RANK:STEP[:ENGINE_STEP]...]"
 
-The i-th fault of the list kills (SIGKILL, like a lost machine) rank RANK when it reaches PHASE
+The i-th fault of the list kills (SIGKILL, like a lost machine; or preempts, SIGTERM) rank RANK when it reaches PHASE
 of training step STEP (1-based, as logged), on launch attempt i only
 (`TORCHELASTIC_RESTART_COUNT == i`): a job restarted by `torchrun --max-restarts` meets the next
 fault of the list, or none. Where each phase fires:
@@ -13,6 +13,8 @@ fault of the list, or none. Where each phase fires:
     resync   a rank released early, as it starts waiting for the survivors at resync
     train    after the old log-probs are computed, before the policy update's collectives
     save     after this rank's shards of the checkpoint are written, before it is complete
+    sigterm  where `rollout` fires, but sends SIGTERM once instead of SIGKILL: a preemption
+             (flexfloor/preemption.py: the step finishes, is saved, the worker exits 75)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class FaultPhase(enum.Enum):
     RESYNC = "resync"
     TRAIN = "train"
     SAVE = "save"
+    SIGTERM = "sigterm"  # at the rollout hook
 
 
 @dataclass(frozen=True)
@@ -69,14 +72,20 @@ def planned() -> Optional[Fault]:
     return faults[attempt] if attempt < len(faults) else None
 
 
+_sent: set = set()  # SIGTERM faults already sent by this process (a kill needs no record)
+
+
 def inject(phase: FaultPhase, rank: int, step: Optional[int], engine_step: int = 0) -> None:
-    """SIGKILL this process if the planned fault is here."""
+    """SIGKILL (or SIGTERM) this process if the planned fault is here."""
     f = planned()
-    if f is None or f.phase != phase or f.rank != rank or f.step != step:
+    if f is None or f.rank != rank or f.step != step or f in _sent:
         return
-    if phase == FaultPhase.ROLLOUT and engine_step < f.engine_step:
+    hook = FaultPhase.ROLLOUT if f.phase == FaultPhase.SIGTERM else f.phase
+    if hook != phase or (phase == FaultPhase.ROLLOUT and engine_step < f.engine_step):
         return
+    sig = signal.SIGTERM if f.phase == FaultPhase.SIGTERM else signal.SIGKILL
     at = f", engine step {engine_step}" if phase == FaultPhase.ROLLOUT else ""
-    print(f"[flexfloor] fault injection: SIGKILL rank {rank} in phase '{phase.value}', step "
+    print(f"[flexfloor] fault injection: {sig.name} rank {rank} in phase '{phase.value}', step "
           f"{step}{at}", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    _sent.add(f)
+    os.kill(os.getpid(), sig)

@@ -175,13 +175,17 @@ class Parallel:
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:
-    """init_process_group arguments that give this launch attempt its own keys in torchrun's
-    agent store.
+    """init_process_group arguments that give this launch attempt, and each build of a world in
+    it, its own keys in torchrun's agent store.
 
     torchrun's static rendezvous (`--master-addr/--master-port`) keeps one store for the whole
     job, and process groups name their keys by a counter that starts again in every attempt: after
     a restart (`--max-restarts`) the new workers would read the dead ones' addresses and fail to
     connect (or wait out the timeout). A prefix with TORCHELASTIC_RESTART_COUNT separates them.
+    The same holds inside one attempt when a process builds again after `Parallel.destroy()`
+    (convert or evaluate two models in one script): gloo's connectFullMesh would dial the first
+    world's closed sockets. So the prefix also holds the build's number, which every rank reads
+    from the store (the k-th build of each rank is the k-th world: a build needs every rank).
     Outside torchrun's agent store: {} (torch's own env:// rendezvous).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -189,8 +193,11 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"flexfloor/attempt_{attempt}", store),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    world_size = int(os.environ["WORLD_SIZE"])
+    build = (store.add(f"flexfloor/attempt_{attempt}/builds", 1) - 1) // world_size
+    prefix = f"flexfloor/attempt_{attempt}" + (f"/build_{build}" if build else "")
+    return {"store": dist.PrefixStore(prefix, store),
+            "rank": int(os.environ["RANK"]), "world_size": world_size}
 
 
 def _require_launcher_env() -> None:

@@ -1,10 +1,15 @@
 """Entry point: `torchrun --nproc-per-node N -m flexfloor.train --config FILE [a.b=value ...]`.
 
-Exit codes: 0 done; 2 a bad config (nothing started, nothing written); 1 any other failure,
-after one line on stderr that names the rank, the phase and the step. A failed worker exits at
-once (no teardown that could wait on a dead peer, no helper process or thread left behind), so
-torchrun sees it, stops the other workers and, with `--max-restarts`, starts them again: the job
-then resumes from the newest complete checkpoint (checkpoint.resume=auto).
+Exit codes: 0 done; 2 a bad config (nothing started, nothing written); 75 preempted (SIGTERM or
+SIGINT: the step in progress finished and saved, see flexfloor/preemption.py; run the same
+command again to resume); 1 any other failure, after one line on stderr that names the rank, the
+phase and the step. A failed worker exits at once (no teardown that could wait on a dead peer),
+so torchrun sees it, stops the other workers and, with `--max-restarts`, starts them again: the
+job then resumes from the newest complete checkpoint (checkpoint.resume=auto). No helper process
+of a worker outlives it, even after a SIGKILL (flexfloor/launch/reaper.py).
+
+`--check-config` only reads and validates the config for WORLD_SIZE workers (exit 0 or 2): the
+example scripts run it once before they start the workers, so a config error is printed once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ def main(argv=None) -> int:
         "Launch with torchrun (one process per worker).",
     )
     parser.add_argument("--config", help="YAML config (see examples/configs/)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the config for WORLD_SIZE workers and exit (0 or 2)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", module="megatron")
@@ -32,21 +39,40 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, args.overrides).resolve_world(world)
-    except (ConfigError, FileNotFoundError) as e:
+    except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.check_config:
+        return 0
+    from flexfloor.launch.reaper import start_reaper
+    from flexfloor.preemption import Preemption
+
+    start_reaper()
+    preemption = Preemption(cfg.checkpoint.preempt_grace_s, on_expired=_expired).install()
     from flexfloor.coordinator import Job
 
     try:
         job = Job(cfg)
-        job.run()
-    except Exception as e:  # noqa: BLE001 - every failure ends the same way: one line, exit 1
+        job.run(stop=lambda: preemption.requested(job.parallel))
+        if not job.done():
+            code = preemption.finish(job)
+            if job.dir_lock is not None:
+                job.dir_lock.release()
+            _exit_now(code)  # no teardown: a peer may be gone already
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - every failure ends the same way: one line, exit 1
         _fail(e)
     job.close()
     return 0
 
 
-def _fail(e: Exception) -> None:
+def _expired(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+    _exit_now(1)
+
+
+def _fail(e: BaseException) -> None:
     import torch.distributed as dist
 
     from flexfloor.checkpoint import CheckpointError

@@ -24,3 +24,21 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert seen["same_as_init"] is True  # step 1's weights, not a mix with step 2's
     assert seen["saved"] == "iter_0000002"
     assert "iter_0000002.tmp" not in seen["dirs"]  # the leftover was cleared by the next save
+
+
+def test_resume_at_another_worker_count_and_build_after_destroy(tmp_path):
+    """A run saved on 1 worker resumes on 2 and back (model and optimizer, every entry equal
+    after the load), and Parallel builds again after destroy() in one process at EP=2
+    (tests/workers/reshard.py: one 2-worker launch)."""
+    torchrun("reshard.py", 2, str(tmp_path), timeout=400)
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
+    assert res["b_loaded_step"] == 1 and res["b_ep_size"] == 2 and res["c_loaded_step"] == 2
+    for case in ("one_to_two", "two_to_one"):  # saved again right after the load: same entries
+        assert res[case]["differ"] == [], (case, res[case]["differ"][:10])
+        assert res[case]["optimizer_tensors"] >= 20 and res[case]["model_tensors"] >= 10
+    # the step trained at 2 workers moved the weights and the optimizer's moments, experts too
+    moved = set(res["trained"]["differ"])
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in moved
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight" in moved
+    assert res["b2"] == {**res["b2"], "step": 2, "ep_size": 2, "all_reduce": 2.0}

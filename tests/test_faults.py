@@ -4,16 +4,19 @@
    parallel.timeout_s), and fail with an error naming the rank, the phase and the step when a
    survivor hangs (3 gloo workers, one launch).
 2. kill -9 of one worker (a) mid-rollout before its release, (b) after its release, while it
-   waits at resync, (c) mid-training, (d) during a checkpoint save: one real `torchrun
-   --max-restarts 4 -m flexfloor.train` job meets the four faults on its first four attempts
-   (FLEXFLOOR_FAULT, flexfloor/faults.py) and resumes each time from the newest complete
-   checkpoint (checkpoint.resume=auto). Its metrics, weights and optimizer state at the last
-   step equal an uninterrupted run's bit for bit. Detection and recovery times are printed
-   (docs/reliability.md), not asserted.
+   waits at resync, (c) mid-training, (d) during a checkpoint save, then (e) SIGTERM to one
+   worker mid-rollout (a preemption): one real `torchrun --max-restarts 5 -m flexfloor.train`
+   job meets the five faults on its first five attempts (FLEXFLOOR_FAULT, flexfloor/faults.py)
+   and resumes each time from the newest complete checkpoint (checkpoint.resume=auto); after
+   (e) from the step the preemption finished and saved. Its metrics, weights and optimizer
+   state at the last step equal an uninterrupted run's bit for bit. Detection and recovery
+   times are printed (docs/reliability.md), not asserted. Once torchrun exits, no process of
+   the job is left and its output pipe closes (the dead workers' helpers are reaped).
 """
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -71,11 +74,28 @@ EXACT = ("reward/mean", "reward/solved", "response_length/mean", "response_lengt
          "rollout/steps")
 
 
-def launch(base, name, *, fault="", max_restarts=0, timeout=420):
-    """`torchrun -m flexfloor.train` as a user runs it, in base/NAME_run and base/NAME_ckpt;
-    every output line with its arrival time."""
+def job_processes(marker: str) -> list[int]:
+    """Live processes whose environment carries FLEXFLOOR_TEST_JOB=marker: the launcher, the
+    workers and every helper they started (they inherit it)."""
+    pids, want = [], f"FLEXFLOOR_TEST_JOB={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if want in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def launch(base, name, *, fault="", max_restarts=0, timeout=420, during=None):
+    """`torchrun -m flexfloor.train ... | cat` as a user runs it, in base/NAME_run and
+    base/NAME_ckpt; every output line with its arrival time, whether the pipe closed once the
+    launcher exited (nothing left holding it) and the job's processes left after that."""
+    marker = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONUNBUFFERED="1", FLEXFLOOR_FAULT=fault)
+               PYTHONUNBUFFERED="1", FLEXFLOOR_FAULT=fault, FLEXFLOOR_TEST_JOB=marker)
     cmd = [PY, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}",
            f"--max-restarts={max_restarts}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", "-m", "flexfloor.train", *JOB,
@@ -90,18 +110,35 @@ def launch(base, name, *, fault="", max_restarts=0, timeout=420):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    if during is not None:  # e.g. a killer of random workers at random times
+        threading.Thread(target=during, args=(popen, lines), daemon=True).start()
     try:
         popen.wait(timeout=timeout)
+        reader.join(timeout=30)  # EOF once no process of the job holds the pipe
+        pipe_closed = not reader.is_alive()
+        deadline = time.monotonic() + 10  # reapers end right after the helpers they kill
+        while job_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = job_processes(marker)
     finally:
-        try:  # helpers of killed workers may hold the pipe: end the whole session
+        try:  # whatever is left: end the whole session (and the leftovers)
             os.killpg(popen.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in job_processes(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         popen.wait()
         reader.join(timeout=10)
     with open(os.path.join(base, f"{name}.log"), "w") as f:
         f.write("\n".join(text for _, text in lines))
+    launch.leftovers[name] = {"pipe_closed": pipe_closed, "left": left}
     return popen.returncode, lines
+
+
+launch.leftovers = {}
 
 
 def metrics(base, name):
@@ -125,11 +162,14 @@ def runs(tmp_path_factory):
     assert early, "no rank left steps 2-3 early: change the workload of this test"
     step_b = early[0]["step"]
     steps = {m["step"]: m["rollout/steps"] for m in ref_metrics}
+    longest = steps[step_b + 2].index(max(steps[step_b + 2]))
     faults = {  # one per launch attempt, in this order
         "b": f"resync:{steps[step_b].index(min(steps[step_b]))}:{step_b}",
         "a": f"rollout:{steps[step_b + 1].index(max(steps[step_b + 1]))}:{step_b + 1}:2",
         "c": f"train:0:{step_b + 2}",
         "d": f"save:1:{step_b + 2}",
+        # (e) a preemption: SIGTERM to one rank mid-rollout; the step ends and is saved
+        "e": f"sigterm:{longest}:{step_b + 2}:2",
     }
     t0 = time.monotonic()
     rc, lines = launch(base, "faulted", fault=",".join(faults.values()), max_restarts=len(faults))
@@ -140,14 +180,17 @@ def runs(tmp_path_factory):
 
 
 def test_every_fault_was_injected_once_in_order(runs):
-    kills = [t for _, t in runs["lines"] if "fault injection: SIGKILL" in t]
-    phases = [re.search(r"phase '(\w+)'", t).group(1) for t in kills]
-    assert phases == ["resync", "rollout", "train", "save"], kills
-    # each restart resumed from the newest complete checkpoint: the one before the step of the
-    # fault; after (d), killed while saving, the one before too (the half-written one never)
+    kills = [t for _, t in runs["lines"] if "fault injection: SIG" in t]
+    phases = [re.search(r"(SIG\w+) .* phase '(\w+)'", t).groups() for t in kills]
+    assert phases == [("SIGKILL", "resync"), ("SIGKILL", "rollout"), ("SIGKILL", "train"),
+                      ("SIGKILL", "save"), ("SIGTERM", "rollout")], kills
+    # each restart resumed from the newest complete checkpoint: after a kill the one before the
+    # step of the fault; after (d), killed while saving, the one before too (the half-written
+    # one never); after the preemption (e) the step it interrupted, finished and saved
     resumed = [int(re.search(r"resumed from iter_(\d+)", t).group(1)) for _, t in runs["lines"]
                if "resumed from iter_" in t]
-    assert resumed == [int(f.split(":")[2]) - 1 for f in runs["faults"].values()]
+    step = {k: int(f.split(":")[2]) for k, f in runs["faults"].items()}
+    assert resumed == [step["b"] - 1, step["a"] - 1, step["c"] - 1, step["d"] - 1, step["e"]]
 
 
 def test_resumed_run_equals_an_uninterrupted_run(runs):
@@ -187,7 +230,8 @@ def test_record_detection_and_recovery_times(runs):
     lines = runs["lines"]
     table = {}
     kills = [(i, t) for i, (t, text) in enumerate(lines) if "fault injection: SIGKILL" in text]
-    for (case, spec), (i, t_kill) in zip(runs["faults"].items(), kills):
+    faults = {k: f for k, f in runs["faults"].items() if not f.startswith("sigterm")}
+    for (case, spec), (i, t_kill) in zip(faults.items(), kills):
         step = int(spec.split(":")[2])
         later = lines[i + 1:]
         detect = next(t for t, text in later if "[flexfloor] error:" in text
@@ -204,3 +248,109 @@ def test_record_detection_and_recovery_times(runs):
                       "uninterrupted_wall_s (incl. the warm start)":
                       round(runs["reference_wall_s"], 1)}, indent=1))
     assert len(table) == 4
+
+
+def test_sigterm_mid_rollout_finishes_the_step_saves_and_exits_75(runs):
+    """(e): the signalled rank and its peer finish the step, save it and exit 75 (both: the
+    ranks agree after the step); the restart resumes from that step (checked above) and the
+    run ends equal to an uninterrupted one (checked above)."""
+    lines = [t for _, t in runs["lines"]]
+    step = int(runs["faults"]["e"].split(":")[2])
+    term = next(i for i, t in enumerate(lines) if "fault injection: SIGTERM" in t)
+    after = lines[term:]
+    assert any("SIGTERM: finishing the step in progress, then saving a checkpoint "
+               "(checkpoint.preempt_grace_s=60)" in t for t in after)
+    done = next(t for t in after if "preempted by SIGTERM after step" in t)
+    assert f"after step {step}: checkpoint iter_{step:07d} in " in done
+    assert "run the same command again to resume (exit code 75)" in done
+    assert any("failed (exitcode: 75)" in t for t in after)  # torchrun reports the attempt
+    assert not any("[flexfloor] error:" in t for t in after[:after.index(done)])
+
+
+def test_no_process_of_the_job_outlives_it(runs):
+    """After each kill -9 the dead worker's helpers (dist-checkpointing's writer Manager, the
+    resource_tracker) are ended too: once torchrun exits, the output pipe (`... | cat`) closes
+    and no process of the job is left, for the faulted run as for the uninterrupted one."""
+    assert launch.leftovers["faulted"] == {"pipe_closed": True, "left": []}
+    assert launch.leftovers["reference"] == {"pipe_closed": True, "left": []}
+    # the stale lock of a killed rank 0 was taken over by the restarted job, with a log line
+    assert any("checkpoint.dir: took over the stale lock of pid" in t for _, t in runs["lines"])
+
+
+# ------------------------------------------------------------------- random-kill soak
+
+RANDOM_KILLS = 3
+
+
+def workers_of(popen) -> list[int]:
+    """The flexfloor.train workers torchrun runs now (its children)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == popen.pid and b"flexfloor.train" in cmd:
+                pids.append(int(entry))
+    return pids
+
+
+def random_killer(seed: int, record: list):
+    """SIGKILL a random worker at a random time of each of the first RANDOM_KILLS attempts:
+    set-up, rollout, training or a save, wherever the clock falls."""
+    rng = random.Random(seed)
+
+    def run(popen, lines):
+        dead = set()
+        for _ in range(RANDOM_KILLS):
+            workers = []
+            while popen.poll() is None and len(workers) < NPROC:
+                workers = [p for p in workers_of(popen) if p not in dead]
+                time.sleep(0.1)
+            delay = rng.uniform(1.0, 15.0)
+            time.sleep(delay)
+            victim = rng.choice(workers)
+            last = next((t for _, t in reversed(lines) if re.match(r"step\s+\d+ \|", t)), None)
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            dead.update(workers)
+            record.append({"after_s": round(delay, 1), "rank": workers.index(victim),
+                           "last_step_line": (last or "")[:9]})
+    return run
+
+
+@pytest.fixture(scope="module")
+def soak(runs):
+    seed = int(os.environ.get("FLEXFLOOR_SOAK_SEED", time.time_ns() % 10_000))
+    record = []
+    rc, lines = launch(runs["base"], "random_kills", max_restarts=RANDOM_KILLS,
+                       during=random_killer(seed, record))
+    print(json.dumps({"seed (FLEXFLOOR_SOAK_SEED)": seed, "kills": record}))
+    assert rc == 0, f"seed {seed}, kills {record}\n" + "\n".join(t for _, t in lines[-80:])
+    return {"seed": seed, "kills": record, "lines": lines}
+
+
+def test_random_kills_resume_to_an_uninterrupted_run(runs, soak):
+    """A few kill -9s at random times (a random worker, 1-15 s into each attempt), each
+    resumed by torchrun: metrics and final weights and optimizer state equal the uninterrupted
+    run's; no process is left."""
+    assert len(soak["kills"]) == RANDOM_KILLS
+    got, want = metrics(runs["base"], "random_kills"), runs["ref_metrics"]
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1)), soak["seed"]
+    for g, w in zip(got, want):
+        assert {k: g.get(k) for k in EXACT} == {k: w.get(k) for k in EXACT}, (g["step"], soak)
+    it = f"iter_{STEPS:07d}"
+    proc = subprocess.run([PY, os.path.join(REPO, "tests", "workers", "fault_compare.py"),
+                           str(runs["base"] / "reference_ckpt" / it),
+                           str(runs["base"] / "random_kills_ckpt" / it)], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=REPO,
+                                              PYTHONWARNINGS="ignore"), timeout=120)
+    assert proc.returncode == 0 and "differ: []" in proc.stdout, (proc.stdout, soak)
+    assert launch.leftovers["random_kills"] == {"pipe_closed": True, "left": []}, soak
+

@@ -9,7 +9,9 @@ Columns (one row per prompt):
 
 `read_examples` renders the messages with `flexfloor.tokenizer.render_chat`: a single user message
 becomes its content unchanged (what `write_examples` writes, so a round trip is exact); longer
-conversations keep their system prompt and earlier turns in the rendered text.
+conversations keep their system prompt and earlier turns in the rendered text. A plain string in
+`prompt` is taken as the prompt text. A cell of another type, or an empty prompt, is refused with
+the file, the row (0-based) and the column.
 """
 
 from __future__ import annotations
@@ -63,16 +65,16 @@ def read_examples(path: str | Path) -> list[Example]:
         ground_truth = _field(row, "reward_model", "ground_truth", where)
         index = _field(row, "extra_info", "index", where)
         if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"{where}: extra_info.index must be an int, got {index!r}")
+            raise ValueError(f"{where}, column extra_info: extra_info.index must be an int, got "
+                             f"{type(index).__name__} {index!r}")
         if not isinstance(row["data_source"], str):
-            raise ValueError(f"{where}: data_source must be a str, got {row['data_source']!r}")
-        try:
-            prompt = render_chat(row["prompt"] or [])
-        except ValueError as e:
-            raise ValueError(f"{where}: bad prompt column: {e}") from None
+            raise ValueError(f"{where}, column data_source: must be a str, got "
+                             f"{type(row['data_source']).__name__} {row['data_source']!r}")
+        prompt = _prompt_text(row["prompt"], where)
         # verl files sometimes store a numeric ground truth.
         if isinstance(ground_truth, bool) or not isinstance(ground_truth, (str, int, float)):
-            raise ValueError(f"{where}: reward_model.ground_truth must be a str or a number, got "
+            raise ValueError(f"{where}, column reward_model: reward_model.ground_truth must be a "
+                             f"str or a number, got {type(ground_truth).__name__} "
                              f"{ground_truth!r}")
         examples.append(Example(uid=index, prompt=prompt, ground_truth=str(ground_truth),
                                 data_source=row["data_source"]))
@@ -80,8 +82,31 @@ def read_examples(path: str | Path) -> list[Example]:
     return examples
 
 
+def _prompt_text(prompt, where: str) -> str:
+    """The `prompt` cell as text: chat messages rendered, or a plain string as it is (a raw
+    completion prompt, as some datasets store it); anything else, or an empty prompt, refused."""
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list):
+        try:
+            text = render_chat(prompt)
+        except ValueError as e:
+            raise ValueError(f"{where}, column prompt: {e}") from None
+    else:
+        raise ValueError(f"{where}, column prompt: expected a list of chat messages "
+                         f"[{{role, content}}] or a string, got {type(prompt).__name__} "
+                         f"{prompt!r}; write the prompt as [{{'role': 'user', 'content': ...}}]")
+    if not text.strip():
+        raise ValueError(f"{where}, column prompt: the prompt is empty; remove the row or give "
+                         "it a prompt text")
+    return text
+
+
 def _field(row: dict, column: str, key: str, where: str):
     struct = row[column]
+    if struct is not None and not isinstance(struct, dict):
+        raise ValueError(f"{where}, column {column}: expected a struct with field {key!r}, got "
+                         f"{type(struct).__name__} {struct!r}")
     value = struct.get(key) if isinstance(struct, dict) else None
     if value is None:
         raise ValueError(f"{where}: {column}.{key} is missing or null")

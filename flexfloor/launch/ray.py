@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
+from flexfloor.launch.reaper import start_reaper
 
 
 class LaunchError(RuntimeError):
@@ -65,6 +66,7 @@ class Worker:
 
         warnings.filterwarnings("ignore", module="megatron")
         os.environ.update(env)
+        start_reaper()  # Ray ends this actor, not the helpers it starts (a checkpoint writer)
         if os.path.isdir(cwd):  # relative paths in the config mean what they mean to the driver
             os.chdir(cwd)
         import torch

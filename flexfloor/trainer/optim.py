@@ -49,6 +49,13 @@ def build_train_state(model, trainer_cfg, parallel, *, total_steps: int, ddp=Non
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = model.config
+    # Megatron marks routed experts `allreduce=False` only at EP > 1; at EP = 1 they would join
+    # the dense parameters and the optimizer's checkpoint would have another structure (one part
+    # instead of dense + expert), so a run saved on 1 worker could not resume on 2 and back.
+    # At EP = 1 the expert-data-parallel group is the data-parallel group: same reduction.
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
     ddp = ddp or DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(

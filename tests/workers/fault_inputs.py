@@ -9,12 +9,13 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 
 import torch
 import torch.distributed as dist
 
-from flexfloor.checkpoint import _shape_of, read_meta
+from flexfloor.checkpoint import LOCK_FILE, _shape_of, read_meta
 from flexfloor.config import load_config
 from flexfloor.coordinator import Job, error_origin
 from flexfloor.data import make_synthetic_prompts, register_reward, write_examples
@@ -71,6 +72,13 @@ def fake_checkpoint(root, shape, files):
         f.write("iter_0000003\n")
 
 
+def checkpoints(root):
+    """What a checkpoint root holds, but the run's lock (checkpoint.dir/flexfloor.lock)."""
+    if not os.path.exists(root):
+        return []
+    return sorted(n for n in os.listdir(root) if n != LOCK_FILE)
+
+
 def weights(job):
     return {n: p.detach().clone() for n, p in job.model.named_parameters()}
 
@@ -93,14 +101,36 @@ def nan_step(case, policy):
     after = weights(job)
     res["weights_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
     ckpt = path(case, "ckpt")
-    res["checkpoints"] = sorted(os.listdir(ckpt)) if os.path.exists(ckpt) else []
+    res["checkpoints"] = checkpoints(ckpt)
     if policy == "skip":
         # a save that crashed after renaming iter_2 and before moving `latest` left an orphan:
         # the resumed run's own save of step 2 must replace it (never refuse, never load it)
         shutil.copytree(os.path.join(ckpt, "iter_0000001"), os.path.join(ckpt, "iter_0000002"))
         job.step()
-        res["orphan_replaced"] = (read_meta(ckpt)["step"] == 2 and sorted(os.listdir(ckpt))
+        res["orphan_replaced"] = (read_meta(ckpt)["step"] == 2 and checkpoints(ckpt)
                                   == ["iter_0000001", "iter_0000002", "latest"])
+    job.close()
+    return res
+
+
+def save_fails(case):
+    """A checkpoint write that fails in dist-checkpointing's writer (files capped at 100 kB, as
+    a full disk would stop them): torch raises CheckpointException, a BaseException."""
+    import resource
+
+    job = Job(config(case, f"checkpoint.dir={path(case, 'ckpt')}", "checkpoint.save_interval=1"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        job.step()
+        err = None
+    except BaseException as e:  # noqa: BLE001 - what leaves the phase, whatever its class
+        err = e
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    res = {"type": type(err).__name__ if err else None, "message": str(err) if err else None,
+           "origin": error_origin(err) if err else None,
+           "checkpoints": sorted(os.listdir(path(case, "ckpt")))}  # the lock too: still held
     job.close()
     return res
 
@@ -123,6 +153,31 @@ def main():
 
     res["tokenizer_vocab"] = attempt("tokenizer_vocab", "model.vocab_size=64")
 
+    def prompts_file(name, prompts):
+        rows = [{"data_source": "synthetic/running_sum", "prompt": p,
+                 "reward_model": {"style": "rule", "ground_truth": "1"},
+                 "extra_info": {"index": i, "split": "train"}} for i, p in enumerate(prompts)]
+        pq.write_table(pa.Table.from_pylist(rows), path(name))
+        return path(name)
+
+    res["parquet_type"] = attempt("parquet_type",
+                                  f"data.train_files=[{prompts_file('type.parquet', [7, 8])}]")
+    empty_prompt = prompts_file("empty_prompt.parquet", ["1 2 =", "   "])
+    res["parquet_empty_prompt"] = attempt("parquet_empty_prompt",
+                                          f"data.train_files=[{empty_prompt}]")
+
+    with open(path("a_file"), "w") as f:
+        f.write("not a directory")
+    res["ckpt_dir_unwritable"] = attempt("ckpt_dir_unwritable",
+                                         f"checkpoint.dir={path('a_file', 'ckpt')}")
+    busy = path("busy_ckpt")
+    os.makedirs(busy)
+    with open(os.path.join(busy, LOCK_FILE), "w") as f:  # a live job (the launcher) holds it
+        json.dump({"host": socket.gethostname(), "pid": os.getppid(),
+                   "started": "2026-01-01T00:00:00Z"}, f)
+    res["ckpt_dir_in_use"] = attempt("ckpt_dir_in_use", f"checkpoint.dir={busy}")
+    res["ckpt_dir_in_use"]["files"] = sorted(os.listdir(busy))
+
     cfg = config("shape")
     other = dict(_shape_of(cfg.model), num_layers=cfg.model.num_layers + 1)
     fake_checkpoint(path("shape_ckpt"), other, {})
@@ -131,6 +186,7 @@ def main():
     fake_checkpoint(path("trunc_ckpt"), _shape_of(cfg.model), {"__0_0.distcp": (500, 1000)})
     res["checkpoint_truncated"] = attempt("truncated", f"checkpoint.load={path('trunc_ckpt')}")
 
+    res["save_fails"] = save_fails("save_fails")
     res["nan_stop"] = nan_step("nan_stop", "stop")
     res["nan_skip"] = nan_step("nan_skip", "skip")
 

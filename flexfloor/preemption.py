@@ -1,0 +1,101 @@
+"""Preemption: SIGTERM (how Slurm and Kubernetes preempt a job) or SIGINT (Ctrl-C) ends a run
+with a checkpoint instead of losing up to `checkpoint.save_interval` steps.
+
+Lifecycle: `Preemption(grace_s).install()` in the worker's main thread before the Job starts.
+A signal only records itself (and starts the grace clock); the step in progress runs to its end
+(a rollout is never cut: its ranks are in lockstep collectives). After each step the ranks agree
+(`requested`, one all-reduce of one number) whether any of them was signalled, so a signal that
+reached one worker stops all of them at the same step. The entry point then saves the step
+(`finish`) and exits with `PREEMPTED_EXIT_CODE`. If the step and the save take longer than
+`checkpoint.preempt_grace_s` after the signal, the worker exits 1 with one line saying so (the
+job then resumes from its previous checkpoint): a stuck peer never turns a preemption into a hang.
+A second SIGINT stops at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+# EX_TEMPFAIL: "try again later". Distinct from 0 (done), 1 (failed) and 2 (bad config), so a
+# wrapper script can requeue (Slurm: `scontrol requeue`) on exactly this code.
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preemption:
+    """SIGTERM/SIGINT -> stop after the current step, save, exit PREEMPTED_EXIT_CODE."""
+
+    def __init__(self, grace_s: float, *, on_expired: Callable[[str], None]):
+        self.grace_s = grace_s
+        self.on_expired = on_expired  # called with the error line when the grace runs out
+        self.signal_name: Optional[str] = None
+        self.signalled_at: Optional[float] = None  # time.monotonic() of the first signal
+        self._done = threading.Event()
+
+    def install(self) -> "Preemption":
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signalled_at is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            return
+        self.signal_name, self.signalled_at = name, time.monotonic()
+        rank = os.environ.get("RANK", "0")
+        os.write(2, (f"[flexfloor] rank {rank}: {name}: finishing the step in progress, then "
+                     f"saving a checkpoint (checkpoint.preempt_grace_s={self.grace_s:g})\n").encode())
+        threading.Thread(target=self._watch, name="flexfloor-preempt-grace", daemon=True).start()
+
+    def _watch(self) -> None:
+        if not self._done.wait(self.grace_s):
+            rank = os.environ.get("RANK", "0")
+            self.on_expired(f"[flexfloor] error: rank {rank}: {self.signal_name}: no checkpoint "
+                            f"within checkpoint.preempt_grace_s={self.grace_s:g} s (the step in "
+                            "progress or the save took longer); the job resumes from its "
+                            "previous checkpoint; raise checkpoint.preempt_grace_s (and the "
+                            "launcher's grace, e.g. sbatch --signal) to save instead")
+
+    def requested(self, parallel) -> bool:
+        """On every rank: was any rank signalled? Call at the same point on every rank."""
+        flag = torch.tensor([0.0 if self.signalled_at is None else 1.0], device=parallel.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel.world_group)
+        if flag.item() and self.signalled_at is None:  # a peer was signalled, this rank not
+            self.signal_name, self.signalled_at = "SIGTERM (a peer's)", time.monotonic()
+            threading.Thread(target=self._watch, name="flexfloor-preempt-grace",
+                             daemon=True).start()
+        return bool(flag.item())
+
+    def finish(self, job) -> int:
+        """Save the last finished step (unless its regular save did) and say how to resume.
+        Returns the exit code."""
+        c = job.cfg.checkpoint
+        step = job.step_index
+        if not c.dir:
+            saved = "nothing saved (no checkpoint.dir; set it to resume a preempted run)"
+        else:
+            from flexfloor.checkpoint import CheckpointError, iter_name, read_meta
+
+            try:
+                have = read_meta(c.dir)["step"]
+            except CheckpointError:
+                have = None
+            if have != step and step > 0:
+                with job.phase("checkpoint save"):
+                    job.save()
+            saved = (f"checkpoint {iter_name(step)} in {c.dir}" if step > 0 else
+                     "no step finished yet, nothing to save")
+        self._done.set()
+        job.log.say(f"preempted by {self.signal_name} after step {step}: {saved}, "
+                    f"{time.monotonic() - self.signalled_at:.1f} s after the signal; run the "
+                    f"same command again to resume (exit code {PREEMPTED_EXIT_CODE})")
+        return PREEMPTED_EXIT_CODE
