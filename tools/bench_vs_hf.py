@@ -19,6 +19,14 @@ alternating so that load from other processes falls on both alike.
 With --batch > 1 transformers pads prompts on the left (its batched path); its tokens may then
 differ from unpadded decoding in the last bits of a logit, so only --batch 1 is expected to
 match token for token (tests/test_convert.py checks that).
+
+Each run also reports `roofline_tokens_per_s`, this CPU's limit for the decode step, and
+`roofline_fraction` (FlexFloor's decode rate over it). Per step at batch b and the mean context
+c of the decode run: bytes = dense weights + the expected distinct experts b tokens touch per
+layer (uniform top-k routing: E * (1 - (1 - k/E)^b)) + b * c tokens of KV; FLOPs = 2 * b * the
+weights one token uses + the attention's 4 * b * c * heads * head_dim per layer. The bandwidth
+(a streaming sum over 256 MiB) and the matmul rate (a square sgemm) are measured in the same
+run, on the same threads; the step's time is the larger of bytes / bandwidth and FLOPs / rate.
 """
 
 from __future__ import annotations
@@ -109,6 +117,46 @@ def decode_rates(runs: dict, prompts, new_tokens: int, repeats: int):
     return {k: (tokens[k], decoded / max(long[k] - short[k], 1e-9), long[k]) for k in runs}
 
 
+def machine_rates(dtype) -> dict:
+    """Streaming read bandwidth (bytes/s) and matmul rate (FLOP/s) of this CPU, best of 5."""
+    import torch
+
+    big = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB
+    a = torch.randn(512, 512, dtype=dtype)
+    best_bw, best_mm = float("inf"), float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        best_bw = min(best_bw, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        a @ a
+        best_mm = min(best_mm, time.perf_counter() - t0)
+    return {"bandwidth_bytes_per_s": big.nbytes / best_bw, "matmul_flops_per_s": 2 * 512 ** 3 / best_mm}
+
+
+def roofline(model, moe, batch: int, mean_context: float, rates: dict) -> float:
+    """Decode tokens/s this CPU allows for one step of `batch` tokens (see the module docstring)."""
+    from flexfloor.rollout.engine import kv_bytes_per_token
+
+    cfg = model.config
+    experts = [p for layer in model.decoder.layers for p in layer.mlp.experts.parameters()]
+    expert_ids = {id(p) for p in experts}
+    embedding = {id(p) for p in model.embedding.parameters()}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids and id(p) not in embedding]
+    elem = experts[0].element_size()
+    dense_n = sum(p.numel() for p in dense)
+    per_expert_n = moe.expert_nbytes // elem  # one expert, all layers
+    E, k = cfg.num_moe_experts, cfg.moe_router_topk
+    touched = E * (1 - (1 - k / E) ** batch)  # distinct experts per layer
+    kv = batch * mean_context * kv_bytes_per_token(cfg)
+    nbytes = (dense_n + touched * per_expert_n) * elem + kv
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    attn = 4 * mean_context * cfg.num_attention_heads * head_dim * cfg.num_layers
+    flops = batch * (2 * (dense_n + k * per_expert_n) + attn)
+    step_s = max(nbytes / rates["bandwidth_bytes_per_s"], flops / rates["matmul_flops_per_s"])
+    return batch / step_s
+
+
 def bench_one(hf_dir: str, label: str, args, par) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -129,6 +177,9 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
                          prompts, args.new_tokens, args.repeats)
     (hf_tokens, hf_rate, hf_s), (ff_tokens, ff_rate, ff_s) = rates["hf"], rates["flexfloor"]
     same = sum(a == b for a, b in zip(hf_tokens, ff_tokens))
+    rates = machine_rates(next(model.parameters()).dtype)
+    mean_context = sum(map(len, prompts)) / len(prompts) + args.new_tokens / 2
+    bound = roofline(model, moe, min(args.batch, len(prompts)), mean_context, rates)
     return {
         "model": label, "params_dtype": cfg.params_dtype, "hidden_size": cfg.hidden_size,
         "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
@@ -138,6 +189,7 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
         "ratio_flexfloor_over_hf": ff_rate / hf_rate,
         "hf_generate_s": hf_s, "flexfloor_generate_s": ff_s,
         "identical_responses": same, "responses": len(prompts),
+        "roofline_tokens_per_s": bound, "roofline_fraction": ff_rate / bound, **rates,
     }
 
 
@@ -167,11 +219,13 @@ def main(argv=None) -> int:
                     rows.append(bench_one(d, f"{family} ({args.size}, random)", args, par))
     finally:
         par.destroy()
-    print(f"{'model':28s} {'HF tok/s':>10s} {'FlexFloor tok/s':>16s} {'ratio':>7s} {'identical':>10s}")
+    print(f"{'model':28s} {'HF tok/s':>10s} {'FlexFloor tok/s':>16s} {'ratio':>7s} {'identical':>10s}"
+          f" {'roofline tok/s':>15s} {'fraction':>9s}")
     for r in rows:
         print(f"{r['model']:28s} {r['hf_decode_tokens_per_s']:10.1f} "
               f"{r['flexfloor_decode_tokens_per_s']:16.1f} {r['ratio_flexfloor_over_hf']:7.2f} "
-              f"{r['identical_responses']:>4d}/{r['responses']:<5d}")
+              f"{r['identical_responses']:>4d}/{r['responses']:<5d} "
+              f"{r['roofline_tokens_per_s']:15.1f} {r['roofline_fraction']:9.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"runs": rows}, f, indent=1)
