@@ -9,7 +9,8 @@ reached one worker stops all of them at the same step. The entry point then save
 (`finish`) and exits with `PREEMPTED_EXIT_CODE`. If the step and the save take longer than
 `checkpoint.preempt_grace_s` after the signal, the worker exits 1 with one line saying so (the
 job then resumes from its previous checkpoint): a stuck peer never turns a preemption into a hang.
-A second SIGINT stops at once.
+A second SIGINT stops at once. A SIGTERM that torchrun sends because a worker of this node
+exited (it stops the rest of a failed group) is no preemption: the worker exits at once.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ PREEMPTED_EXIT_CODE = 75
 class Preemption:
     """SIGTERM/SIGINT -> stop after the current step, save, exit PREEMPTED_EXIT_CODE."""
 
-    def __init__(self, grace_s: float, *, on_expired: Callable[[str], None]):
+    def __init__(self, grace_s: float, *, on_stop: Callable[[str], None]):
         self.grace_s = grace_s
-        self.on_expired = on_expired  # called with the error line when the grace runs out
+        self.on_stop = on_stop  # called with the error line when the worker must stop now
         self.signal_name: Optional[str] = None
         self.signalled_at: Optional[float] = None  # time.monotonic() of the first signal
         self._done = threading.Event()
@@ -49,8 +50,12 @@ class Preemption:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             return
-        self.signal_name, self.signalled_at = name, time.monotonic()
         rank = os.environ.get("RANK", "0")
+        if _local_peer_gone():  # torchrun stops the others of a failed group: no save to wait for
+            self.on_stop(f"[flexfloor] error: rank {rank}: {name} from the launcher after a "
+                            "worker of this node exited: stopping now (no checkpoint)")
+            return
+        self.signal_name, self.signalled_at = name, time.monotonic()
         os.write(2, (f"[flexfloor] rank {rank}: {name}: finishing the step in progress, then "
                      f"saving a checkpoint (checkpoint.preempt_grace_s={self.grace_s:g})\n").encode())
         threading.Thread(target=self._watch, name="flexfloor-preempt-grace", daemon=True).start()
@@ -58,7 +63,7 @@ class Preemption:
     def _watch(self) -> None:
         if not self._done.wait(self.grace_s):
             rank = os.environ.get("RANK", "0")
-            self.on_expired(f"[flexfloor] error: rank {rank}: {self.signal_name}: no checkpoint "
+            self.on_stop(f"[flexfloor] error: rank {rank}: {self.signal_name}: no checkpoint "
                             f"within checkpoint.preempt_grace_s={self.grace_s:g} s (the step in "
                             "progress or the save took longer); the job resumes from its "
                             "previous checkpoint; raise checkpoint.preempt_grace_s (and the "
@@ -99,3 +104,20 @@ class Preemption:
                     f"{time.monotonic() - self.signalled_at:.1f} s after the signal; run the "
                     f"same command again to resume (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
+
+
+def _local_peer_gone() -> bool:
+    """Under torchrun: has a worker of this node exited? torchrun then stops the other workers
+    with SIGTERM before it restarts the group (or gives up); that is no preemption, and waiting
+    for a peer that is gone would only make torchrun kill this worker 30 s later."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or not local:
+        return False
+    import psutil
+
+    try:
+        workers = [p for p in psutil.Process(os.getppid()).children()
+                   if p.status() != psutil.STATUS_ZOMBIE]
+    except psutil.Error:
+        return False
+    return len(workers) < int(local)

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from flexfloor.preemption import Preemption
 
     start_reaper()
-    preemption = Preemption(cfg.checkpoint.preempt_grace_s, on_expired=_expired).install()
+    preemption = Preemption(cfg.checkpoint.preempt_grace_s, on_stop=_stop_now).install()
     from flexfloor.coordinator import Job
 
     try:
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _expired(line: str) -> None:
+def _stop_now(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
     _exit_now(1)
 
