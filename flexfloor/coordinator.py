@@ -166,7 +166,7 @@ class Job:
         self.reference = None  # the frozen policy the KL is measured to (after the warm start)
         self.layout = RolloutLayout.gather(self.model, self.parallel)
         self.moe = self.layout.moe(self.model, self.parallel)
-        memory = MemoryModel.from_model_config(cfg.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)
+        memory = MemoryModel.of_model(self.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)
         self.engine = RolloutEngine(
             self.model, self.moe, rank=self.rank, max_batch_size=cfg.rollout.max_batch_size,
             kv_budget_bytes=memory.kv_budget_bytes, progress=cfg.rollout.progress,

@@ -343,8 +343,7 @@ class Bench:
         self.layout = RolloutLayout.gather(self.model, self.par)
         self.moe = self.layout.moe(self.model, self.par)
         self.max_batch = args.max_batch_size or args.num_prompts * args.samples_per_prompt
-        memory = MemoryModel.from_model_config(self.model_cfg,
-                                               kv_budget_tokens=args.kv_budget_tokens)
+        memory = MemoryModel.of_model(self.model, kv_budget_tokens=args.kv_budget_tokens)
         self.engine = RolloutEngine(self.model, self.moe, rank=self.rank,
                                     max_batch_size=self.max_batch,
                                     kv_budget_bytes=memory.kv_budget_bytes)
