@@ -98,3 +98,22 @@ def test_nearest_prebuilt_group_is_the_smallest_superset_inside_the_active_ranks
     assert nearest_prebuilt((0, 1, 2, 3), (0,), built) == (0,)
     assert nearest_prebuilt((0, 1, 2), (0, 2), built) is None  # only the active group itself
     assert nearest_prebuilt((0, 1, 2, 3), (1, 3), built) is None
+
+
+def test_gpu_check_compiles_and_refuses_without_a_gpu():
+    import os
+    import py_compile
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    py_compile.compile(os.path.join(repo, "tests", "gpu", "check.py"), doraise=True)
+    assert subprocess.run(["bash", "-n", os.path.join(repo, "tests", "gpu", "run.sh")]).returncode == 0
+    with open(os.path.join(repo, "tests", "gpu", "run.sh")) as f:
+        assert "NCCL cannot put two ranks on one GPU" in f.read()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(repo, "tests", "gpu", "check.py")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 1 and not summary["cuda_available"]
+    assert "needs one NVIDIA GPU" in summary["error"]

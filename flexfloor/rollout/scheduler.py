@@ -171,10 +171,10 @@ class MemoryModel:
     def from_model_config(cls, model_cfg, *, kv_budget_tokens: Optional[int] = None,
                           dtype_bytes: Optional[int] = None) -> "MemoryModel":
         """The formula version (the simulator's): shapes of a `ModelConfig`, element size from
-        its `params_dtype` unless `dtype_bytes` is given. Equal to `of_model` for the same model
-        (tested)."""
+        its `params_dtype` (fp32 when it names none) unless `dtype_bytes` is given. Equal to
+        `of_model` for the same model (tested)."""
         if dtype_bytes is None:
-            dtype_bytes = _DTYPE_BYTES[model_cfg.params_dtype]
+            dtype_bytes = _DTYPE_BYTES[getattr(model_cfg, "params_dtype", "float32")]
         head_dim = model_cfg.kv_channels or model_cfg.hidden_size // model_cfg.num_attention_heads
         kv = 2 * model_cfg.num_layers * model_cfg.num_query_groups * head_dim * dtype_bytes
         # gated MLP expert: fc1 [2F, H] + fc2 [H, F], per layer
