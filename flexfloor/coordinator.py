@@ -40,6 +40,7 @@ from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import ReleaseListener, RolloutLayout, membership_for, resync
 from flexfloor.rollout.engine import RolloutEngine
 from flexfloor.rollout.metrics import rollout_metrics
+from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
 from flexfloor.rollout.scheduler import MemoryModel, PromptGroup, Scheduler, prediction_accuracy
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.tokenizer import check_vocab, load_tokenizer
@@ -211,15 +212,18 @@ class Job:
             self._freeze_reference()
             groups = self.next_prompt_groups()               # data
             plan = self.scheduler.plan(groups, range(self.parallel.world_size))
+            listener = self._release_listener()
             membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
                                         self.layout, self.cfg.elastic,
                                         scheduler_cfg=self.cfg.scheduler, step=k,
-                                        on_event=self.on_release_event)
+                                        on_event=listener)
         with self.phase("rollout", k):                       # generate + release
             out = self.engine.generate(plan.assignment[self.rank], membership)
         with self.phase("resync", k):                        # resync
             resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k,
-                              on_event=self.on_release_event)
+                              on_event=listener)
+            if isinstance(listener, OffloadOnRelease):
+                out.record.extra.update(listener.take_stats())
             results = gather_all(self.parallel, out.results)
             records = gather_all(self.parallel, [out.record.as_dict()])
         with self.phase("train", k):
@@ -406,6 +410,20 @@ class Job:
         }
         m.update({k: v for k, v in train_metrics.items() if not isinstance(v, bool)})
         return m
+
+    def _release_listener(self):
+        """What hears this rank's release and rejoin: the launcher's listener, behind the
+        offload of this rank's weights and optimizer state when `elastic.offload_on_release`."""
+        if not self.cfg.elastic.offloads(self.parallel.device):
+            return self.on_release_event
+        also = []
+        if self.critic is not None:
+            also.append(ResidentSet(self.critic.module, self.critic.state))
+        if self.reference is not None:
+            also.append(ResidentSet(self.reference))
+        resident = ResidentSet(self.model, self.train_state, self.moe, self.engine, tuple(also))
+        return OffloadOnRelease(HostOffload(resident, self.parallel.device),
+                                then=self.on_release_event)
 
     def _freeze_reference(self) -> None:
         """trainer.kl_coef > 0: a frozen copy of the starting policy (after the warm start; a

@@ -64,8 +64,11 @@ class ResidentSet:
     train_state: Optional[object] = None
     moe: Optional[object] = None  # megatron_ext.elastic_moe.PlacedMoE
     engine: Optional[object] = None  # flexfloor.rollout.engine.RolloutEngine
+    also: tuple = ()  # more ResidentSets of the rank (a critic, a frozen reference policy)
 
     def tensors(self) -> Iterator[torch.Tensor]:
+        for part in self.also:
+            yield from part.tensors()
         yield from self.model.parameters()
         yield from self.model.buffers()
         for p in self.model.parameters():
@@ -90,7 +93,8 @@ class ResidentSet:
         """What a released rank parks in host memory: model, gradient buffers, optimizer state.
         (Borrowed experts and KV are freed by the release itself, not parked; any left would
         still count in `nbytes`.)"""
-        return unique_storages(ResidentSet(self.model, train_state=self.train_state).tensors())
+        return unique_storages(ResidentSet(self.model, train_state=self.train_state,
+                                           also=self.also).tensors())
 
 
 def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
@@ -276,15 +280,17 @@ class OffloadOnRelease:
         self._stats: dict = {}
 
     def __call__(self, event: str, rank: int, time_s: float, engine_step: int) -> None:
+        # the launcher hears "released" once the memory is free, and "rejoined" before the
+        # memory is taken back (a borrower stops at that news)
         if event == "released":
             self._stats = dict(self.offload.offload())
-        elif event == "rejoined" and self.offload.parked:
+        if self.then is not None:
+            self.then(event, rank, time_s, engine_step)
+        if event == "rejoined" and self.offload.parked:
             self.offload.restore()
             self._stats.update(restore_s=self.offload.stats["restore_s"],
                                resident_bytes_after_resync=self.offload.stats[
                                    "resident_bytes_after_resync"])
-        if self.then is not None:
-            self.then(event, rank, time_s, engine_step)
 
     def take_stats(self) -> dict:
         """This rollout's figures (empty when the rank was not released); cleared by the call."""

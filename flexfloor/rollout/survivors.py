@@ -34,6 +34,14 @@ import torch.distributed as dist
 Ranks = tuple[int, ...]  # sorted global ranks
 
 
+def live_process_groups() -> int:
+    """Process groups this process holds now (torch's registry): counting what a rollout
+    created, independently of who created it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
 def planned_survivor_sets(expected_finish: Mapping[int, float], *, floor: int = 1) -> list[Ranks]:
     """Every survivor set a plan implies, largest first: ranks leave in order of predicted finish
     (ties: the higher rank first, as the release keeps the lowest idle ranks), down to `floor`
