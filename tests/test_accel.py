@@ -65,6 +65,16 @@ def test_training_after_an_offloading_rollout_equals_after_a_static_one(parts):
         assert o["trained_equal"] and o["optimizer_equal"]
 
 
+def test_the_coordinator_offloads_released_ranks_and_trains_the_same(parts):
+    job = parts[0]["job"]
+    assert all(p["job"]["weights_equal"] for p in parts)  # offloading step == static step
+    released = [r for r in job["records"] if "offloaded_bytes" in r]
+    assert released, "no rank was released in the offloading run"
+    for r in released:
+        assert r["resident_bytes_after_release"] <= 0.1 * r["resident_bytes_before_release"]
+        assert r["resident_bytes_after_resync"] == r["resident_bytes_before_release"]
+
+
 def test_survivor_groups_built_ahead_and_looked_up(parts):
     for rank, p in enumerate(parts):
         s = p["survivors"]

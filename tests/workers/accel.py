@@ -206,11 +206,38 @@ def survivor_case(par, rank):
     return res
 
 
+def job_case():
+    """The coordinator's own wiring: one GRPO step with elastic.offload_on_release=true equals
+    one with static release (same weights); the released ranks' records carry the offload."""
+    from flexfloor.config import load_config
+    from flexfloor.coordinator import Job
+
+    base = ["trainer.steps=1", "trainer.prompts_per_step=4", "trainer.micro_batch_size=8",
+            "trainer.lr=1e-2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+            "rollout.progress=false", "data.synthetic_num_prompts=8", "logging.tensorboard=false",
+            "logging.timeline_plot=false", "parallel.timeout_s=60"]
+    weights, records = {}, {}
+    for name, extra in (("static", ["elastic.release_policy=static"]),
+                        ("offload", ["elastic.offload_on_release=true"])):
+        cfg = load_config(None, base + extra + [f"logging.run_dir={OUT}/run_{name}"])
+        job = Job(cfg.resolve_world(dist.get_world_size()))
+        job.step()
+        weights[name] = {n: p.detach().clone() for n, p in job.model.named_parameters()}
+        records[name] = job.log.timelines[-1] if job.log.timelines else []  # rank 0 logs
+        job.log.close(job)
+        job.parallel.barrier()
+        del job
+    return {"weights_equal": all(torch.equal(weights["static"][n], weights["offload"][n])
+                                 for n in weights["static"]),
+            "records": records["offload"]}
+
+
 def main():
     rank = int(os.environ["RANK"])
     par = Parallel.build(expert_parallel_size=4, timeout_s=60)
     results = {"memory": memory_case(par, rank), "offload": offload_case(par, rank),
                "survivors": survivor_case(par, rank)}
+    results["job"] = job_case()
     parts = gather(results)
     if rank == 0:
         with open(os.path.join(OUT, "results.json"), "w") as f:
