@@ -12,7 +12,9 @@ Sections (each reports its seconds and, when it fails, its error; the others sti
 - offload: `torch.cuda.memory_allocated` before an offloading release, after it and after resync
   (weights, gradient buffers and optimizer state bit-identical after resync).
 
-Usage (from the repository root): bash tests/gpu/run.sh  (it sets up the one-rank environment)
+Usage (from the repository root): bash tests/gpu/run.sh  (it sets up the one-rank environment).
+`python tests/gpu/check.py --cpu-dry-run` runs the same sections on CPU with gloo, small, to catch
+a broken script before it costs device time (figures meaningless).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, REPO)
 
 BATCHES = (1, 32, 128)
 NEW_TOKENS = 32
+DRY_BATCHES, DRY_NEW_TOKENS = (1, 4), 6
 
 
 def section(summary: dict, name: str):
@@ -60,16 +63,22 @@ def requests(n: int, vocab: int, *, new_tokens: int, greedy: bool = False, seed:
             for i in range(n)]
 
 
-def main() -> int:
+def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     import torch
 
-    summary: dict = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
-    if not torch.cuda.is_available():
+    dry = "--cpu-dry-run" in (sys.argv[1:] if argv is None else argv)
+    summary: dict = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+                     "cpu_dry_run": dry}
+    if dry:
+        batches, new_tokens = DRY_BATCHES, DRY_NEW_TOKENS
+    else:
+        batches, new_tokens = BATCHES, NEW_TOKENS
+    if not dry and not torch.cuda.is_available():
         summary["error"] = "no CUDA device visible: this check needs one NVIDIA GPU"
         print(json.dumps(summary))
         return 1
-    summary["device"] = torch.cuda.get_device_name(0)
+    summary["device"] = "cpu (dry run)" if dry else torch.cuda.get_device_name(0)
     try:
         import megatron.core
 
@@ -87,7 +96,7 @@ def main() -> int:
     from flexfloor.rollout.offload import HostOffload, ResidentSet
     from flexfloor.trainer.optim import build_train_state
 
-    par = Parallel.build(expert_parallel_size=1, backend="nccl")
+    par = Parallel.build(expert_parallel_size=1, backend="gloo" if dry else "nccl")
     summary["backend"] = par.backend
 
     @section(summary, "rollout")
@@ -110,7 +119,8 @@ def main() -> int:
         from flexfloor.trainer import algorithms as alg
         from flexfloor.trainer.actor import Actor, Sample
 
-        cfg = ModelConfig(params_dtype="bfloat16")
+        # Megatron's bf16 optimizer wraps CUDA tensors only: the dry run steps in fp32
+        cfg = ModelConfig(params_dtype="float32" if dry else "bfloat16")
         model = build_model(cfg, par)
         state = build_train_state(model, TrainerConfig(lr=1e-3), par, total_steps=2)
         layout = RolloutLayout.gather(model, par)
@@ -149,17 +159,18 @@ def main() -> int:
         rows = []
         with tempfile.TemporaryDirectory() as d:
             tiny_hf_model("qwen3_moe", seed=0, size="small").save_pretrained(d)
-            hf = AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa").cuda().eval()
+            hf = AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa").to(
+                par.device).eval()
             model, cfg = model_from_hf(d, par)
             model.eval()
             moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
                             placement=contiguous_placement(cfg.num_experts, par.ep_ranks))
-            for batch in BATCHES:
+            for batch in batches:
                 engine = RolloutEngine(model, moe, rank=par.rank, max_batch_size=batch)
-                reqs = requests(batch, cfg.vocab_size, new_tokens=NEW_TOKENS, greedy=True)
+                reqs = requests(batch, cfg.vocab_size, new_tokens=new_tokens, greedy=True)
                 ff_tokens, ff_rate = _engine_rate(engine, reqs)
-                hf_tokens, hf_rate = _hf_rate(hf, reqs)
-                rows.append({"batch": batch, "new_tokens": NEW_TOKENS,
+                hf_tokens, hf_rate = _hf_rate(hf, reqs, par.device)
+                rows.append({"batch": batch, "new_tokens": new_tokens,
                              "flexfloor_decode_tokens_per_s": ff_rate,
                              "hf_decode_tokens_per_s": hf_rate,
                              "ratio_flexfloor_over_hf": ff_rate / hf_rate if hf_rate else None,
@@ -183,7 +194,7 @@ def main() -> int:
         state.step()  # Adam moments and fp32 state exist, as during a rollout between steps
         resident = ResidentSet(model, state)
         snapshot = [t.clone() for t in _bytes(resident)]
-        torch.cuda.synchronize()
+        _sync()
         off = HostOffload(resident, par.device)
         stats = off.offload()
         restore_s = off.restore()
@@ -202,6 +213,13 @@ def main() -> int:
     return 0 if summary["ok"] else 1
 
 
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _bytes(resident):
     import torch
 
@@ -216,10 +234,10 @@ def _engine_rate(engine, reqs):
     from flexfloor.rollout.engine import StaticMembership
 
     def run(rs):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         res = engine.generate(rs, StaticMembership()).results
-        torch.cuda.synchronize()
+        _sync()
         return {r.prompt_uid: r.token_ids for r in res}, time.perf_counter() - t0
 
     one = [dataclasses.replace(r, max_new_tokens=1) for r in reqs]
@@ -233,22 +251,23 @@ def _engine_rate(engine, reqs):
     return [tokens[r.prompt_uid] for r in reqs], decoded / max(best - short, 1e-9)
 
 
-def _hf_rate(hf, reqs):
+def _hf_rate(hf, reqs, device):
     import torch
 
     pad = hf.config.pad_token_id or 0
     width = max(len(r.prompt_ids) for r in reqs)
-    ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + list(r.prompt_ids) for r in reqs]).cuda()
+    ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + list(r.prompt_ids) for r in reqs],
+                       device=device)
     mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids)
-                         for r in reqs]).cuda()
+                         for r in reqs], device=device)
 
     def run(n):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         with torch.no_grad():
             seq = hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
                               max_new_tokens=n, min_new_tokens=n)
-        torch.cuda.synchronize()
+        _sync()
         return seq[:, width:].tolist(), time.perf_counter() - t0
 
     n = reqs[0].max_new_tokens
