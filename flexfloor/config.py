@@ -270,9 +270,16 @@ class ElasticConfig:
     release_policy: ReleasePolicy = ReleasePolicy.ELASTIC  # static EP or early release
     min_active_ranks: int = 1  # the EP group never shrinks below this many ranks
     check_interval_steps: int = 1  # engine steps between agreements on who is done
+    # a released rank parks its weights, gradient buffers and optimizer state in host memory
+    # until resync, freeing its accelerator; None = on with CUDA, off on CPU
+    offload_on_release: bool | None = None
 
     def validate(self) -> None:
         _positive("elastic", self, "min_active_ranks", "check_interval_steps")
+
+    def offloads(self, device) -> bool:
+        """Whether a released rank offloads on `device` (`offload_on_release`, resolved)."""
+        return device.type == "cuda" if self.offload_on_release is None else self.offload_on_release
 
 
 @dataclass

@@ -37,6 +37,7 @@ from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import ReleaseListener, RolloutLayout, membership_for, resync
 from flexfloor.rollout.engine import RolloutEngine
 from flexfloor.rollout.metrics import rollout_metrics
+from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
 from flexfloor.rollout.scheduler import (MemoryModel, PromptGroup, RolloutPlan, Scheduler,
                                          prediction_accuracy)
 from flexfloor.rollout.types import Request, SamplingParams
@@ -167,7 +168,8 @@ class Job:
                                              total_steps=cfg.trainer.steps)
         self.layout = RolloutLayout.gather(self.model, self.parallel)
         self.moe = self.layout.moe(self.model, self.parallel)
-        memory = MemoryModel.from_model_config(cfg.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens)
+        memory = MemoryModel.of_model(self.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens,
+                                      block_tokens=cfg.rollout.kv_block_tokens)
         self.engine = RolloutEngine(
             self.model, self.moe, rank=self.rank, max_batch_size=cfg.rollout.max_batch_size,
             kv_budget_bytes=memory.kv_budget_bytes, block_tokens=cfg.rollout.kv_block_tokens,
@@ -230,15 +232,18 @@ class Job:
         every rank gets every result."""
         with self.phase("plan", k):
             plan = self.scheduler.plan(groups, range(self.parallel.world_size))
+            listener = self._release_listener()
             membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
                                         self.layout, self.cfg.elastic,
                                         scheduler_cfg=self.cfg.scheduler, step=k,
-                                        on_event=self.on_release_event)
+                                        on_event=listener)
         with self.phase("rollout", k):
             out = self.engine.generate(plan.assignment[self.rank], membership)
         with self.phase("resync", k):
             resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k,
-                              on_event=self.on_release_event)
+                              on_event=listener)
+            if isinstance(listener, OffloadOnRelease):
+                out.record.extra.update(listener.take_stats())
             results = gather_all(self.parallel, out.results)
             records = gather_all(self.parallel, [out.record.as_dict()])
         return Rollout(results, records, plan, membership, resync_s)
@@ -352,6 +357,20 @@ class Job:
         }
         m.update({k: v for k, v in train_metrics.items() if not isinstance(v, bool)})
         return m
+
+    def _release_listener(self):
+        """What hears this rank's release and rejoin: the launcher's listener, behind the
+        offload of this rank's weights and optimizer state when `elastic.offload_on_release`."""
+        if not self.cfg.elastic.offloads(self.parallel.device):
+            return self.on_release_event
+        also = []
+        if self.critic is not None:
+            also.append(ResidentSet(self.critic.module, self.critic.state))
+        if self.reference is not None:
+            also.append(ResidentSet(self.reference))
+        resident = ResidentSet(self.model, self.train_state, self.moe, self.engine, tuple(also))
+        return OffloadOnRelease(HostOffload(resident, self.parallel.device),
+                                then=self.on_release_event)
 
     def _freeze_reference(self) -> None:
         """trainer.kl_coef > 0: a frozen copy of the starting policy (after the warm start; a

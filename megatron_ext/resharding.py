@@ -4,6 +4,9 @@ All layers of one expert travel as one flat buffer per transfer, posted together
 (element count and CRC32 of the bytes) in one batch of point-to-point operations over the current
 EP group. The receiver checks the element count against the shapes it expects (the same
 architecture) and the checksum against the bytes it got before it hosts the expert.
+
+Device discipline: headers and buffers live on the group's device (the experts' device for NCCL,
+CPU for gloo); the checksum is taken on one host copy of each buffer, never on a device tensor.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ def _flatten(states: list[dict[str, torch.Tensor]]) -> torch.Tensor:
 
 
 def _crc(buf: torch.Tensor) -> int:
-    return zlib.crc32(buf.contiguous().view(torch.uint8).numpy().tobytes())
+    """CRC32 of a buffer's bytes, from one host copy (a CPU buffer is read in place)."""
+    host = buf.detach().contiguous().cpu()
+    return zlib.crc32(memoryview(host.view(torch.uint8).numpy()))
+
+
+def group_device(group: dist.ProcessGroup, like: torch.Tensor) -> torch.device:
+    """Where tensors handed to `group`'s collectives live: CPU for gloo, else `like`'s device."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else like.device
 
 
 def transfer_experts(moe: PlacedMoE, transfers: list[Transfer], group: dist.ProcessGroup) -> dict:
@@ -35,17 +45,19 @@ def transfer_experts(moe: PlacedMoE, transfers: list[Transfer], group: dist.Proc
     template = [moe.expert_state(li, next(iter(h))) for li, h in enumerate(moe.hosted)]
     numel = sum(t.numel() for sd in template for t in sd.values())
     dtype = next(iter(template[0].values())).dtype
+    device = group_device(group, next(iter(template[0].values())))
     ops, inbound, sent_bytes = [], [], 0
     for tr in transfers:
         if tr.src == rank:
             buf = _flatten([moe.expert_state(li, tr.expert) for li in range(len(moe.hosted))])
-            header = torch.tensor([buf.numel(), _crc(buf)], dtype=torch.int64)
+            buf = buf.to(device)
+            header = torch.tensor([buf.numel(), _crc(buf)], dtype=torch.int64, device=device)
             ops += [dist.P2POp(dist.isend, header, tr.dst, group),
                     dist.P2POp(dist.isend, buf, tr.dst, group)]
             sent_bytes += buf.nbytes
         elif tr.dst == rank:
-            header = torch.empty(2, dtype=torch.int64)
-            buf = torch.empty(numel, dtype=dtype)
+            header = torch.empty(2, dtype=torch.int64, device=device)
+            buf = torch.empty(numel, dtype=dtype, device=device)
             ops += [dist.P2POp(dist.irecv, header, tr.src, group),
                     dist.P2POp(dist.irecv, buf, tr.src, group)]
             inbound.append((tr, header, buf))
@@ -65,7 +77,7 @@ def transfer_experts(moe: PlacedMoE, transfers: list[Transfer], group: dist.Proc
         for li, sd in enumerate(template):
             state = {}
             for name, t in sd.items():
-                state[name] = buf[offset : offset + t.numel()].view(t.shape).clone()
+                state[name] = buf[offset : offset + t.numel()].view(t.shape).to(t.device, copy=True)
                 offset += t.numel()
             moe.host(li, tr.expert, state)
     return {"sent_bytes": sent_bytes, "received": len(inbound)}

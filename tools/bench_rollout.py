@@ -325,7 +325,8 @@ class Bench:
         from flexfloor.model import build_model
         from flexfloor.parallel import Parallel
         from flexfloor.rollout.elastic import RolloutLayout
-        from flexfloor.rollout.engine import RolloutEngine
+        from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS, RolloutEngine
+        from flexfloor.rollout.offload import ResidentSet
         from flexfloor.rollout.scheduler import LengthHistory, MemoryModel, Scheduler
 
         self.args = args
@@ -343,11 +344,13 @@ class Bench:
         self.layout = RolloutLayout.gather(self.model, self.par)
         self.moe = self.layout.moe(self.model, self.par)
         self.max_batch = args.max_batch_size or args.num_prompts * args.samples_per_prompt
-        memory = MemoryModel.from_model_config(self.model_cfg,
-                                               kv_budget_tokens=args.kv_budget_tokens)
+        memory = MemoryModel.of_model(self.model, kv_budget_tokens=args.kv_budget_tokens,
+                                      block_tokens=DEFAULT_BLOCK_TOKENS)
         self.engine = RolloutEngine(self.model, self.moe, rank=self.rank,
                                     max_batch_size=self.max_batch,
-                                    kv_budget_bytes=memory.kv_budget_bytes)
+                                    kv_budget_bytes=memory.kv_budget_bytes,
+                                    block_tokens=memory.block_tokens)
+        self.resident = ResidentSet(self.model, moe=self.moe, engine=self.engine)
         self.schedulers = {
             "static": Scheduler(PlacementPolicy.BASELINE, memory=memory,
                                 max_batch_size=self.max_batch),
@@ -418,12 +421,26 @@ class Bench:
         from flexfloor.rollout.elastic import membership_for, resync
         from flexfloor.rollout.metrics import rollout_metrics
 
+        from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, resident_bytes
+        from flexfloor.rollout.survivors import live_process_groups
+
         policy = ReleasePolicy.ELASTIC if mode == "elastic" else ReleasePolicy.STATIC
-        membership = membership_for(policy, self.par, self.layout)
+        # a released rank parks its weights in host memory until resync (what it frees: below)
+        listener = (OffloadOnRelease(HostOffload(self.resident, self.par.device))
+                    if mode == "elastic" else None)
+        membership = membership_for(policy, self.par, self.layout, on_event=listener)
         if mode == "elastic":
             membership.migrate_max_requests = self.args.migrate_max_requests
+        groups = live_process_groups()
         out = self.engine.generate(requests, membership)
-        resync(self.moe, self.layout, self.par, membership)
+        held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
+        out.record.extra.update(groups_created_during_rollout=live_process_groups() - groups,
+                                resident_bytes_before_release=held,
+                                resident_bytes_after_release=held)
+        out.record.extra["resync_s"] = resync(self.moe, self.layout, self.par, membership,
+                                              on_event=listener)
+        if listener is not None:
+            out.record.extra.update(listener.take_stats())
         records, results = [None] * self.world, [None] * self.world
         dist.all_gather_object(records, out.record.as_dict(), group=self.par.world_group)
         dist.all_gather_object(results, out.results, group=self.par.world_group)

@@ -46,6 +46,9 @@ def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_respo
         "tokens_per_occupied_worker_step": tokens / occ_steps if occ_steps else 0.0,
         "released_ranks": sum(1 for r in records if r["release_s"] < wall - 1e-9),
         "responses_sha256": digest,
+        # every survivor group holds the last survivors, so the fullest count is the rollout's
+        "groups_created_during_rollout": max(
+            (r.get("groups_created_during_rollout", 0) for r in records), default=0),
         "per_rank": [
             {
                 "rank": r["rank"],
@@ -55,7 +58,9 @@ def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_respo
                 "busy_steps": r["busy_steps"],
                 "tokens": r["tokens"],
                 "requests": r["requests"],
-                **{k: r[k] for k in ("release_step", "local_finish_step") if k in r},
+                **{k: r[k] for k in ("release_step", "local_finish_step",
+                                     "resident_bytes_before_release",
+                                     "resident_bytes_after_release") if k in r},
             }
             for r in sorted(records, key=lambda r: r["rank"])
         ],
@@ -63,7 +68,8 @@ def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_respo
 
 
 def summed_records(epochs: list[list[dict]]) -> list[dict]:
-    """Per rank, its records of several rollouts added up (times relative to each start)."""
+    """Per rank, its records of several rollouts added up (times relative to each start; the
+    resident bytes of the fullest rollout)."""
     summed = {}
     for records in epochs:
         for rec in records:
@@ -73,6 +79,11 @@ def summed_records(epochs: list[list[dict]]) -> list[dict]:
                 s[key] = s.get(key, 0) + rec[key]
             s["local_finish_s"] += rec["local_finish_s"] - rec["start_s"]
             s["release_s"] += rec["release_s"] - rec["start_s"]
+            s["groups_created_during_rollout"] = (s.get("groups_created_during_rollout", 0)
+                                                  + rec.get("groups_created_during_rollout", 0))
+            for key in ("resident_bytes_before_release", "resident_bytes_after_release"):
+                if key in rec:  # the fullest rollout's
+                    s[key] = max(s.get(key, 0), rec[key])
     return [summed[r] for r in sorted(summed)]
 
 

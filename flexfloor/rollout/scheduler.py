@@ -131,41 +131,90 @@ def prediction_accuracy(predicted: dict[int, float], realised: dict[int, float])
 # memory
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}  # model.params_dtype
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """Bytes that bound a rank's batch: KV cache per token, expert weights, the rank's budget.
 
     `kv_budget_bytes` is the KV room of a rank hosting only its own experts; each borrowed expert
-    costs `expert_bytes` of it.
+    costs `expert_bytes` of it. KV is allocated in blocks of `block_tokens` tokens (the engine's
+    block size; 1 = per token), so room is counted in whole blocks.
+
+    One object per job, built by `of_model` from the model as built, is handed to the scheduler,
+    the engine (its `kv_budget_bytes`), the release decision and the benchmark, so they all count
+    the same bytes: `kv_budget_tokens` means the same number of tokens in fp32 and in bf16.
+    `from_model_config` is the formula version, for the simulator (no model is built there).
     """
 
     kv_bytes_per_token: int
     expert_bytes: int
     kv_budget_bytes: Optional[int] = None  # None: unbounded
+    block_tokens: int = 1
+
+    @classmethod
+    def of_model(cls, model, *, kv_budget_tokens: Optional[int] = None,
+                 block_tokens: int = 1) -> "MemoryModel":
+        """From a built Megatron-Core `GPTModel`: KV bytes per token at the parameters' real
+        element size, one expert's measured bytes over all layers (what borrowing it costs)."""
+        from flexfloor.rollout.engine import kv_bytes_per_token
+
+        kv = kv_bytes_per_token(model.config)
+        expert = 0
+        for layer in model.decoder.layers:
+            first = layer.mlp.experts.local_experts[0]
+            expert += sum(p.nbytes for p in first.parameters())
+        return cls._with_budget(kv, expert, kv_budget_tokens, block_tokens)
 
     @classmethod
     def from_model_config(cls, model_cfg, *, kv_budget_tokens: Optional[int] = None,
-                          dtype_bytes: int = 4) -> "MemoryModel":
+                          dtype_bytes: Optional[int] = None) -> "MemoryModel":
+        """The formula version (the simulator's): shapes of a `ModelConfig`, element size from
+        its `params_dtype` (fp32 when it names none) unless `dtype_bytes` is given. Equal to
+        `of_model` for the same model (tested)."""
+        if dtype_bytes is None:
+            dtype_bytes = _DTYPE_BYTES[getattr(model_cfg, "params_dtype", "float32")]
         head_dim = model_cfg.kv_channels or model_cfg.hidden_size // model_cfg.num_attention_heads
         kv = 2 * model_cfg.num_layers * model_cfg.num_query_groups * head_dim * dtype_bytes
         # gated MLP expert: fc1 [2F, H] + fc2 [H, F], per layer
         expert = 3 * model_cfg.moe_ffn_hidden_size * model_cfg.hidden_size * dtype_bytes
         expert *= model_cfg.num_layers
-        budget = None if kv_budget_tokens is None else kv_budget_tokens * kv
-        return cls(kv_bytes_per_token=kv, expert_bytes=expert, kv_budget_bytes=budget)
+        return cls._with_budget(kv, expert, kv_budget_tokens, 1)
+
+    @classmethod
+    def _with_budget(cls, kv: int, expert: int, kv_budget_tokens: Optional[int],
+                     block_tokens: int) -> "MemoryModel":
+        if block_tokens < 1:
+            raise ValueError(f"KV block size must be at least 1 token, got {block_tokens}")
+        budget = None
+        if kv_budget_tokens is not None:  # whole blocks: the budget in tokens, rounded down
+            budget = (kv_budget_tokens // block_tokens) * block_tokens * kv
+        return cls(kv_bytes_per_token=kv, expert_bytes=expert, kv_budget_bytes=budget,
+                   block_tokens=block_tokens)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.kv_bytes_per_token
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks `tokens` cached tokens occupy (the engine's block pool counts the same)."""
+        from flexfloor.rollout.kv import blocks_for
+
+        return blocks_for(tokens, self.block_tokens)
 
     def kv_tokens(self, borrowed_experts: int = 0) -> Optional[int]:
         """Tokens of KV a rank can hold while hosting `borrowed_experts` extra experts."""
         if self.kv_budget_bytes is None:
             return None
-        return max(0, (self.kv_budget_bytes - borrowed_experts * self.expert_bytes)
-                   // self.kv_bytes_per_token)
+        room = self.kv_budget_bytes - borrowed_experts * self.expert_bytes
+        return max(0, room // self.block_bytes) * self.block_tokens
 
     def max_borrowed(self, min_kv_tokens: int) -> Optional[int]:
         """Most experts a rank can borrow and still hold `min_kv_tokens` of KV (None: no bound)."""
         if self.kv_budget_bytes is None:
             return None
-        room = self.kv_budget_bytes - min_kv_tokens * self.kv_bytes_per_token
+        room = self.kv_budget_bytes - self.blocks_for(min_kv_tokens) * self.block_bytes
         return max(0, room // self.expert_bytes) if self.expert_bytes else None
 
 

@@ -1,0 +1,153 @@
+"""Survivor groups built ahead: the EP groups a rollout can shrink to, created before decoding.
+
+With NCCL a new communicator costs seconds per rank; a rollout of a large batch shrinks dozens of
+times. The rollout plan already says who is meant to leave when (`RolloutPlan.expected_finish`),
+so every survivor set it implies is created collectively before the first decode step, by every
+rank of the world in the same order (plain `new_group`: no naming questions, one store round per
+group), and kept for the next rollouts while the shape repeats. Inside the decode loop a shrink
+only looks its group up.
+
+A release the plan did not foresee (a rank finishing earlier than predicted) takes the nearest
+prebuilt group: the smallest one inside the active ranks that contains every survivor. The ranks
+of that group that wanted to leave stay idle-but-present (they step with empty batches) until a
+later boundary lets them go; they leave from a group the plan holds. Only when no prebuilt group
+is smaller than the active one is a group created during the rollout, by its members only, and
+counted in `groups_created_during_rollout` (0 whenever the plan held).
+
+That late group needs a name its members agree on. torch's `new_group(...,
+use_local_synchronization=True)` hashes the ranks with the number of groups the calling process
+holds, which differs between ranks that were members of different earlier groups (their
+rendezvous keys then never meet: a hang), and `split_group` needs an NCCL default group bound to
+a device. So the late group is built with an explicit name (`name_prefix`, unique in the job, plus
+its ranks) through the helper `new_group` itself uses: the one private call left, off the planned
+path. Each such set is created once per job and kept, so no name is reused after a destroy.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import torch.distributed as dist
+
+Ranks = tuple[int, ...]  # sorted global ranks
+
+
+def live_process_groups() -> int:
+    """Process groups this process holds now (torch's registry): counting what a rollout
+    created, independently of who created it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
+def planned_survivor_sets(expected_finish: Mapping[int, float], *, floor: int = 1) -> list[Ranks]:
+    """Every survivor set a plan implies, largest first: ranks leave in order of predicted finish
+    (ties: the higher rank first, as the release keeps the lowest idle ranks), down to `floor`
+    ranks. 4 ranks finishing at 40, 30, 20, 10 steps -> (0, 1, 2), (0, 1), (0,)."""
+    ranks = sorted(expected_finish)
+    order = sorted(ranks, key=lambda r: (expected_finish[r], -r))  # who leaves first
+    floor = max(1, floor)
+    return [tuple(sorted(order[k:])) for k in range(1, len(ranks) - floor + 1)]
+
+
+def nearest_prebuilt(active: Ranks, survivors: Ranks, prebuilt: Sequence[Ranks]) -> Optional[Ranks]:
+    """The smallest prebuilt group inside `active` that contains every survivor and is smaller
+    than `active` (ties: the one with the lowest ranks); None when there is none. Pure."""
+    want, within = set(survivors), set(active)
+    fits = [g for g in prebuilt if want <= set(g) <= within and len(g) < len(active)]
+    return min(fits, key=lambda g: (len(g), g)) if fits else None
+
+
+@dataclass(frozen=True)
+class Switch:
+    """How one shrink is carried out: who really leaves, the survivors' ranks and their group
+    (None on a rank outside it), and whether the group had to be created now."""
+
+    leaving: tuple[int, ...]
+    ranks: Ranks
+    group: Optional[dist.ProcessGroup]
+    created: bool
+    kept_idle: tuple[int, ...] = ()  # ranks that wanted to leave but stay in `ranks` for now
+
+
+@dataclass
+class SurvivorGroups:
+    """The survivors' groups of one job: built ahead from plans, looked up at each shrink.
+
+    Lifecycle: `prepare(sets)` before a rollout's first step (collective over the world) ->
+    `switch(...)` at each shrink (no collective when the plan held) -> the next rollout's
+    `prepare` reuses what exists -> `destroy()` with the job's groups.
+    """
+
+    rank: int
+    world_size: int
+    timeout: datetime.timedelta
+    name_prefix: str = "0"  # unique in the job (the rollout layout's id): names late groups
+    prebuilt: dict[Ranks, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+    late: dict[Ranks, dist.ProcessGroup] = field(default_factory=dict)  # made during rollouts
+    created_during_rollout: int = 0  # this rollout's late groups (this rank took part in)
+    created_ahead: int = 0  # groups `prepare` created, over the job
+
+    def prepare(self, sets: Sequence[Ranks]) -> int:
+        """Create every set not built yet, collectively: every rank of the world calls this with
+        the same sets (the plan is computed identically everywhere) before decoding starts.
+        Resets the rollout's late-group count. Returns how many groups were created."""
+        self.created_during_rollout = 0
+        made = 0
+        for ranks in sorted({tuple(sorted(s)) for s in sets}, key=lambda s: (-len(s), s)):
+            if ranks in self.prebuilt or not ranks:
+                continue
+            bad = [r for r in ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise ValueError(f"survivor set {ranks} names ranks {bad} outside the world of "
+                                 f"{self.world_size}")
+            group = dist.new_group(list(ranks), timeout=self.timeout)
+            self.prebuilt[ranks] = group if self.rank in ranks else None
+            made += 1
+        self.created_ahead += made
+        return made
+
+    def switch(self, active: Sequence[int], leaving: Sequence[int]) -> Switch:
+        """The group the survivors of `active` minus `leaving` switch to (every rank of `active`
+        calls this with the same arguments; pure but for a late creation): the prebuilt one, else
+        the nearest prebuilt superset (some leavers stay idle), else a new one made by its
+        members, counted."""
+        active = tuple(sorted(active))
+        survivors = tuple(r for r in active if r not in set(leaving))
+        if not survivors:
+            raise ValueError(f"every active rank {active} would leave: the floor is at least 1")
+        if survivors in self.prebuilt:
+            return Switch(tuple(sorted(leaving)), survivors, self.prebuilt[survivors], False)
+        near = nearest_prebuilt(active, survivors, list(self.prebuilt))
+        if near is not None:
+            kept = tuple(r for r in near if r not in survivors)
+            return Switch(tuple(r for r in active if r not in near), near, self.prebuilt[near],
+                          False, kept_idle=kept)
+        group = self.late.get(survivors)
+        created = group is None and self.rank in survivors
+        if created:
+            group = self._late_group(survivors)
+            self.late[survivors] = group
+            self.created_during_rollout += 1
+        return Switch(tuple(sorted(leaving)), survivors,
+                      group if self.rank in survivors else None, created)
+
+    def _late_group(self, ranks: Ranks) -> dist.ProcessGroup:
+        """A group created by its members only, with an explicit name (see the module doc)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        name = f"flexfloor/survivors/{self.name_prefix}/" + "_".join(map(str, ranks))
+        pg, _ = c10d._new_process_group_helper(
+            len(ranks), ranks.index(self.rank), list(ranks), dist.get_backend(),
+            c10d._get_default_store(), name, timeout=self.timeout)
+        c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+        return pg
+
+    def destroy(self) -> None:
+        for group in list(self.prebuilt.values()) + list(self.late.values()):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.prebuilt.clear()
+        self.late.clear()

@@ -1,0 +1,129 @@
+"""Accelerator readiness on 4 real gloo workers, one launch (tests/workers/accel.py): one memory
+model for fp32 and bf16; a released rank offloads its weights, gradient buffers and optimizer
+state and gets them back bit for bit; training after an offloading rollout equals training after
+a static one; survivor groups built ahead from the plan. Plus the pure parts, without processes."""
+
+import json
+
+import pytest
+
+from distributed import torchrun
+from flexfloor.rollout.survivors import nearest_prebuilt, planned_survivor_sets
+
+BUDGET_TOKENS = 50
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("accel")
+    torchrun("accel.py", 4, str(d), timeout=400)
+    with open(d / "results.json") as f:
+        return json.load(f)
+
+
+def test_memory_model_admits_the_same_tokens_in_fp32_and_bf16(parts):
+    for p in parts:
+        m = p["memory"]
+        for dtype in ("float32", "bfloat16"):
+            x = m[dtype]
+            assert x["scheduler_kv_tokens"] == x["engine_kv_tokens"] == BUDGET_TOKENS
+            assert x["kv_bytes_per_token"] == x["engine_kv_bytes_per_token"]
+            assert x["expert_bytes"] == x["moe_expert_nbytes"]  # measured == what a borrow costs
+            assert x["formula_equal"]  # the simulator's formula agrees with the built model
+            assert x["verdict"][str(BUDGET_TOKENS)] == "admitted"
+            assert "rollout.kv_budget_tokens" in x["verdict"][str(BUDGET_TOKENS + 1)]
+        # bf16 really is half the bytes, and the plans do not change with the dtype
+        assert m["bfloat16"]["kv_bytes_per_token"] * 2 == m["float32"]["kv_bytes_per_token"]
+        assert m["bfloat16"]["plan"] == m["float32"]["plan"]
+
+
+def test_released_ranks_hold_at_most_a_tenth_of_a_survivor(parts):
+    survivor = parts[0]["offload"]
+    assert not survivor["released"] and survivor["survivor_bytes_at_end"] > 0
+    for rank in (1, 2, 3):
+        o = parts[rank]["offload"]
+        assert o["released"]
+        s = o["stats"]
+        assert s["resident_bytes_before_release"] > 0
+        assert s["offloaded_bytes"] >= s["resident_bytes_before_release"] * 0.9
+        assert s["resident_bytes_after_release"] <= 0.1 * survivor["survivor_bytes_at_end"]
+        assert s["resident_bytes_after_release"] <= 0.1 * s["resident_bytes_before_release"]
+        assert s["resident_bytes_after_resync"] == s["resident_bytes_before_release"]
+        assert s["restore_s"] >= 0
+
+
+def test_resync_restores_weights_grads_and_optimizer_bit_identically(parts):
+    for p in parts:
+        assert p["offload"]["start_equal"] and p["offload"]["restored_bit_identical"]
+
+
+def test_training_after_an_offloading_rollout_equals_after_a_static_one(parts):
+    for p in parts:
+        o = p["offload"]
+        assert o["tokens_static"] == o["tokens_elastic"] and o["tokens_static"]
+        assert o["applied"] == [True, True] and o["trained_changed"]
+        assert o["trained_equal"] and o["optimizer_equal"]
+
+
+def test_the_coordinator_offloads_released_ranks_and_trains_the_same(parts):
+    job = parts[0]["job"]
+    assert all(p["job"]["weights_equal"] for p in parts)  # offloading step == static step
+    released = [r for r in job["records"] if "offloaded_bytes" in r]
+    assert released, "no rank was released in the offloading run"
+    for r in released:
+        assert r["resident_bytes_after_release"] <= 0.1 * r["resident_bytes_before_release"]
+        assert r["resident_bytes_after_resync"] == r["resident_bytes_before_release"]
+
+
+def test_survivor_groups_built_ahead_and_looked_up(parts):
+    for rank, p in enumerate(parts):
+        s = p["survivors"]
+        assert [tuple(x) for x in s["sets"]] == [(0, 1, 2), (0, 1), (0,)]
+        assert s["made"] == 3 and s["made_again"] == 0  # reused while the shape repeats
+        assert s["groups_added_on_plan"] == 0 and s["created_on_plan"] == 0
+        # each rank used each group it is a member of: the sum of its members' rank + 1
+        want = {(0, 1, 2): 6, (0, 1): 3, (0,): 1}
+        for ranks, total, created in s["on_plan"]:
+            assert not created
+            assert total == (want[tuple(ranks)] if rank in ranks else None)
+        assert s["off_plan_superset"] == {"leaving": [3], "ranks": [0, 1, 2], "kept": [1],
+                                          "created": False}
+        late = s["late"]
+        if rank in (0, 2):  # last resort: made by its two members, counted
+            assert late == [[0, 2], 4, True] and s["created_late"] == 1
+        else:
+            assert late is None and s["created_late"] == 0
+
+
+def test_planned_survivor_sets_follow_the_predicted_finish():
+    assert planned_survivor_sets({0: 40, 1: 30, 2: 20, 3: 10}) == [(0, 1, 2), (0, 1), (0,)]
+    # ties: the higher rank leaves first (the release keeps the lowest idle ranks); a floor
+    assert planned_survivor_sets({0: 5, 1: 9, 2: 5, 3: 0}, floor=2) == [(0, 1, 2), (0, 1)]
+    assert planned_survivor_sets({0: 1}) == []
+
+
+def test_nearest_prebuilt_group_is_the_smallest_superset_inside_the_active_ranks():
+    built = [(0, 1, 2), (0, 1), (0,)]
+    assert nearest_prebuilt((0, 1, 2, 3), (0, 2), built) == (0, 1, 2)
+    assert nearest_prebuilt((0, 1, 2, 3), (0,), built) == (0,)
+    assert nearest_prebuilt((0, 1, 2), (0, 2), built) is None  # only the active group itself
+    assert nearest_prebuilt((0, 1, 2, 3), (1, 3), built) is None
+
+
+def test_gpu_check_compiles_and_refuses_without_a_gpu():
+    import os
+    import py_compile
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    py_compile.compile(os.path.join(repo, "tests", "gpu", "check.py"), doraise=True)
+    assert subprocess.run(["bash", "-n", os.path.join(repo, "tests", "gpu", "run.sh")]).returncode == 0
+    with open(os.path.join(repo, "tests", "gpu", "run.sh")) as f:
+        assert "NCCL cannot put two ranks on one GPU" in f.read()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(repo, "tests", "gpu", "check.py")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 1 and not summary["cuda_available"]
+    assert "needs one NVIDIA GPU" in summary["error"]
