@@ -148,14 +148,14 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
         return x.kv_used + x.block_bytes(at_step, kv_block_tokens, kvb)
 
     def reserve(req: SimRequest) -> int:
-        """KV bytes a request takes at admission (prompt + response, or its blocks)."""
-        if kv_block_tokens is None:
-            return req.reserved_tokens * kvb
-        return 0
+        """KV bytes a request takes at admission and keeps to its end (none with blocks: they
+        are counted from its cached tokens)."""
+        return req.reserved_tokens * kvb if kv_block_tokens is None else 0
 
     def admission_need(item) -> int:
+        """KV bytes free for admitting `item` (a request, or a preempted one: blocks only)."""
         if kv_block_tokens is None:
-            return item.req.reserved_tokens * kvb if isinstance(item, _Preempted) else item.reserved_tokens * kvb
+            return item.reserved_tokens * kvb
         cached = item.req.prompt_len + item.produced if isinstance(item, _Preempted) else item.prompt_len
         return -(-(cached + 1) // kv_block_tokens) * kv_block_tokens * kvb
 
@@ -166,7 +166,8 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             tokens=tokens_total, requests=requests_total,
             running=[len(x.running) for x in rs], queued=[len(x.queue) for x in rs],
             remaining=[x.remaining(step) for x in rs],
-            kv_free=[budget - kv_in_use(x, step) if budget is not None else UNBOUNDED_KV for x in rs])
+            kv_free=[budget - kv_in_use(x, step) if budget is not None else UNBOUNDED_KV
+                     for x in rs])
 
     def admit(x: _Rank, dry: bool = False) -> bool:
         """The engine's admission loop; dry: only say whether one would be admitted."""
