@@ -43,7 +43,8 @@ if REPO not in sys.path:
 
 from flexfloor.rollout.metrics import json_safe  # noqa: E402
 from flexfloor.rollout.workload import (  # noqa: E402
-    DEFAULT_PARAMS, DISTRIBUTIONS, NOISE_PARAMS, epoch_order, make_lengths, make_prompts, tail_stats,
+    DEFAULT_PARAMS, DISTRIBUTIONS, MIX_PARAMS, NOISE_PARAMS, dataset_batches, make_lengths,
+    make_prompts, tail_stats,
 )
 
 MODES = ("static", "elastic")
@@ -92,6 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     w.add_argument("--length-file", default=None,
                    help="file: JSON {\"lengths\": [...]} or one base length per line "
                         "(see flexfloor/rollout/workload.py)")
+    w.add_argument("--dataset-prompts", type=int, default=None,
+                   help="prompts of the dataset each step draws --num-prompts from (a prompt "
+                        "comes back once per D/B steps; default: --num-prompts, every step)")
+    w.add_argument("--history-correlation", type=float, default=None,
+                   help="how much a prompt's length one epoch tells of the next, 0-1 (default 1)")
+    w.add_argument("--cap-fraction", type=float, default=None,
+                   help="share of samples, drawn each epoch, that run to --max-len (default 0)")
     w.add_argument("--prompt-len", default="4-8", help="prompt tokens: N or LO-HI")
     w.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
     r = p.add_argument_group("model and engine")
@@ -125,6 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "num_experts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.dataset_prompts is not None and args.dataset_prompts < args.num_prompts:
+        p.error(f"--dataset-prompts {args.dataset_prompts} must be at least --num-prompts "
+                f"{args.num_prompts}")
+    for name in ("history_correlation", "cap_fraction"):
+        if getattr(args, name) is not None and not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
     for name in ("kv_budget_tokens", "max_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1 (or left out)")
@@ -138,12 +152,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def workload(args) -> np.ndarray:
-    """The response lengths [epochs, prompts, samples]: the same on every rank and the parent."""
+    """The response lengths [epochs, dataset prompts, samples]: the same on every rank and the
+    parent (epoch e is training step e; it reads the rows of the prompts it draws)."""
     params = {k: getattr(args, f) for k, f in DIST_FLAGS[args.length_dist].items()
               if getattr(args, f) is not None}
-    return make_lengths(args.length_dist, num_prompts=args.num_prompts,
+    params.update({k: getattr(args, k) for k in MIX_PARAMS if getattr(args, k) is not None})
+    return make_lengths(args.length_dist, num_prompts=dataset_size(args),
                         samples_per_prompt=args.samples_per_prompt, epochs=args.epochs,
                         seed=args.seed, max_len=args.max_len, **params)
+
+
+def dataset_size(args) -> int:
+    return args.dataset_prompts or args.num_prompts
+
+
+def drawn_lengths(args, lengths) -> np.ndarray:
+    """The lengths the steps roll out [epochs, prompts per step, samples]."""
+    batches = dataset_batches(dataset_size(args), args.num_prompts, args.epochs, args.seed)
+    return np.stack([lengths[e, batches[e]] for e in range(args.epochs)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,7 +185,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     try:
-        lengths = workload(args)
+        lengths = drawn_lengths(args, workload(args))
     except (ValueError, OSError) as e:
         print(f"bench_rollout: workload: {e}", file=sys.stderr)
         return 2
@@ -357,8 +383,9 @@ class Bench:
             "elastic": Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), memory=memory,
                                  max_batch_size=self.max_batch),
         }
-        self.prompts = make_prompts(args.num_prompts, args.prompt_len, self.model_cfg.vocab_size,
-                                    args.seed)
+        self.prompts = make_prompts(dataset_size(args), args.prompt_len,
+                                    self.model_cfg.vocab_size, args.seed)
+        self.batches = dataset_batches(dataset_size(args), args.num_prompts, args.epochs, args.seed)
         self.kept = []  # per summary epoch: mode -> (median records, results)
 
     def epoch(self, epoch: int) -> dict:
@@ -399,14 +426,15 @@ class Bench:
         return entry
 
     def prompt_groups(self, epoch: int) -> list:
-        """The epoch's batch: every prompt once (shuffled), its samples with the workload's
-        lengths as targets; the same uids every epoch, so the history applies."""
+        """The epoch's batch: the prompts this step draws from the dataset (every prompt once,
+        shuffled, when the dataset is one step's), its samples with the workload's lengths as
+        targets; a prompt seen before has history."""
         from flexfloor.rollout.scheduler import PromptGroup
         from flexfloor.rollout.types import Request, SamplingParams
 
         args = self.args
         sampling = SamplingParams(greedy=args.greedy, temperature=1.0)
-        order = epoch_order(args.num_prompts, args.seed, epoch)
+        order = [int(u) for u in self.batches[epoch - 1]]
         return [PromptGroup(uid, tuple(
             Request(prompt_uid=uid, sample_index=s, prompt_ids=self.prompts[uid],
                     max_new_tokens=args.max_len, sampling=sampling, seed=args.seed, step=epoch,
@@ -449,14 +477,16 @@ class Bench:
                 "metrics": rollout_metrics(records, results)}
 
     def workload_report(self) -> dict:
-        args, lengths = self.args, self.lengths
+        args, lengths = self.args, drawn_lengths(self.args, self.lengths)
         lo, hi = args.prompt_len
         return {
             "length_dist": args.length_dist,
-            "params": {**DEFAULT_PARAMS[args.length_dist], **NOISE_PARAMS,
+            "params": {**DEFAULT_PARAMS[args.length_dist], **NOISE_PARAMS, **MIX_PARAMS,
                        **{k: getattr(args, f) for k, f in DIST_FLAGS[args.length_dist].items()
-                          if getattr(args, f) is not None}},
-            "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
+                          if getattr(args, f) is not None},
+                       **{k: getattr(args, k) for k in MIX_PARAMS if getattr(args, k) is not None}},
+            "num_prompts": args.num_prompts, "dataset_prompts": dataset_size(args),
+            "samples_per_prompt": args.samples_per_prompt,
             "epochs": args.epochs, "seed": args.seed, "max_len": args.max_len,
             "prompt_len": [lo, hi], "greedy": args.greedy,
             "tail_stats": tail_stats(lengths),

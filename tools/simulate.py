@@ -1,4 +1,4 @@
-"""Cluster-scale rollout simulator: static EP (verl-like) vs FlexFloor, on N accelerators.
+"""Cluster-scale rollout simulator: the baselines users run vs FlexFloor, on N accelerators.
 
     python tools/simulate.py --list
     python tools/simulate.py --scenario paper-like --out sim.json [--plot sim.png] [--sweep]
@@ -6,8 +6,11 @@
 It drives the trainer's own scheduler (length history, prediction, placement) and the engine's
 own release decision (`ElasticMembership.decide`: floor, memory capacity, `plan_shrink`) over a
 discrete-event model of lockstep EP decoding priced by a roofline cost model (flexfloor/sim/).
-The JSON has `tools/bench_rollout.py`'s metric names for `static` and `elastic`, their `ratios`,
-and `ideal` (no idle-but-occupied time at all). `--sweep` adds FlexFloor over GPU counts and
+The cluster runs `--replicas` EP groups of gpus / replicas ranks. The JSON has
+`tools/bench_rollout.py`'s metric names for every mode (`modes`: static, static_chunks,
+replica_release, single_group, elastic; seconds are modelled), `ratios` (elastic / static),
+`ratios_vs` ({baseline: {metric: elastic / baseline}}), `vs_static` and `ideal` (no
+idle-but-occupied time at all). `--sweep` adds FlexFloor over GPU counts and
 tail heaviness. Replay your own lengths with `--length-file` (the workload file format of
 flexfloor/rollout/workload.py: JSON {"lengths": [epochs][prompts][samples]} or one base length
 per line).
@@ -26,10 +29,14 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from flexfloor.rollout.metrics import json_safe  # noqa: E402
-from flexfloor.sim.scenarios import SCENARIOS, run, sweep  # noqa: E402
+from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
+from flexfloor.sim.scenarios import MODES, SCENARIOS, run, sweep  # noqa: E402
 
 OVERRIDES = {  # flag -> (Scenario field, type)
-    "gpus": ("gpus", int), "accelerator": ("accelerator", str), "model": ("model", str),
+    "gpus": ("gpus", int), "replicas": ("replicas", int), "accelerator": ("accelerator", str),
+    "model": ("model", str), "dataset_prompts": ("dataset_prompts", int),
+    "history_correlation": ("history_correlation", float), "cap_fraction": ("cap_fraction", float),
+    "kv_block_tokens": ("kv_block_tokens", int),
     "num_prompts": ("num_prompts", int), "samples_per_prompt": ("samples_per_prompt", int),
     "epochs": ("epochs", int), "max_len": ("max_len", int), "max_batch_size": ("max_batch_size", int),
     "kv_budget_tokens": ("kv_budget_tokens", int), "min_active_ranks": ("min_active_ranks", int),
@@ -55,6 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--length-file", help="replay these lengths (workload file format)")
     o.add_argument("--length-median", type=float, help="lognormal median")
     o.add_argument("--length-sigma", type=float, help="lognormal sigma")
+    c = p.add_argument_group("cost model (CostParams)")
+    c.add_argument("--group-source", choices=[g.value for g in GroupSource], default=None,
+                   help="survivors' group at a shrink: new (NCCL init, group_create_s) or "
+                        "prebuilt (a switch)")
+    c.add_argument("--group-create-s", type=float, default=None)
+    c.add_argument("--host-overhead-s", type=float, default=None, help="engine time per step")
+    c.add_argument("--zipf-s", type=float, default=None, help="expert popularity exponent")
     args = p.parse_args(argv)
     if not args.list and not (args.scenario and args.out):
         p.error("--scenario NAME and --out FILE are required (or --list)")
@@ -76,19 +90,31 @@ def scenario_of(args):
         if args.length_sigma is not None:
             params["sigma"] = args.length_sigma
         kw["length_params"] = params
+    if kw.get("kv_block_tokens") == 0:
+        kw["kv_block_tokens"] = None  # 0: reserve prompt + response at admission
     return sc.with_overrides(**kw)
+
+
+def params_of(args) -> CostParams:
+    kw = {k: getattr(args, k) for k in ("group_create_s", "host_overhead_s", "zipf_s")
+          if getattr(args, k) is not None}
+    if args.group_source:
+        kw["group_source"] = GroupSource(args.group_source)
+    return CostParams(**kw)
 
 
 def format_report(rep: dict) -> str:
     unit = rep["unit"]
     rows = [("total_response_tokens", "{:,.0f}"), ("occupied_worker_seconds", "{:,.1f}"),
             ("occupied_worker_steps", "{:,.0f}"), ("tail_fraction", "{:.3f}"),
-            ("rollout_wall_seconds", "{:,.1f}"), ("tokens_per_occupied_worker_second", "{:,.1f}")]
-    lines = [f"{'':36s}{'static':>16s}{'FlexFloor':>16s}{'ratio':>9s}"]
+            ("rollout_wall_seconds", "{:,.1f}"), ("tokens_per_occupied_worker_second", "{:,.1f}"),
+            ("groups_created_during_rollout", "{:,.0f}")]
+    lines = [f"{'':34s}" + "".join(f"{m:>16s}" for m in MODES)]
     for key, fmt in rows:
-        s, e = rep["static"][key], rep["elastic"][key]
-        ratio = f"{e / s:9.3f}" if s else ""
-        lines.append(f"{key:36s}{fmt.format(s):>16s}{fmt.format(e):>16s}{ratio}")
+        lines.append(f"{key:34s}" + "".join(f"{fmt.format(rep[m][key]):>16s}" for m in MODES))
+    for key in ("tokens_per_occupied_worker_second", "rollout_wall_seconds"):
+        lines.append(f"{key + ' / static':34s}" + "".join(
+            f"{rep['vs_static'][m][key]:16.3f}" for m in MODES))
     r = rep["ratios"]
     lines.append(f"ideal (no idle-but-occupied time): {rep['ideal']['tokens_per_occupied_worker_second']:,.1f} "
                  f"tokens per occupied worker-{'second' if unit == 's' else 'step'}; FlexFloor reaches "
@@ -124,12 +150,13 @@ def main(argv=None) -> int:
         print(f"simulate: {sc.name}: {sc.model} on {sc.gpus} "
               f"{sc.accelerator or 'ranks (UnitCost)'}, {sc.num_prompts} prompts x "
               f"{sc.samples_per_prompt} samples, {sc.epochs} epochs", flush=True)
-        rep = run(sc)
+        params = params_of(args)
+        rep = run(sc, params=params)
         if args.sweep:
             gpus = [int(x) for x in args.sweep_gpus.split(",")]
             sigmas = [float(x) for x in args.sweep_sigmas.split(",")]
             print(f"sweep: {len(gpus)} GPU counts x {len(sigmas)} tails", flush=True)
-            rep["sweep"] = sweep(sc, gpus, sigmas)
+            rep["sweep"] = sweep(sc, gpus, sigmas, params=params)
     except (ValueError, OSError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2

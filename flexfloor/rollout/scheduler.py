@@ -291,6 +291,35 @@ def _profile_by_events(lengths, prompt_lens, kv_tokens, max_batch) -> tuple[floa
     return now, peak
 
 
+def least_outstanding(events: Sequence[tuple[str, str]], targets: int) -> dict[str, int]:
+    """Route each submitted request to the target (replica, or rank of a replica) with the fewest
+    outstanding requests at its submission, the lowest index on ties: verl's agent loop over its
+    server replicas, and a data-parallel engine's balancing over its ranks.
+
+    events: ("submit", request_id) or ("done", request_id) in time order; a request is
+    outstanding from its submission to its "done". Returns {request_id: target index}. A rollout
+    that submits its whole batch at once (no "done" before the last submit) is round robin.
+    """
+    if targets < 1:
+        raise ValueError(f"targets={targets}: route to at least one")
+    outstanding = [0] * targets
+    where: dict[str, int] = {}
+    for kind, rid in events:
+        if kind == "submit":
+            if rid in where:
+                raise ValueError(f"request {rid!r} submitted twice")
+            t = min(range(targets), key=lambda i: (outstanding[i], i))
+            where[rid] = t
+            outstanding[t] += 1
+        elif kind == "done":
+            if rid not in where:
+                raise ValueError(f"request {rid!r} done before it was submitted")
+            outstanding[where[rid]] -= 1
+        else:
+            raise ValueError(f"event {kind!r}: must be 'submit' or 'done'")
+    return where
+
+
 @dataclass
 class Scheduler:
     """Places prompt groups on ranks for one rollout, and learns lengths from its results."""

@@ -25,8 +25,19 @@ Distributions (`make_lengths(dist, ...)`, parameters as keywords):
   text, one base length per line (one line per prompt; blank lines and `#` comments skipped), with
   samples and epochs drawn around it like the other distributions (`sample_sigma=0`,
   `drift_sigma=0` repeat it exactly).
-Every distribution also takes `sample_sigma` (default 0.2) and `drift_sigma` (default 0.05).
-`DEFAULT_PARAMS` and `NOISE_PARAMS` hold the defaults.
+Every distribution also takes `sample_sigma` (default 0.2) and `drift_sigma` (default 0.05), and
+two RL mixes (`MIX_PARAMS`; not with an exact JSON file):
+- `history_correlation` (default 1.0): how much a prompt's base length one epoch tells of the next.
+  Below 1 the base is redrawn each epoch, correlated with the last one: in normal-quantile space
+  z' = c z + sqrt(1 - c^2) e (the distribution of bases stays the same; 0: history is noise);
+- `cap_fraction` (default 0.0): that share of all samples, drawn afresh each epoch, runs to the
+  cap (reasoning that does not stop): no history predicts which.
+`DEFAULT_PARAMS`, `NOISE_PARAMS` and `MIX_PARAMS` hold the defaults.
+
+RL draws a step's prompts from a dataset larger than one step's batch (`dataset_batches`): with D
+prompts and B a step, a prompt comes back once per D/B steps, so most rollouts have no history
+for most of their prompts. A workload is then `[steps, D, samples]`: epoch e of the generators
+above is training step e, and a step reads the rows of its drawn prompts.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ DEFAULT_PARAMS = {
     "file": {"path": None},
 }
 NOISE_PARAMS = {"sample_sigma": 0.2, "drift_sigma": 0.05}
+MIX_PARAMS = {"history_correlation": 1.0, "cap_fraction": 0.0}
 
 
 def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs: int, seed: int,
@@ -58,7 +70,7 @@ def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs
     if dist not in DISTRIBUTIONS:
         raise ValueError(f"unknown length distribution {dist!r}; "
                          f"choose one of {list(DISTRIBUTIONS)}")
-    allowed = {**DEFAULT_PARAMS[dist], **NOISE_PARAMS}
+    allowed = {**DEFAULT_PARAMS[dist], **NOISE_PARAMS, **MIX_PARAMS}
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise ValueError(f"length distribution {dist!r} takes no parameter {unknown}; "
@@ -70,17 +82,27 @@ def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs
     p = {**allowed, **params}
     shape = (epochs, num_prompts, samples_per_prompt)
     rng = np.random.default_rng(seed)
+    c, cap = float(p["history_correlation"]), float(p["cap_fraction"])
+    if not 0.0 <= c <= 1.0:
+        raise ValueError(f"history_correlation={c}: must be in [0, 1] (1: history predicts)")
+    if not 0.0 <= cap <= 1.0:
+        raise ValueError(f"cap_fraction={cap}: must be in [0, 1]")
 
     if dist == "file":
         if p["path"] is None:
             raise ValueError("length distribution 'file' needs path=FILE (--length-file)")
         exact, bases = _read_file(p["path"], shape)
         if exact is not None:
+            if c != 1.0 or cap != 0.0:
+                raise ValueError("history_correlation and cap_fraction do not apply to an exact "
+                                 "JSON length file (its lengths are used as given)")
             return np.clip(exact, 1, max_len).astype(np.int64)
+        quantile = _empirical_quantile(bases)
     elif dist == "lognormal":
         _check_positive(dist, median=p["median"], sigma=p["sigma"])
         z = np.array([NormalDist().inv_cdf(u) for u in _stratified(rng, num_prompts)])
         bases = p["median"] * np.exp(p["sigma"] * z)
+        quantile = lambda u: p["median"] * np.exp(p["sigma"] * _inv_cdf(u))  # noqa: E731
     elif dist == "bimodal":
         _check_positive(dist, short=p["short"], long=p["long"])
         if not 0.0 <= p["long_frac"] <= 1.0:
@@ -88,11 +110,13 @@ def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs
         n_long = int(round(p["long_frac"] * num_prompts))
         is_long = rng.permutation(np.arange(num_prompts) < n_long)
         bases = np.where(is_long, p["long"], p["short"]).astype(float)
+        quantile = lambda u: np.where(u >= 1 - p["long_frac"], p["long"], p["short"])  # noqa: E731
     else:  # uniform
         lo = float(p["min_len"])
         if not 1 <= lo <= max_len:
             raise ValueError(f"uniform min_len={lo}: must be in [1, max_len={max_len}]")
         bases = lo + _stratified(rng, num_prompts) * (max_len - lo)
+        quantile = lambda u: lo + u * (max_len - lo)  # noqa: E731
 
     _check_non_negative(sample_sigma=p["sample_sigma"], drift_sigma=p["drift_sigma"])
     # drift: a random walk in log space, none in the first epoch; noise: per sample, every epoch
@@ -100,8 +124,30 @@ def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs
     steps[0] = 0.0
     drift = np.cumsum(steps, axis=0)
     noise = rng.normal(0.0, p["sample_sigma"], size=shape)
-    lengths = np.rint(bases[None, :, None] * np.exp(drift + noise))
-    return np.clip(lengths, 1, max_len).astype(np.int64)
+    per_epoch = np.broadcast_to(bases, (epochs, num_prompts))
+    if c < 1.0:
+        per_epoch = _correlated_bases(bases, quantile, c, epochs,
+                                      np.random.default_rng([seed, 3]))
+    lengths = np.clip(np.rint(per_epoch[:, :, None] * np.exp(drift + noise)), 1, max_len)
+    if cap > 0.0:
+        capped = np.random.default_rng([seed, 4]).uniform(size=shape) < cap
+        lengths[capped] = max_len
+    return lengths.astype(np.int64)
+
+
+def dataset_batches(dataset_prompts: int, batch_prompts: int, steps: int, seed: int) -> np.ndarray:
+    """The prompt uids each training step draws [steps, batch_prompts]: the dataset's D prompts
+    in a fresh shuffle per dataset epoch, B at a time (a prompt comes back once per D/B steps).
+    D = B is `epoch_order` step by step."""
+    if batch_prompts < 1 or dataset_prompts < batch_prompts:
+        raise ValueError(f"dataset_prompts={dataset_prompts} must be at least the prompts per "
+                         f"step ({batch_prompts} >= 1)")
+    stream: list[int] = []
+    epoch = 0
+    while len(stream) < steps * batch_prompts:
+        epoch += 1
+        stream += epoch_order(dataset_prompts, seed, epoch)
+    return np.array(stream[: steps * batch_prompts], dtype=np.int64).reshape(steps, batch_prompts)
 
 
 def make_prompts(num_prompts: int, prompt_len: tuple[int, int], vocab_size: int,
@@ -131,6 +177,31 @@ def tail_stats(lengths) -> dict:
     p50, p99 = (float(x) for x in np.percentile(flat, [50, 99]))
     return {"p50": p50, "p99": p99, "p99_over_p50": p99 / p50 if p50 > 0 else float("inf"),
             "max": int(flat.max()), "mean": float(flat.mean()), "total": int(flat.sum())}
+
+
+def _inv_cdf(u):
+    return np.array([NormalDist().inv_cdf(float(x)) for x in np.ravel(u)]).reshape(np.shape(u))
+
+
+def _correlated_bases(bases, quantile, c: float, epochs: int, rng) -> np.ndarray:
+    """Bases [epochs, prompts]: the first epoch's as drawn, each later one an AR(1) step in
+    normal-quantile space with correlation c (the marginal distribution stays the same)."""
+    order = np.argsort(np.argsort(bases, kind="stable"), kind="stable")
+    z = _inv_cdf(np.clip((order + 0.5) / len(bases), 1e-12, 1 - 1e-12))
+    out = [np.asarray(bases, dtype=float)]
+    for _ in range(1, epochs):
+        z = c * z + np.sqrt(1.0 - c * c) * rng.normal(size=z.shape)
+        out.append(np.asarray(quantile(np.clip(_normal_cdf(z), 1e-12, 1 - 1e-12)), dtype=float))
+    return np.stack(out)
+
+
+def _normal_cdf(z):
+    return np.array([NormalDist().cdf(float(x)) for x in np.ravel(z)]).reshape(np.shape(z))
+
+
+def _empirical_quantile(bases):
+    ordered = np.sort(np.asarray(bases, dtype=float))
+    return lambda u: ordered[np.minimum(len(ordered) - 1, (np.asarray(u) * len(ordered)).astype(int))]
 
 
 def _stratified(rng: np.random.Generator, n: int) -> np.ndarray:

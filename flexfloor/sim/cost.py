@@ -1,21 +1,27 @@
-"""What a lockstep EP step costs, what a release costs, and how much KV cache a rank holds.
+"""What a lockstep EP step costs, what a shrink costs, and how much KV cache a rank holds.
 
 A step of the active EP group takes the slowest active rank's time (every MoE layer's all-to-all
-waits for all of them), plus a fixed overhead. One rank's time, roofline style (max of the FLOP
-time and the bytes time for each part):
-- dense part (attention projections, embeddings, shared experts: every rank holds them, data-
-  parallel attention) over its own new tokens; nothing when it has none;
+waits for all of them), plus the engine's host overhead per step (scheduling, sampling, launches
+of the captured graphs). One rank's time, roofline style (max of the FLOP time and the bytes time
+for each part):
+- dense part (attention projections, the output head, shared experts: every rank holds them,
+  data-parallel attention) over its own new tokens; nothing when it has none;
 - attention over its requests' cached context: KV bytes read, QK^T/PV FLOPs (each new token
   against its own request's context: a decoding request's context, a prompt's triangle);
 - the experts it hosts over the tokens routed to them from every active rank: expert GEMM FLOPs,
-  and the weight bytes of the hosted experts that receive at least one token (uniform routing:
-  an expert is idle with probability (1 - topk/E)^T for T tokens in the step);
-- the MoE all-to-all (dispatch + combine, every MoE layer): its tokens' hidden states to the
-  ranks hosting their experts, over NVLink inside a node and the network across nodes, plus a
-  per-collective latency (larger once the group spans nodes, and growing with its size).
+  and the weight bytes of the hosted experts that receive at least one token (an expert of
+  popularity p is idle with probability (1 - topk p)^T for T tokens in the step; popularity is
+  uniform, or Zipf with `CostParams.zipf_s` > 0);
+- a floor per layer for the kernels that run whatever the batch (`layer_floor_s`);
+- the MoE all-to-all, dispatch and combine at every MoE layer (`a2a_seconds`): inside one node,
+  the bytes over NVLink at DeepEP's published intranode rate (about 155 GB/s on H800's 200 GB/s
+  NVLink, scaled to the accelerator's NVLink); a group spanning nodes, at DeepEP's published
+  low-latency rates for its EP size (`DEEPEP_LOW_LATENCY`, scaled to the accelerator's network);
+  never under `a2a_floor_s` per collective.
 Ranks are packed `gpus_per_node` to a node in rank order. A shrink costs the expert bytes moved
-(per-link bandwidth, all transfers in parallel) and a group switch (communicators built ahead,
-as DESIGN.md asks, so only the swap).
+(per-link bandwidth, all transfers in parallel) and the survivors' group: a group built ahead
+(`GroupSource.PREBUILT`: a switch, `switch_s`) or a new communicator (`GroupSource.NEW`, what the
+engine does today: `group_create_s`).
 
 `UnitCost` prices every step at 1 and a shrink at 0: the simulator then counts engine steps, and
 its figures equal the real engine's exactly (tests/test_sim.py).
@@ -23,11 +29,37 @@ its figures equal the real engine's exactly (tests/test_sim.py).
 
 from __future__ import annotations
 
+import bisect
+import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from flexfloor.sim.hardware import Accelerator, ModelShape
+
+# DeepEP's published low-latency kernels (deepseek-ai/DeepEP README, H800, CX7 400 Gb/s RDMA per
+# GPU, 128 tokens per rank, hidden 7168, top-8, FP8 dispatch and BF16 combine): EP size ->
+# (dispatch seconds, dispatch GB/s, combine seconds, combine GB/s). The bytes a rank moves over the
+# rate its EP size achieves gives the time; at the reference load that is the published time.
+DEEPEP_LOW_LATENCY = {
+    8: (77e-6, 98e9, 114e-6, 127e9),
+    16: (118e-6, 63e9, 195e-6, 74e9),
+    32: (155e-6, 48e9, 273e-6, 53e9),
+    64: (173e-6, 43e9, 314e-6, 46e9),
+    128: (192e-6, 39e9, 369e-6, 39e9),
+}
+DEEPEP_NETWORK_BYTES_PER_S = 50e9  # the 400 Gb/s NIC per GPU those figures were measured on
+# DeepEP's normal kernels inside one H800 node: about 155 GB/s of NVLink's 200 GB/s per direction
+DEEPEP_INTRANODE_FRACTION = 155e9 / 200e9
+
+
+class GroupSource(enum.Enum):
+    """Where the survivors' EP group comes from at a shrink."""
+
+    PREBUILT = "prebuilt"  # built ahead (a split of the rollout's group): a switch
+    NEW = "new"  # a new communicator per shrink (the engine today): NCCL init
 
 
 @dataclass(frozen=True)
@@ -36,17 +68,63 @@ class CostParams:
 
     hbm_efficiency: float = 0.8  # achieved / peak HBM bandwidth
     flop_efficiency: float = 0.5  # achieved / peak tensor FLOP/s in decode-sized GEMMs
-    link_efficiency: float = 0.7  # achieved / peak NVLink and network bandwidth
-    a2a_latency_intra_s: float = 30e-6  # one dispatch or combine inside a node (NVLink)
-    a2a_latency_inter_s: float = 120e-6  # one dispatch or combine across nodes, 64 ranks (RDMA)
-    # latency grows with the group (more peers, more messages): x(1 + this * log2(ranks / 64)),
-    # i.e. 0.70x at 16 ranks and 1.30x at 256 (DeepEP's published low-latency kernels: about
-    # 0.64x at 16 and 1.14x at 256 of their 64-rank figure)
-    a2a_latency_per_doubling: float = 0.15
-    step_overhead_s: float = 1.5e-3  # sampling, scheduling, launches (CUDA graphs) per step
+    link_efficiency: float = 0.7  # achieved / peak link bandwidth for expert transfers
+    a2a_floor_s: float = 20e-6  # least time of one dispatch or combine, however few tokens
+    host_overhead_s: float = 1.5e-3  # engine per step: scheduling, sampling, graph launches
+    # per layer, at any batch: its ~16 kernels (norms, projections, router, attention, experts) at
+    # ~5 us each even when captured in a graph
+    layer_floor_s: float = 80e-6
+    group_source: GroupSource = GroupSource.NEW
     switch_s: float = 0.02  # swap to a survivors' communicator built ahead
+    # a new NCCL communicator: seconds at scale (NCCL's published ncclCommInit times)
+    group_create_s: float = 2.0
+    zipf_s: float = 0.0  # expert popularity ~ 1 / rank^s (0: uniform routing)
     hbm_usable_fraction: float = 0.9  # of HBM, the rest for the allocator and the runtime
     activation_reserve_bytes: float = 4 * (1 << 30)  # activations, logits, CUDA graphs
+
+    def group_seconds(self) -> float:
+        """What the survivors' group costs at one shrink."""
+        return self.switch_s if self.group_source == GroupSource.PREBUILT else self.group_create_s
+
+
+def expert_popularity(num_experts: int, zipf_s: float, seed: int = 0) -> np.ndarray:
+    """Share of token-expert pairs each expert receives [E], summing to 1: uniform, or Zipf of
+    exponent `zipf_s` over a fixed random order of the experts (hot experts are not contiguous)."""
+    if zipf_s < 0:
+        raise ValueError(f"zipf_s={zipf_s}: must be >= 0 (0: uniform routing)")
+    w = 1.0 / np.arange(1, num_experts + 1) ** zipf_s
+    w = w[np.random.default_rng([seed, 7]).permutation(num_experts)]
+    return w / w.sum()
+
+
+def a2a_seconds(nbytes: float, group_size: int, multi_node: bool, accel: Accelerator,
+                params: CostParams) -> tuple[float, float]:
+    """(dispatch, combine) seconds of one MoE layer's all-to-all for a rank moving `nbytes` each
+    way, in an EP group of `group_size` ranks."""
+    if group_size <= 1:
+        return 0.0, 0.0
+    if not multi_node:
+        bw = accel.nvlink_bytes_per_s * DEEPEP_INTRANODE_FRACTION
+        t = max(params.a2a_floor_s, nbytes / bw)
+        return t, t
+    _, disp_bw, _, comb_bw = _deepep_rates(group_size)
+    scale = accel.network_bytes_per_s / DEEPEP_NETWORK_BYTES_PER_S
+    return (max(params.a2a_floor_s, nbytes / (disp_bw * scale)),
+            max(params.a2a_floor_s, nbytes / (comb_bw * scale)))
+
+
+def _deepep_rates(group_size: int) -> tuple[float, float, float, float]:
+    """DeepEP's figures at an EP size, log-linear between the published sizes, held at the ends."""
+    sizes = sorted(DEEPEP_LOW_LATENCY)
+    if group_size <= sizes[0]:
+        return DEEPEP_LOW_LATENCY[sizes[0]]
+    if group_size >= sizes[-1]:
+        return DEEPEP_LOW_LATENCY[sizes[-1]]
+    i = bisect.bisect_left(sizes, group_size)
+    lo, hi = sizes[i - 1], sizes[i]
+    f = (math.log2(group_size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    a, b = DEEPEP_LOW_LATENCY[lo], DEEPEP_LOW_LATENCY[hi]
+    return tuple(x + f * (y - x) for x, y in zip(a, b))
 
 
 @dataclass
@@ -77,11 +155,27 @@ class RooflineCost:
     accel: Accelerator
     model: ModelShape
     params: CostParams = CostParams()
+    _shares: dict = field(default_factory=dict, repr=False)  # owner -> per-rank popularity
 
     unit = "s"
 
+    def __post_init__(self):
+        self.popularity = expert_popularity(self.model.num_experts, self.params.zipf_s)
+
     def node(self, rank: int) -> int:
         return rank // self.accel.gpus_per_node
+
+    def _experts_by_rank(self, owner: Sequence[int]):
+        """(ranks in order, index of each expert's rank, each rank's share of the pairs)."""
+        key = tuple(owner)
+        if key not in self._shares:
+            if len(self._shares) > 256:
+                self._shares.clear()
+            ranks = sorted(set(key))
+            index = np.array([ranks.index(r) for r in key])
+            share = np.bincount(index, weights=self.popularity, minlength=len(ranks))
+            self._shares[key] = ({r: i for i, r in enumerate(ranks)}, index, share)
+        return self._shares[key]
 
     def step_seconds(self, loads: Sequence[RankLoad], owner: Sequence[int]) -> float:
         """owner: expert -> rank of the current placement (the active group)."""
@@ -89,43 +183,39 @@ class RooflineCost:
         hbm = a.hbm_bytes_per_s * p.hbm_efficiency
         flops = a.bf16_flops * p.flop_efficiency
         total = sum(x.new_tokens for x in loads)
-        E, k = m.num_experts, m.topk
-        touched = 1.0 - (1.0 - k / E) ** total if total else 0.0
-        nodes = {self.node(x.rank) for x in loads}
-        multi_node = len(nodes) > 1
-        inter = p.a2a_latency_inter_s * (1 + p.a2a_latency_per_doubling * math.log2(len(loads) / 64))
-        latency = max(p.a2a_latency_intra_s, inter) if multi_node else p.a2a_latency_intra_s
-        per_node = {}
-        for r in owner:
-            per_node[self.node(r)] = per_node.get(self.node(r), 0) + 1
+        k = m.topk
+        position, index, share = self._experts_by_rank(owner)
+        # experts receiving at least one of the step's tokens, per rank
+        idle = (1.0 - np.minimum(1.0, k * self.popularity)) ** total
+        touched = np.bincount(index, weights=1.0 - idle, minlength=len(share))
+        multi_node = len({self.node(x.rank) for x in loads}) > 1
         hidden_bytes = m.hidden_size * m.dtype_bytes
+        floor = m.num_layers * p.layer_floor_s
         slowest = 0.0
         for x in loads:
-            t = 0.0
+            t = floor
             if x.new_tokens:
-                t += max(2 * m.dense_params * x.new_tokens / flops, m.dense_bytes / hbm)
+                t += max(2 * m.dense_params * x.new_tokens / flops, m.dense_read_bytes / hbm)
                 t += max(m.attention_flops_per_ctx_token * x.attention_pairs / flops,
                          x.context_tokens * m.kv_bytes_per_token / hbm)
-            pairs = total * k * x.hosted_experts / E  # token-expert pairs this rank computes
+            i = position.get(x.rank)
+            mine = float(share[i]) if i is not None else 0.0
+            pairs = total * k * mine  # token-expert pairs this rank computes
             t += max(pairs * 2 * m.expert_params * m.num_layers / flops,
-                     x.hosted_experts * touched * m.expert_bytes / hbm)
+                     (float(touched[i]) if i is not None else 0.0) * m.expert_bytes / hbm)
             if len(loads) > 1:
-                # its tokens out to the owners (and back): share of experts on other ranks
-                mine = x.hosted_experts / E
-                same_node = (per_node.get(self.node(x.rank), 0) - x.hosted_experts) / E
-                other_node = max(0.0, 1.0 - mine - same_node)
-                out_pairs = max(x.new_tokens * k, pairs)  # what it sends or receives, the larger
-                intra = out_pairs * same_node * hidden_bytes
-                inter = out_pairs * other_node * hidden_bytes
-                per_layer = (intra / (a.nvlink_bytes_per_s * p.link_efficiency)
-                             + inter / (a.network_bytes_per_s * p.link_efficiency))
-                t += 2 * m.num_layers * (per_layer + latency)  # dispatch and combine
+                # its tokens out to the owners and back: the pairs that leave the rank, the larger
+                # of what it sends and what it receives
+                out_pairs = max(x.new_tokens * k * (1.0 - mine), pairs - x.new_tokens * k * mine)
+                dispatch, combine = a2a_seconds(out_pairs * hidden_bytes, len(loads), multi_node,
+                                                a, p)
+                t += m.num_layers * (dispatch + combine)
             slowest = max(slowest, t)
-        return slowest + p.step_overhead_s
+        return slowest + p.host_overhead_s
 
     def shrink_seconds(self, transfers, owner: Sequence[int]) -> float:
-        """Experts of the leavers to the survivors, all transfers at once; each rank's link
-        carries what it sends and receives."""
+        """Experts of the leavers to the survivors, all transfers at once (each rank's link
+        carries what it sends and receives), then the survivors' group."""
         a, p = self.accel, self.params
         load: dict[int, float] = {}
         for t in transfers:
@@ -134,7 +224,7 @@ class RooflineCost:
             secs = self.model.expert_bytes / bw
             load[t.src] = load.get(t.src, 0.0) + secs
             load[t.dst] = load.get(t.dst, 0.0) + secs
-        return max(load.values(), default=0.0) + p.switch_s
+        return max(load.values(), default=0.0) + p.group_seconds()
 
 
 def kv_budget_bytes(accel: Accelerator, model: ModelShape, hosted_experts: int,

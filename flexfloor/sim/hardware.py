@@ -47,6 +47,7 @@ class ModelShape:
     kv_bytes_per_token: int  # K and V over all layers
     attention_flops_per_ctx_token: int  # per new token, per cached token (QK^T and PV, all layers)
     dtype_bytes: int = 2
+    embedding_params: int = 0  # the input embedding, in dense_params: a step reads one row a token
 
     @property
     def expert_bytes(self) -> int:
@@ -56,6 +57,11 @@ class ModelShape:
     @property
     def dense_bytes(self) -> int:
         return self.dense_params * self.dtype_bytes
+
+    @property
+    def dense_read_bytes(self) -> int:
+        """Dense weights a decode step reads: all but the input embedding."""
+        return (self.dense_params - self.embedding_params) * self.dtype_bytes
 
     @property
     def total_params(self) -> int:
@@ -88,6 +94,7 @@ class ModelShape:
             topk=p["moe_router_topk"], expert_params=3 * hidden * p["moe_ffn_hidden_size"],
             dense_params=dense, kv_bytes_per_token=2 * layers * groups * head_dim * dtype_bytes,
             attention_flops_per_ctx_token=4 * layers * heads * head_dim, dtype_bytes=dtype_bytes,
+            embedding_params=p["vocab_size"] * hidden,
         )
 
 
@@ -99,4 +106,5 @@ DEEPSEEK_V3 = ModelShape(
     name="deepseek-v3", num_layers=61, hidden_size=7168, num_experts=256, topk=8,
     expert_params=3 * 7168 * 2048 * 58 // 61, dense_params=16_500_000_000,
     kv_bytes_per_token=61 * (512 + 64) * 2, attention_flops_per_ctx_token=4 * 61 * 128 * (512 + 64),
+    embedding_params=129280 * 7168,
 )

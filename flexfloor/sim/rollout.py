@@ -1,9 +1,14 @@
 """One rollout on N simulated ranks: the engine's step semantics, the real release decision.
 
 Each rank mirrors `RolloutEngine.generate`: admit requests in the order given while a batch slot
-and KV room are free (a request reserves prompt + response tokens; borrowed experts take room),
-one step feeds each running request its pending tokens (the prompt at admission, one token after)
-and yields one token per running request, finished requests free their room. All active ranks
+and KV room are free (borrowed experts take room), one step feeds each running request its pending
+tokens (the prompt at admission, one token after) and yields one token per running request,
+finished requests free their room. KV is reserved one of two ways (`kv_block_tokens`):
+- None: a request reserves prompt + response tokens at admission;
+- B tokens per block: a request holds the blocks its cached tokens fill, allocated as tokens are
+  produced; admission needs the blocks of its prompt and first token. When a step would need more
+  blocks than are free, the request admitted last is preempted (its blocks freed, queued first
+  again, re-prefilled with what it had produced: the same tokens). All active ranks
 step in lockstep; a step's time comes from the cost model. At each step boundary (and once before
 the first step) the active ranks' `StepReport` goes to the membership:
 - static: every rank stays until no rank has work (the verl-like baseline);
@@ -56,6 +61,18 @@ class _Run:
     start: int  # global step count when admitted, less the tokens it had already (migration)
     pending: int  # tokens it feeds its first step on a rank (prompt, or all so far: migration)
 
+    def cached(self, step: int) -> int:
+        """Tokens in its KV cache once `step` global steps are done (prompt and produced)."""
+        return self.req.prompt_len + step - self.start
+
+
+@dataclass(frozen=True)
+class _Preempted:
+    """A request preempted for KV blocks, back in the queue with what it had produced."""
+
+    req: SimRequest
+    produced: int
+
 
 @dataclass
 class _Rank:
@@ -69,6 +86,13 @@ class _Rank:
     # attention pairs the next step adds beyond one token per request against its context (a
     # prompt of p tokens: p * (p + 1) / 2 pairs instead of p)
     extra_pairs: float = 0.0
+
+    def block_bytes(self, step: int, block: int, kv_bytes: int) -> int:
+        """KV bytes of the blocks its running requests hold after `step` global steps, with the
+        next step's token: their cached tokens plus, on average, half a block each of room not
+        yet filled (the exact count would cost a pass over the requests at every step)."""
+        n = len(self.running)
+        return int((self.context(step) + n + n * (block - 1) / 2) * kv_bytes)
 
     def remaining(self, step: int) -> int:
         return self.running[-1].done_at - step if self.running else 0
@@ -90,13 +114,17 @@ class SimOutput:
     num_responses: int
     lengths: dict[int, list[int]]  # prompt uid -> its response lengths
     timeline: list[dict]
+    groups_created: int = 0  # survivors' groups built during the rollout (one per shrink)
 
 
 def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, cost, *,
-                     limits: RankLimits, placement) -> SimOutput:
-    """Run one rollout. `membership`: None for static EP, or an `ElasticMembership` (its
-    `parallel` unused); `placement`: the starting expert placement over every rank;
-    `limits`: batch slots, KV budget, bytes per KV token and per expert, as the engine's."""
+                     limits: RankLimits, placement, kv_block_tokens: Optional[int] = None
+                     ) -> SimOutput:
+    """Run one rollout of one EP group. `membership`: None for static EP, or an
+    `ElasticMembership` (its `parallel` unused); `placement`: the starting expert placement over
+    the group's ranks; `limits`: batch slots, KV budget, bytes per KV token and per expert, as the
+    engine's; `kv_block_tokens`: None to reserve prompt + response at admission, else the block
+    size of a pool that allocates as tokens are produced."""
     ranks = {r: _Rank(r, deque(reqs), RankRecord(rank=r, requests=len(reqs)))
              for r, reqs in sorted(assignment.items())}
     active = sorted(ranks)
@@ -111,6 +139,25 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
     quiet = False  # the last boundary decided nothing: the next identical one may be skipped
     floor_hit = False
     hosted = Counter(placement.owner)
+    groups_created = 0
+    kvb = limits.kv_bytes_per_token
+
+    def kv_in_use(x: _Rank, at_step: int) -> int:
+        if kv_block_tokens is None:
+            return x.kv_used
+        return x.kv_used + x.block_bytes(at_step, kv_block_tokens, kvb)
+
+    def reserve(req: SimRequest) -> int:
+        """KV bytes a request takes at admission and keeps to its end (none with blocks: they
+        are counted from its cached tokens)."""
+        return req.reserved_tokens * kvb if kv_block_tokens is None else 0
+
+    def admission_need(item) -> int:
+        """KV bytes free for admitting `item` (a request, or a preempted one: blocks only)."""
+        if kv_block_tokens is None:
+            return item.reserved_tokens * kvb
+        cached = item.req.prompt_len + item.produced if isinstance(item, _Preempted) else item.prompt_len
+        return -(-(cached + 1) // kv_block_tokens) * kv_block_tokens * kvb
 
     def report() -> StepReport:
         rs = [ranks[r] for r in active]
@@ -119,27 +166,50 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             tokens=tokens_total, requests=requests_total,
             running=[len(x.running) for x in rs], queued=[len(x.queue) for x in rs],
             remaining=[x.remaining(step) for x in rs],
-            kv_free=[budget - x.kv_used if budget is not None else UNBOUNDED_KV for x in rs])
+            kv_free=[budget - kv_in_use(x, step) if budget is not None else UNBOUNDED_KV
+                     for x in rs])
 
     def admit(x: _Rank, dry: bool = False) -> bool:
         """The engine's admission loop; dry: only say whether one would be admitted."""
         admitted = False
         while x.queue and len(x.running) < limits.max_batch_size:
-            req = x.queue[0]
-            need = req.reserved_tokens * limits.kv_bytes_per_token
-            if budget is not None and x.kv_used + need > budget:
+            item = x.queue[0]
+            need = admission_need(item)
+            used = kv_in_use(x, step)
+            if budget is not None and used + need > budget:
                 if not x.running and not dry:
-                    raise SimError(f"rank {x.rank}: request {req.request_id} needs {need} KV bytes "
-                                   f"and only {budget - x.kv_used} are free with nothing running")
+                    raise SimError(f"rank {x.rank}: request {item_id(item)} needs {need} KV bytes "
+                                   f"and only {budget - used} are free with nothing running")
                 break
             if dry:
                 return True
             x.queue.popleft()
-            x.kv_used += need
-            x.add(_Run(req, done_at=step + req.length, start=step, pending=req.prompt_len))
+            if isinstance(item, _Preempted):  # re-prefilled with what it had produced
+                req, produced = item.req, item.produced
+            else:
+                req, produced = item, 0
+            x.kv_used += reserve(req)
+            x.add(_Run(req, done_at=step + req.length - produced, start=step - produced,
+                       pending=req.prompt_len + produced))
             admitted = True
-        x.record.kv_peak_bytes = max(x.record.kv_peak_bytes, x.kv_used)
         return admitted
+
+    def preempt(x: _Rank) -> None:
+        """Blocks pool: while the next step needs more blocks than are free, the request admitted
+        last goes back to the queue's head (vLLM's recompute preemption)."""
+        if kv_block_tokens is None or budget is None:
+            return
+        while len(x.running) > 1 and kv_in_use(x, step) > budget:
+            last = max(x.running, key=lambda r: (r.start, r.req.request_id))
+            x.running.remove(last)
+            x.ctx_base -= last.req.prompt_len - last.start
+            if last.cached(step) == last.pending:  # admitted (or adopted) for this step
+                x.pending -= last.pending
+                x.extra_pairs -= last.pending * (last.pending + 1) / 2 - last.pending
+            else:
+                x.pending -= 1
+            x.queue.appendleft(_Preempted(last.req, step - last.start))
+            x.record.extra["preempted"] = x.record.extra.get("preempted", 0) + 1
 
     def loads(at_step: int) -> list[RankLoad]:
         out = []
@@ -151,7 +221,7 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
 
     def boundary() -> bool:
         """The membership's decision after a step; False ends the rollout."""
-        nonlocal placement, active, now, quiet, floor_hit, hosted
+        nonlocal placement, active, now, quiet, floor_hit, hosted, groups_created
         rep = report()
         if not any(rep.has_work):
             return False
@@ -169,8 +239,8 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             g, t = ranks[giver], ranks[taker]
             for run in g.running:
                 run.pending = run.req.prompt_len + step - run.start  # re-prefill there
-                g.kv_used -= run.req.reserved_tokens * limits.kv_bytes_per_token
-                t.kv_used += run.req.reserved_tokens * limits.kv_bytes_per_token
+                g.kv_used -= reserve(run.req)
+                t.kv_used += reserve(run.req)
                 t.add(run)
             g.record.extra["migrated_out"] = g.record.extra.get("migrated_out", 0) + len(g.running)
             t.record.extra["adopted"] = t.record.extra.get("adopted", 0) + len(g.running)
@@ -178,6 +248,7 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             timeline.append({"step": step, "migrated": {giver: taker}})
         if decision.leaving:
             now += cost.shrink_seconds(decision.transfers, placement.owner)
+            groups_created += 1
             for tr in decision.transfers:  # borrowed weights take KV room on the survivor
                 ranks[tr.dst].kv_used += limits.expert_nbytes
             for r in decision.leaving:
@@ -194,7 +265,10 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
     keep = boundary()  # before the first step: ranks without work leave at once
     while keep:
         for r in active:
-            admit(ranks[r])
+            x = ranks[r]
+            admit(x)
+            preempt(x)
+            x.record.kv_peak_bytes = max(x.record.kv_peak_bytes, kv_in_use(x, step))
         dt = cost.step_seconds(loads(step), placement.owner)
         step += 1
         now += dt
@@ -204,7 +278,7 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             while x.running and x.running[0].done_at <= step:
                 run = x.running.pop(0)
                 x.ctx_base -= run.req.prompt_len - run.start
-                x.kv_used -= run.req.reserved_tokens * limits.kv_bytes_per_token
+                x.kv_used -= reserve(run.req)
                 x.record.local_finish_s = now
                 x.record.extra["local_finish_step"] = x.record.steps
                 lengths.setdefault(run.req.prompt_uid, []).append(run.req.length)
@@ -220,6 +294,8 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
         nxt = min((ranks[r].running[0].done_at for r in active if ranks[r].running),
                   default=step + 1)
         skip = nxt - step - 1
+        if kv_block_tokens is not None and budget is not None and skip > 0:
+            skip = _steps_within(ranks, active, step, skip, lambda x, s: kv_in_use(x, s) <= budget)
         if skip <= 0:
             continue
         first = cost.step_seconds(loads(step), placement.owner)
@@ -244,7 +320,27 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
         raise SimError(f"{finished_total} responses for {requests_total} requests")
     return SimOutput(records=[ranks[r].record.as_dict() for r in sorted(ranks)],
                      total_tokens=tokens_total, num_responses=finished_total, lengths=lengths,
-                     timeline=timeline)
+                     timeline=timeline, groups_created=groups_created)
+
+
+def item_id(item) -> str:
+    return item.req.request_id if isinstance(item, _Preempted) else item.request_id
+
+
+def _steps_within(ranks, active, step: int, skip: int, fits) -> int:
+    """Most steps (<= skip) every active rank can take with `fits(rank, step)` holding at each
+    of them (KV blocks only grow between events: a binary search)."""
+    def ok(n):
+        return all(fits(ranks[r], step + n) for r in active)
+
+    lo, hi = 0, skip
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _done_at(run: _Run) -> int:
@@ -279,3 +375,13 @@ def initial_state(num_experts: int, world: int, training_ep: Optional[int] = Non
     train = contiguous_placement(num_experts, range(ep))
     holding = {r: train.experts_of(r % ep) for r in range(world)}
     return initial_placement(num_experts, holding), holding
+
+
+def replica_state(num_experts: int, ranks: Sequence[int], training_ep: Optional[int] = None):
+    """`initial_state` of one EP group over `ranks` (a replica holding every expert)."""
+    from megatron_ext.placement import Placement
+
+    placement, holding = initial_state(num_experts, len(ranks), training_ep)
+    ranks = tuple(sorted(ranks))
+    return (Placement(owner=tuple(ranks[r] for r in placement.owner), ranks=ranks),
+            {ranks[r]: experts for r, experts in holding.items()})
