@@ -518,6 +518,10 @@ def reconfiguration(records: list[dict], occupied_s: float) -> dict:
     """Seconds the release protocol spent (summed over ranks) and bytes the experts moved."""
     out = {k: sum(r.get(k, 0.0) for r in records) for k in ("plan_s", "transfer_s", "switch_s")}
     out["sent_bytes"] = int(sum(r.get("sent_bytes", 0) for r in records))
+    # each shrink's group switch: the slowest rank that took part (survivor groups built ahead)
+    shrinks = [r.get("switch_s_per_shrink", []) for r in records]
+    out["switch_s_per_shrink"] = [max(s[k] for s in shrinks if len(s) > k)
+                                  for k in range(max(map(len, shrinks), default=0))]
     total = out["plan_s"] + out["transfer_s"] + out["switch_s"]
     out["fraction_of_occupied_seconds"] = total / occupied_s if occupied_s else 0.0
     return out

@@ -153,17 +153,18 @@ class ElasticMembership:
         t1 = time.perf_counter()
         stats = transfer_experts(moe, decision.transfers, moe.group)
         t2 = time.perf_counter()
-        if moe.rank in decision.leaving:
+        leaving = moe.rank in decision.leaving
+        if leaving:
             moe.drop_borrowed()
-            if self.on_event is not None:
-                self.on_event("released", moe.rank, now, step)
         else:
             switch = self.groups.switch(moe.placement.ranks, decision.leaving)
             if switch.ranks != tuple(decision.placement.ranks):
                 raise RuntimeError(f"rank {moe.rank}, phase 'rollout', step {self.step}: survivors "
                                    f"{list(decision.placement.ranks)} got group {switch.ranks}")
             moe.rebind(switch.group, decision.placement)
-        switch_s = time.perf_counter() - t2
+        switch_s = time.perf_counter() - t2  # a leaver's offload (on_event) is not the switch
+        if leaving and self.on_event is not None:
+            self.on_event("released", moe.rank, now, step)
         self.timeline.append({"step": step, "time_s": now, "leaving": list(decision.leaving),
                               "active": list(decision.placement.ranks),
                               "moved_experts": len(decision.transfers), "switch_s": switch_s})
