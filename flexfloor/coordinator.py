@@ -34,7 +34,13 @@ from flexfloor.data.cursor import DataCursor
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import ReleaseListener, RolloutLayout, membership_for, resync
+from flexfloor.rollout.elastic import (
+    ElasticMembership,
+    ReleaseListener,
+    RolloutLayout,
+    membership_for,
+    resync,
+)
 from flexfloor.rollout.engine import RolloutEngine
 from flexfloor.rollout.metrics import rollout_metrics
 from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
@@ -236,9 +242,11 @@ class Job:
             membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
                                         self.layout, self.cfg.elastic,
                                         scheduler_cfg=self.cfg.scheduler, step=k,
-                                        on_event=listener)
+                                        on_event=listener, expected_finish=plan.expected_finish)
         with self.phase("rollout", k):
             out = self.engine.generate(plan.assignment[self.rank], membership)
+            if isinstance(membership, ElasticMembership):
+                out.record.extra.update(membership.group_record())
         with self.phase("resync", k):
             resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k,
                               on_event=listener)

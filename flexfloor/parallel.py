@@ -132,36 +132,6 @@ class Parallel:
             _owns_world=owns_world,
         )
 
-    def new_subgroup(self, ranks: list[int], *, name: str) -> dist.ProcessGroup:
-        """A group of `ranks` created by those ranks only (the survivors' EP group).
-
-        Only members call this; the other ranks never enter it. `name` must be unique for the
-        life of the job and the same on every member (e.g. rollout number + ranks).
-
-        Why not `dist.new_group(ranks, use_local_synchronization=True)`: torch names such a group
-        by its ranks and the number of groups the calling process holds, which differs between
-        ranks that left earlier rollouts and ranks that stayed (they hold more survivor groups),
-        so members disagree on the name and wait for each other forever; and a name reused after
-        `destroy_process_group` finds the previous group's stale addresses in the store. So the
-        group is built with an explicit name through the same helper `new_group` uses.
-        """
-        from torch.distributed import distributed_c10d as c10d
-
-        ranks = sorted(ranks)
-        if self.rank not in ranks:
-            raise RuntimeError(f"rank {self.rank} is not in {ranks}: only members create a subgroup")
-        pg, _ = c10d._new_process_group_helper(
-            len(ranks),
-            ranks.index(self.rank),
-            ranks,
-            self.backend,
-            c10d._get_default_store(),
-            f"flexfloor/{name}",
-            timeout=self.timeout,
-        )
-        c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
-        return pg
-
     def barrier(self) -> None:
         dist.barrier(group=self.world_group)
 

@@ -6,7 +6,9 @@ EP group. The receiver checks the element count against the shapes it expects (t
 architecture) and the checksum against the bytes it got before it hosts the expert.
 
 Device discipline: headers and buffers live on the group's device (the experts' device for NCCL,
-CPU for gloo); the checksum is taken on one host copy of each buffer, never on a device tensor.
+CPU for gloo: `flexfloor.rollout.collectives.group_device`), and the sends and receives are
+posted through that module; the checksum is taken on one host copy of each buffer, never on a
+device tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from flexfloor.rollout.collectives import exchange_point_to_point, group_device
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import Transfer
 
@@ -34,36 +37,27 @@ def _crc(buf: torch.Tensor) -> int:
     return zlib.crc32(memoryview(host.view(torch.uint8).numpy()))
 
 
-def group_device(group: dist.ProcessGroup, like: torch.Tensor) -> torch.device:
-    """Where tensors handed to `group`'s collectives live: CPU for gloo, else `like`'s device."""
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else like.device
-
-
 def transfer_experts(moe: PlacedMoE, transfers: list[Transfer], group: dist.ProcessGroup) -> dict:
     """Run `transfers` (every rank of `group` calls this with the same list). Returns stats."""
     rank = moe.rank
     template = [moe.expert_state(li, next(iter(h))) for li, h in enumerate(moe.hosted)]
     numel = sum(t.numel() for sd in template for t in sd.values())
     dtype = next(iter(template[0].values())).dtype
-    device = group_device(group, next(iter(template[0].values())))
-    ops, inbound, sent_bytes = [], [], 0
+    device = group_device(group)
+    sends, recvs, inbound, sent_bytes = [], [], [], 0
     for tr in transfers:
         if tr.src == rank:
             buf = _flatten([moe.expert_state(li, tr.expert) for li in range(len(moe.hosted))])
             buf = buf.to(device)
             header = torch.tensor([buf.numel(), _crc(buf)], dtype=torch.int64, device=device)
-            ops += [dist.P2POp(dist.isend, header, tr.dst, group),
-                    dist.P2POp(dist.isend, buf, tr.dst, group)]
+            sends += [(header, tr.dst), (buf, tr.dst)]
             sent_bytes += buf.nbytes
         elif tr.dst == rank:
             header = torch.empty(2, dtype=torch.int64, device=device)
             buf = torch.empty(numel, dtype=dtype, device=device)
-            ops += [dist.P2POp(dist.irecv, header, tr.src, group),
-                    dist.P2POp(dist.irecv, buf, tr.src, group)]
+            recvs += [(header, tr.src), (buf, tr.src)]
             inbound.append((tr, header, buf))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    exchange_point_to_point(sends, recvs, group)
     for tr, header, buf in inbound:
         n, crc = header.tolist()
         if n != numel:

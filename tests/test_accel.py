@@ -75,6 +75,30 @@ def test_the_coordinator_offloads_released_ranks_and_trains_the_same(parts):
         assert r["resident_bytes_after_resync"] == r["resident_bytes_before_release"]
 
 
+def test_a_planned_4_3_2_1_rollout_creates_no_group_after_decoding_starts(parts):
+    for rank, p in enumerate(parts):
+        o = p["offload"]["on_plan"]
+        assert o["built_ahead"] == 3  # (0, 1, 2), (0, 1), (0,): before the first step
+        assert o["groups_added"] == 0 and o["groups_created_during_rollout"] == 0
+        assert o["leaving"] == [[3], [2], [1]][:len(o["leaving"])]
+        assert len(o["leaving"]) == min(3, 4 - rank)  # a rank sees the shrinks until it leaves
+        assert len(o["switch_s_per_shrink"]) == len(o["leaving"])
+        assert p["offload"]["tokens_static"] == p["offload"]["tokens_elastic"]
+
+
+def test_a_release_off_the_planned_order_uses_the_nearest_prebuilt_group(parts):
+    for rank, p in enumerate(parts):
+        o = p["offload"]["off_plan"]
+        assert o["tokens_equal"] and o["tokens"] == 2
+        # 2 and 3 done together: (0, 1) is not prebuilt, (0, 1, 2) is: only 3 leaves
+        assert o["leaving"][0] == [3] and o["active"][0] == [0, 1, 2]
+        if rank in (0, 1):  # then (0, 1): no prebuilt group holds it, its members make it
+            assert o["leaving"] == [[3], [2], [1]]
+            assert o["groups_created_during_rollout"] == 1 and o["groups_added"] == 1
+        else:
+            assert o["groups_created_during_rollout"] == 0 and o["groups_added"] == 0
+
+
 def test_survivor_groups_built_ahead_and_looked_up(parts):
     for rank, p in enumerate(parts):
         s = p["survivors"]
@@ -127,3 +151,76 @@ def test_gpu_check_compiles_and_refuses_without_a_gpu():
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 1 and not summary["cuda_available"]
     assert "needs one NVIDIA GPU" in summary["error"]
+
+
+COLLECTIVES = {"all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce",
+               "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "isend",
+               "irecv", "batch_isend_irecv", "send", "recv", "reduce_scatter",
+               "reduce_scatter_tensor", "barrier", "gather", "scatter", "gather_object",
+               "scatter_object_list", "reduce"}
+
+
+def direct_collectives(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every use of a torch.distributed collective or p2p call in `source`,
+    whatever it was imported as (`import torch.distributed as dist`, `from torch import
+    distributed`, `torch.distributed.x`, `from torch.distributed import x`)."""
+    import ast
+
+    tree = ast.parse(source)
+    modules, names = set(), {}  # aliases of torch.distributed; local name -> collective
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch.distributed" and a.asname:
+                    modules.add(a.asname)
+        elif isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                if node.module == "torch" and a.name == "distributed":
+                    modules.add(a.asname or a.name)
+                elif node.module in ("torch.distributed", "torch.distributed.distributed_c10d") \
+                        and a.name in COLLECTIVES:
+                    names[a.asname or a.name] = a.name
+
+    def is_dist(node) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in modules
+        return (isinstance(node, ast.Attribute) and node.attr in ("distributed", "distributed_c10d")
+                and (isinstance(node.value, ast.Name) and node.value.id == "torch" or is_dist(node.value)))
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and is_dist(node.value):
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Name) and node.id in names and isinstance(node.ctx, ast.Load):
+            found.append((node.lineno, names[node.id]))
+    return sorted(found)
+
+
+def test_only_the_collectives_module_calls_torch_distributed_collectives_in_the_rollout_path():
+    import glob
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = sorted(glob.glob(os.path.join(repo, "flexfloor", "rollout", "*.py"))
+                   + glob.glob(os.path.join(repo, "megatron_ext", "*.py")))
+    assert len(paths) > 10
+    offenders = {}
+    for path in paths:
+        rel = os.path.relpath(path, repo)
+        with open(path) as f:
+            found = direct_collectives(f.read())
+        if rel == os.path.join("flexfloor", "rollout", "collectives.py"):
+            assert found, "the scan finds nothing even in the collectives module itself"
+        elif found:
+            offenders[rel] = found
+    assert not offenders, (f"direct torch.distributed collectives outside "
+                           f"flexfloor/rollout/collectives.py (route them through it): {offenders}")
+
+
+def test_the_collective_scan_sees_every_spelling():
+    src = ("import torch\nimport torch.distributed as d\nfrom torch import distributed\n"
+           "from torch.distributed import all_reduce as ar\n"
+           "d.all_reduce(x)\ntorch.distributed.barrier()\ndistributed.isend(x, 1)\nar(x)\n"
+           "d.P2POp(d.irecv, x, 0)\nd.new_group([0])\nd.get_rank()\n")
+    assert direct_collectives(src) == [(5, "all_reduce"), (6, "barrier"), (7, "isend"),
+                                       (8, "all_reduce"), (9, "irecv")]

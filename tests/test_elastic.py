@@ -41,6 +41,9 @@ def test_elastic_tokens_identical_to_static(res, experts, seq, kind):
     for p in parts:
         mine = [(t["step"], t["leaving"], t["active"]) for t in p["elastic"]["timeline"]]
         assert mine and mine == plan[: len(mine)]
+        # the survivor groups were built ahead from the plan: none created while decoding
+        assert p["groups"]["groups_created_during_rollout"] == 0
+        assert len(p["groups"]["switch_s_per_shrink"]) == len(mine)
 
 
 @pytest.mark.parametrize("experts", [8, 6])

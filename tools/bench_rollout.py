@@ -399,7 +399,7 @@ class Bench:
         runs = {m: [] for m in args.modes}
         for rep in range(args.repeats):
             for mode in (args.modes if rep % 2 == 0 else args.modes[::-1]):
-                runs[mode].append(self.rollout(mode, plans[mode].assignment[self.rank]))
+                runs[mode].append(self.rollout(mode, plans[mode]))
         entry = {"epoch": epoch, "history": epoch > 1, "seconds": time.perf_counter() - t0}
         kept = {}
         for mode in args.modes:
@@ -441,8 +441,9 @@ class Bench:
                     target_len=int(self.lengths[epoch - 1, uid, s]))
             for s in range(args.samples_per_prompt))) for uid in order]
 
-    def rollout(self, mode: str, requests) -> dict:
-        """One rollout of this rank's requests; every rank's records and results, gathered."""
+    def rollout(self, mode: str, plan) -> dict:
+        """One rollout of this rank's requests in `plan`; every rank's records and results,
+        gathered. Elastic: the survivor groups the plan implies are built before decoding."""
         import torch.distributed as dist
 
         from flexfloor.config import ReleasePolicy
@@ -456,12 +457,15 @@ class Bench:
         # a released rank parks its weights in host memory until resync (what it frees: below)
         listener = (OffloadOnRelease(HostOffload(self.resident, self.par.device))
                     if mode == "elastic" else None)
-        membership = membership_for(policy, self.par, self.layout, on_event=listener)
+        membership = membership_for(policy, self.par, self.layout, on_event=listener,
+                                    expected_finish=plan.expected_finish)
         if mode == "elastic":
             membership.migrate_max_requests = self.args.migrate_max_requests
-        groups = live_process_groups()
-        out = self.engine.generate(requests, membership)
+        groups = live_process_groups()  # after the groups built ahead: counts any made later
+        out = self.engine.generate(plan.assignment[self.rank], membership)
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
+        if mode == "elastic":
+            out.record.extra.update(membership.group_record())
         out.record.extra.update(groups_created_during_rollout=live_process_groups() - groups,
                                 resident_bytes_before_release=held,
                                 resident_bytes_after_release=held)
@@ -544,6 +548,10 @@ def reconfiguration(records: list[dict], occupied_s: float) -> dict:
     """Seconds the release protocol spent (summed over ranks) and bytes the experts moved."""
     out = {k: sum(r.get(k, 0.0) for r in records) for k in ("plan_s", "transfer_s", "switch_s")}
     out["sent_bytes"] = int(sum(r.get("sent_bytes", 0) for r in records))
+    # each shrink's group switch: the slowest rank that took part (survivor groups built ahead)
+    shrinks = [r.get("switch_s_per_shrink", []) for r in records]
+    out["switch_s_per_shrink"] = [max(s[k] for s in shrinks if len(s) > k)
+                                  for k in range(max(map(len, shrinks), default=0))]
     total = out["plan_s"] + out["transfer_s"] + out["switch_s"]
     out["fraction_of_occupied_seconds"] = total / occupied_s if occupied_s else 0.0
     return out

@@ -1,8 +1,9 @@
 """Every collective of the rollout path, in one place: the device rule and the error rule.
 
 A tensor handed to a collective lives on the group's device: CPU for gloo, the current CUDA
-device for NCCL. The step-state share, the MoE layer's split sizes and token exchange, and the
-migration payloads go through the functions below, which allocate their buffers there; a failed
+device for NCCL. The step-state share, the MoE layer's split sizes and token exchange, the
+migration payloads, the expert transfers of a shrink and the layout's all-gather go through the
+functions below, which allocate their buffers there; a failed
 or timed-out collective becomes a `CollectiveError` naming the rank, the phase and the engine step
 (`collective_phase`). Nothing here imports Megatron or the engine: the MoE layers
 (`megatron_ext.elastic_moe`) call it too.
@@ -92,3 +93,15 @@ def exchange_rows_back(rows: torch.Tensor, send_splits: list[int], recv_splits: 
                        group) -> torch.Tensor:
     """Expert outputs back to the ranks the rows came from (the reverse of `exchange_rows`)."""
     return _all_to_all(rows, send_splits, recv_splits, group)
+
+
+def exchange_point_to_point(sends: list[tuple[torch.Tensor, int]],
+                            recvs: list[tuple[torch.Tensor, int]], group) -> None:
+    """Post every send (tensor, destination) and receive (buffer, source) at once, in this
+    order, and wait for all (the expert transfers of a shrink); peers are global ranks. The
+    tensors must already live on `group_device(group)`."""
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

@@ -4,8 +4,11 @@ At every step boundary the active ranks agree on who is done (one small all-gath
 rank then computes the same decision (`flexfloor.rollout.release.decide`, a pure function:
 migration, leavers, new placement + transfers) and the engine applies it: migration, then
 `ElasticMembership.shrink`, where the leavers send their experts to the survivors over the
-current group and the survivors build a group of their own (created by survivors only) and
-re-bind the MoE layers to it. Leavers record their release time and return from the rollout:
+current group and the survivors switch to their group and re-bind the MoE layers to it. The
+survivors' groups are built ahead: `membership_for` creates every group the rollout plan implies
+(`flexfloor.rollout.survivors`) collectively before decoding starts, and they live with the
+`RolloutLayout` (reused by the next rollouts, destroyed with the job's groups); a release the plan
+did not foresee keeps some would-be leavers idle in the nearest prebuilt group. Leavers record their release time and return from the rollout:
 they take part in no further rollout collective. After the rollout, `resync()` brings every rank
 back to the training layout.
 
@@ -29,17 +32,19 @@ import torch.distributed as dist
 
 from flexfloor.config import ReleasePolicy
 from flexfloor.faults import FaultPhase, inject
-from flexfloor.rollout.collectives import CollectiveError
+from flexfloor.rollout.collectives import CollectiveError, gather_objects
 from flexfloor.rollout.engine import Boundary, ShrinkStats, StaticMembership, share_step_state
 from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leavers: re-exported)
     RankLimits,
     ReleaseDecision,
     ReleaseRules,
+    capacity_now,
     choose_leavers,
     decide,
 )
+from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from megatron_ext.elastic_moe import PlacedMoE
-from megatron_ext.placement import initial_placement
+from megatron_ext.placement import initial_placement, plan_shrink
 from megatron_ext.resharding import transfer_experts
 
 
@@ -63,21 +68,25 @@ class ElasticMembership:
     check_interval_steps: int = 1
     capacity: Optional[dict[int, int]] = None
     holding: Optional[dict[int, list[int]]] = None  # rank -> experts in its memory at start
-    rollout_id: str = "0"  # the same on every rank, unique in the job: names survivor groups
+    rollout_id: str = "0"  # the same on every rank, unique in the job
     migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
     step: Optional[int] = None  # the training step (names errors and faults)
     heartbeat_key: str = ""  # store counter the active ranks bump; released ranks watch it
     on_event: ReleaseListener | None = None  # told "released" when this rank leaves
     timeline: list[dict] = field(default_factory=list)  # one entry per shrink
+    groups: Optional[SurvivorGroups] = None  # the layout's survivor groups (None: the simulator)
     _boundaries: int = 0
     _last_beat: float = 0.0
-    _groups: list = field(default_factory=list)  # survivors' groups this rank created
 
     def close(self) -> None:
-        """Destroy the survivors' groups of this rollout (at resync, after re-binding)."""
-        for group in self._groups:
-            dist.destroy_process_group(group)
-        self._groups.clear()
+        """End of the rollout (at resync, after re-binding). The survivors' groups stay: they
+        belong to the layout and serve the next rollouts."""
+
+    def group_record(self) -> dict:
+        """This rank's survivor-group figures for its rollout record: groups created after
+        decoding started (0 when the plan held) and each shrink's switch time."""
+        return {"groups_created_during_rollout": self.groups.created_during_rollout,
+                "switch_s_per_shrink": [t["switch_s"] for t in self.timeline if "switch_s" in t]}
 
     def step_boundary(self, engine, has_work) -> Boundary:
         """Share the step state and decide; the engine applies the decision (migration,
@@ -113,32 +122,54 @@ class ElasticMembership:
         pure: no collective, the same on every rank). The simulator (`flexfloor.sim`) calls it
         too."""
         self._boundaries += 1
-        return decide(self.rules, placement, report, limits, self._boundaries)
+        decision = decide(self.rules, placement, report, limits, self._boundaries)
+        if self.groups is None or not decision.leaving:
+            return decision
+        return self._fit_to_groups(decision, placement, report, limits)
+
+    def _fit_to_groups(self, decision: ReleaseDecision, placement, report,
+                       limits: RankLimits) -> ReleaseDecision:
+        """A decision whose survivors have a prebuilt group: when the plan did not foresee these
+        leavers, only the ranks outside the nearest prebuilt superset leave (the others stay
+        idle in it, stepping with empty batches). Pure, the same on every rank."""
+        leaving = self.groups.leavers_for(placement.ranks, decision.leaving)
+        if leaving == sorted(decision.leaving):
+            return decision
+        try:
+            new_placement, transfers = plan_shrink(
+                placement, leaving, capacity=capacity_now(self.rules, placement, report, limits),
+                holding=self.rules.holding)
+        except ValueError:  # fewer leavers always fit; if not, the decision as it was (late group)
+            return decision
+        return ReleaseDecision(migrate=decision.migrate, leaving=leaving, placement=new_placement,
+                               transfers=transfers)
 
     def shrink(self, moe: PlacedMoE, decision: ReleaseDecision, *, now: float,
                step: int) -> ShrinkStats:
         """Carry out a decision's shrink on this rank: transfer the leavers' experts over the
         current group, then switch: a leaver drops what it borrowed (and tells `on_event`), the
-        survivors build their group and re-bind the MoE layers. Collective over the group."""
+        survivors take their prebuilt group (a late one, counted, only off plan) and re-bind the
+        MoE layers. Collective over the group."""
         t1 = time.perf_counter()
         stats = transfer_experts(moe, decision.transfers, moe.group)
         t2 = time.perf_counter()
-        if moe.rank in decision.leaving:
+        leaving = moe.rank in decision.leaving
+        if leaving:
             moe.drop_borrowed()
-            if self.on_event is not None:
-                self.on_event("released", moe.rank, now, step)
         else:
-            ranks = list(decision.placement.ranks)
-            name = f"rollout{self.rollout_id}/ep_" + "_".join(map(str, ranks))
-            group = self.parallel.new_subgroup(ranks, name=name)
-            self._groups.append(group)
-            moe.rebind(group, decision.placement)
+            switch = self.groups.switch(moe.placement.ranks, decision.leaving)
+            if switch.ranks != tuple(decision.placement.ranks):
+                raise RuntimeError(f"rank {moe.rank}, phase 'rollout', step {self.step}: survivors "
+                                   f"{list(decision.placement.ranks)} got group {switch.ranks}")
+            moe.rebind(switch.group, decision.placement)
+        switch_s = time.perf_counter() - t2  # a leaver's offload (on_event) is not the switch
+        if leaving and self.on_event is not None:
+            self.on_event("released", moe.rank, now, step)
         self.timeline.append({"step": step, "time_s": now, "leaving": list(decision.leaving),
                               "active": list(decision.placement.ranks),
-                              "moved_experts": len(decision.transfers)})
+                              "moved_experts": len(decision.transfers), "switch_s": switch_s})
         return ShrinkStats(borrowed_bytes=stats["received"] * moe.expert_nbytes,
-                           sent_bytes=stats["sent_bytes"], transfer_s=t2 - t1,
-                           switch_s=time.perf_counter() - t2)
+                           sent_bytes=stats["sent_bytes"], transfer_s=t2 - t1, switch_s=switch_s)
 
 
 @dataclass
@@ -149,6 +180,7 @@ class RolloutLayout:
     group: dist.ProcessGroup
     placement: object  # megatron_ext.placement.Placement
     holding: dict[int, list[int]]
+    survivors: SurvivorGroups  # the survivors' groups built ahead, kept across rollouts
     layout_id: int = 0  # unique in the job
     rollouts: int = 0  # elastic rollouts started (every rank counts the same)
     resyncs: int = 0  # resyncs done (every rank counts the same): names the arrival counter
@@ -165,30 +197,51 @@ class RolloutLayout:
         mine = list(model.decoder.layers[0].mlp.local_expert_indices)
         # a job-unique id (the store outlives every group): names this layout's survivor groups
         layout_id = c10d._get_default_store().add("flexfloor/layouts", 1) if parallel.rank == 0 else None
-        everyone = [None] * parallel.world_size
-        dist.all_gather_object(everyone, (mine, layout_id), group=parallel.world_group)
+        everyone = gather_objects(parallel.world_group, (mine, layout_id))
         holding = {r: list(e) for r, (e, _) in enumerate(everyone)}
         placement = initial_placement(model.config.num_moe_experts, holding)
+        survivors = SurvivorGroups(rank=parallel.rank, world_size=parallel.world_size,
+                                   timeout=parallel.timeout, name_prefix=str(everyone[0][1]))
         return cls(group=parallel.world_group, placement=placement, holding=holding,
-                   layout_id=everyone[0][1])
+                   survivors=survivors, layout_id=everyone[0][1])
 
     def moe(self, model, parallel) -> PlacedMoE:
         return PlacedMoE(model, rank=parallel.rank, group=self.group, placement=self.placement)
 
+    def close(self) -> None:
+        """Destroy the survivors' groups (at job end; destroying the world does it too)."""
+        self.survivors.destroy()
+
 
 def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elastic_cfg=None,
                    capacity=None, scheduler_cfg=None, step: Optional[int] = None,
-                   on_event: ReleaseListener | None = None):
+                   on_event: ReleaseListener | None = None,
+                   expected_finish: Optional[dict[int, float]] = None):
     """The membership value for a release policy (a fresh one per rollout); `step`, the
     training step, names errors and faults; `on_event` is told when this rank is released
-    (a static membership releases nobody)."""
+    (a static membership releases nobody).
+
+    Elastic: collective over the world, before decoding. Every survivor group the plan implies
+    (`expected_finish`, rank -> predicted steps to its finish, the same on every rank: the
+    scheduler's `RolloutPlan.expected_finish`) down to the floor is created now, unless an
+    earlier rollout of the layout built it. Without a plan nothing is built ahead: each shrink's
+    group is then created during the rollout (counted)."""
     if policy == ReleasePolicy.STATIC:
         return StaticMembership()
     layout.rollouts += 1
+    floor = elastic_cfg.min_active_ranks if elastic_cfg else 1
+    if expected_finish is not None:
+        if sorted(expected_finish) != list(range(parallel.world_size)):
+            raise ValueError(f"expected_finish names ranks {sorted(expected_finish)}; the plan "
+                             f"must give one finish per rank 0..{parallel.world_size - 1}")
+        layout.survivors.prepare(planned_survivor_sets(expected_finish, floor=floor))
+    else:
+        layout.survivors.prepare([])  # resets the rollout's late-group count
     return ElasticMembership(
+        groups=layout.survivors,
         rollout_id=f"{layout.layout_id}.{layout.rollouts}",
         parallel=parallel,
-        min_active_ranks=elastic_cfg.min_active_ranks if elastic_cfg else 1,
+        min_active_ranks=floor,
         check_interval_steps=elastic_cfg.check_interval_steps if elastic_cfg else 1,
         capacity=capacity,
         holding=layout.holding,

@@ -109,6 +109,18 @@ class SurvivorGroups:
         self.created_ahead += made
         return made
 
+    def leavers_for(self, active: Sequence[int], leaving: Sequence[int]) -> list[int]:
+        """Who really leaves when `leaving` want to leave `active` (pure, the same on every rank:
+        it reads only the prebuilt sets): everyone asked when the survivors' group is prebuilt
+        (or none is near), else only the ranks outside the nearest prebuilt superset; the
+        others stay idle in it."""
+        active = tuple(sorted(active))
+        survivors = tuple(r for r in active if r not in set(leaving))
+        if survivors in self.prebuilt:
+            return sorted(leaving)
+        near = nearest_prebuilt(active, survivors, list(self.prebuilt))
+        return sorted(leaving) if near is None else [r for r in active if r not in near]
+
     def switch(self, active: Sequence[int], leaving: Sequence[int]) -> Switch:
         """The group the survivors of `active` minus `leaving` switch to (every rank of `active`
         calls this with the same arguments; pure but for a late creation): the prebuilt one, else

@@ -37,9 +37,9 @@ def gather(obj):
     return parts
 
 
-def requests(rank, sampling):
+def requests(rank, sampling, longest=LONGEST):
     g = torch.Generator().manual_seed(rank)
-    lengths = [LONGEST[rank], max(1, LONGEST[rank] - 2)]
+    lengths = [longest[rank], max(1, longest[rank] - 2)]
     return [Request(prompt_uid=rank * 10 + i, sample_index=0, seed=5, step=1,
                     prompt_ids=tuple(torch.randint(1, 128, (4 + i,), generator=g).tolist()),
                     max_new_tokens=32, target_len=n, sampling=sampling)
@@ -137,8 +137,13 @@ def offload_case(par, rank):
     # elastic rollout with offload on release, then train on its responses
     listener = OffloadOnRelease(HostOffload(elastic.resident, par.device))
     before_state = elastic.state_bytes()
-    mem = membership_for(ReleasePolicy.ELASTIC, par, elastic.layout, on_event=listener)
+    mem = membership_for(ReleasePolicy.ELASTIC, par, elastic.layout, on_event=listener,
+                         expected_finish=dict(enumerate(map(float, LONGEST))))
+    groups = len(c10d._world.pg_map)  # after the groups built ahead
     out_elastic = elastic.engine.generate(requests(rank, sampling), mem)
+    res["on_plan"] = {"groups_added": len(c10d._world.pg_map) - groups, **mem.group_record(),
+                      "built_ahead": elastic.layout.survivors.created_ahead,
+                      "leaving": [t["leaving"] for t in mem.timeline]}
     survivor_bytes = resident_bytes(elastic.resident, par.device)  # at its rollout end
     resync(elastic.moe, elastic.layout, par, mem, timeout_s=60, on_event=listener)
     stats = listener.take_stats()
@@ -161,6 +166,29 @@ def offload_case(par, rank):
         before_state, elastic.state_bytes()))
     res["optimizer_equal"] = all(torch.equal(a, b) for a, b in zip(static.state_bytes(),
                                                                     elastic.state_bytes()))
+    res["off_plan"] = off_plan_rollout(static, par, rank, sampling)
+    return res
+
+
+def off_plan_rollout(rep, par, rank, sampling):
+    """A plan that is wrong: it predicts rank 3, then 1, then 2 to finish (groups (0, 1, 2),
+    (0, 2), (0,)), while 2 and 3 finish together, then 1. The release keeps 2 idle in (0, 1, 2),
+    then needs (0, 1): created then by its members (counted); tokens as static's."""
+    longest = [12, 9, 3, 3]
+    mem = membership_for(ReleasePolicy.STATIC, par, rep.layout)
+    static = rep.engine.generate(requests(rank, sampling, longest), mem)
+    resync(rep.moe, rep.layout, par, mem, timeout_s=60)
+    mem = membership_for(ReleasePolicy.ELASTIC, par, rep.layout,
+                         expected_finish={0: 12.0, 1: 3.0, 2: 9.0, 3: 1.0})
+    groups = len(c10d._world.pg_map)
+    out = rep.engine.generate(requests(rank, sampling, longest), mem)
+    res = {"groups_added": len(c10d._world.pg_map) - groups, **mem.group_record(),
+           "leaving": [t["leaving"] for t in mem.timeline],
+           "active": [t["active"] for t in mem.timeline],
+           "tokens_equal": ({r.request_id: r.token_ids for r in static.results}
+                            == {r.request_id: r.token_ids for r in out.results}),
+           "tokens": len(out.results)}
+    resync(rep.moe, rep.layout, par, mem, timeout_s=60)
     return res
 
 
@@ -224,7 +252,7 @@ def job_case():
         job.step()
         weights[name] = {n: p.detach().clone() for n, p in job.model.named_parameters()}
         records[name] = job.log.timelines[-1] if job.log.timelines else []  # rank 0 logs
-        job.log.close(job)
+        job.log.close()
         job.parallel.barrier()
         del job
     return {"weights_equal": all(torch.equal(weights["static"][n], weights["offload"][n])

@@ -35,11 +35,12 @@ def requests(rank, longest, sampling):
             for i, n in enumerate(lengths)]
 
 
-def static_vs_elastic(engine, layout, par, reqs, *, migrate=0):
-    """The same requests under the static and the elastic policy; every rank's view, gathered."""
+def static_vs_elastic(engine, layout, par, reqs, *, migrate=0, expected_finish=None):
+    """The same requests under the static and the elastic policy; every rank's view, gathered.
+    `expected_finish` (rank -> predicted steps): the plan the survivor groups are built from."""
     case = {}
     for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
-        membership = membership_for(policy, par, layout)
+        membership = membership_for(policy, par, layout, expected_finish=expected_finish)
         if policy == ReleasePolicy.ELASTIC:
             membership.migrate_max_requests = migrate
         out = engine.generate(reqs, membership)
@@ -47,6 +48,8 @@ def static_vs_elastic(engine, layout, par, reqs, *, migrate=0):
         case[policy.value] = {"tokens": {r.request_id: r.token_ids for r in out.results},
                               "record": out.record.as_dict(),
                               "timeline": getattr(membership, "timeline", [])}
+        if policy == ReleasePolicy.ELASTIC:
+            case["groups"] = membership.group_record()
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, case)
     return parts
@@ -67,7 +70,8 @@ def main():
         for seq, lengths in SEQUENCES.items():
             for kind, sampling in SAMPLING.items():
                 results[f"e{experts}_{seq}_{kind}"] = static_vs_elastic(
-                    engine, layout, par, requests(rank, lengths[rank], sampling))
+                    engine, layout, par, requests(rank, lengths[rank], sampling),
+                    expected_finish=dict(enumerate(map(float, lengths))))
         if experts == 8:
             # beyond the paper: ranks hand their last two requests to rank 0 and leave early
             for dtype in ("float32", "float64"):

@@ -26,6 +26,7 @@ from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
 from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.survivors import live_process_groups
 from flexfloor.rollout.types import Request, SamplingParams
 
 OUT, ROLLOUTS = sys.argv[1], int(sys.argv[2])
@@ -84,6 +85,7 @@ def main():
     moe = layout.moe(model, par)
     engine = RolloutEngine(model, moe, rank=rank, max_batch_size=4)
     start_placement = layout.placement.as_dict()
+    groups_at_start = live_process_groups()
     own = [sorted(h) for h in moe.hosted]
     proc = psutil.Process()
     rounds = []
@@ -110,7 +112,11 @@ def main():
             "placement_restored": moe.placement.as_dict() == start_placement,
             "group_restored": moe.group is layout.group,
             "own_experts_only": [sorted(h) for h in moe.hosted] == own,
-            "survivor_groups_left": len(m._groups),
+            # every group this process holds beyond the start is one of the layout's survivor
+            # groups (kept for the next rollouts, one per set): none leaks
+            "survivor_groups_left": live_process_groups() - groups_at_start - sum(
+                g is not None for g in [*layout.survivors.prebuilt.values(),
+                                        *layout.survivors.late.values()]),
             "kv_cache_bytes": sum(r.cache.nbytes for r in engine.running),
             "running": len(engine.running), "queued": len(engine.queue),
             "tensor_bytes": live_tensor_bytes(), "rss": proc.memory_info().rss,
