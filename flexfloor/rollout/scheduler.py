@@ -169,7 +169,8 @@ class MemoryModel:
 
     @classmethod
     def from_model_config(cls, model_cfg, *, kv_budget_tokens: Optional[int] = None,
-                          dtype_bytes: Optional[int] = None) -> "MemoryModel":
+                          dtype_bytes: Optional[int] = None,
+                          block_tokens: int = 1) -> "MemoryModel":
         """The formula version (the simulator's): shapes of a `ModelConfig`, element size from
         its `params_dtype` (fp32 when it names none) unless `dtype_bytes` is given. Equal to
         `of_model` for the same model (tested)."""
@@ -180,7 +181,7 @@ class MemoryModel:
         # gated MLP expert: fc1 [2F, H] + fc2 [H, F], per layer
         expert = 3 * model_cfg.moe_ffn_hidden_size * model_cfg.hidden_size * dtype_bytes
         expert *= model_cfg.num_layers
-        return cls._with_budget(kv, expert, kv_budget_tokens, 1)
+        return cls._with_budget(kv, expert, kv_budget_tokens, block_tokens)
 
     @classmethod
     def _with_budget(cls, kv: int, expert: int, kv_budget_tokens: Optional[int],

@@ -19,7 +19,7 @@ from flexfloor.config import ModelConfig, PlacementPolicy, ReleasePolicy, Traine
 from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
-from flexfloor.rollout.engine import RolloutEngine, RolloutError
+from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS, RolloutEngine, RolloutError
 from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet, resident_bytes
 from flexfloor.rollout.scheduler import LengthHistory, MemoryModel, PromptGroup, Scheduler
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
@@ -28,7 +28,7 @@ from flexfloor.trainer.optim import build_train_state
 
 OUT = sys.argv[1]
 LONGEST = [12, 9, 6, 3]  # each rank's longest response: a 4 -> 3 -> 2 -> 1 rollout
-BUDGET_TOKENS = 50
+BUDGET_TOKENS = 48  # three whole KV blocks of the engine's default 16 tokens
 
 
 def gather(obj):
@@ -54,9 +54,11 @@ def memory_case(par, rank):
         cfg = dataclasses.replace(ModelConfig(), params_dtype=dtype)
         model = build_model(cfg, par)
         layout = RolloutLayout.gather(model, par)
-        memory = MemoryModel.of_model(model, kv_budget_tokens=BUDGET_TOKENS)
+        memory = MemoryModel.of_model(model, kv_budget_tokens=BUDGET_TOKENS,
+                                      block_tokens=DEFAULT_BLOCK_TOKENS)
         engine = RolloutEngine(model, layout.moe(model, par), rank=rank,
-                               kv_budget_bytes=memory.kv_budget_bytes)
+                               kv_budget_bytes=memory.kv_budget_bytes,
+                               block_tokens=memory.block_tokens)
         verdict = {}
         for total in (BUDGET_TOKENS, BUDGET_TOKENS + 1):
             req = Request(prompt_uid=0, sample_index=0, prompt_ids=(1, 2), max_new_tokens=total - 2)
@@ -75,12 +77,13 @@ def memory_case(par, rank):
             groups, range(4))
         out[dtype] = {
             "scheduler_kv_tokens": memory.kv_tokens(),
-            "engine_kv_tokens": engine.kv_budget_bytes // engine.kv_bytes_per_token,
+            "engine_kv_tokens": engine.capacity_blocks * engine.block_tokens,
             "kv_bytes_per_token": memory.kv_bytes_per_token,
             "engine_kv_bytes_per_token": engine.kv_bytes_per_token,
             "expert_bytes": memory.expert_bytes,
             "moe_expert_nbytes": engine.moe.expert_nbytes,
-            "formula_equal": memory == MemoryModel.from_model_config(cfg, kv_budget_tokens=BUDGET_TOKENS),
+            "formula_equal": memory == MemoryModel.from_model_config(
+                cfg, kv_budget_tokens=BUDGET_TOKENS, block_tokens=DEFAULT_BLOCK_TOKENS),
             "verdict": verdict,
             "plan": {r: [q.request_id for q in reqs] for r, reqs in plan.assignment.items()},
         }
