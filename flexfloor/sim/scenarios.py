@@ -183,7 +183,12 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
         max_seq_len = max(model_cfg.max_seq_len, max_seq_len)
 
         def memory_of(groups):
-            return MemoryModel.from_model_config(model_cfg, kv_budget_tokens=sc.kv_budget_tokens)
+            # the benchmark's: the budget in whole blocks of the engine's pool
+            bt = sc.kv_block_tokens or 1
+            m = MemoryModel.from_model_config(model_cfg)
+            budget = (None if sc.kv_budget_tokens is None else
+                      sc.kv_budget_tokens // bt * bt * m.kv_bytes_per_token)
+            return dataclasses.replace(m, kv_budget_bytes=budget, block_tokens=bt)
     else:
         if sc.accelerator not in ACCELERATORS:
             raise ValueError(f"unknown accelerator {sc.accelerator!r}; choose one of "
