@@ -25,10 +25,10 @@ CASES = {
     # KV budget and batch limit: admission waves, borrowed experts against the budget, the
     # memory floor; and migration of a rank's last requests
     "tight+migrate": (["--num-prompts", "12", "--samples-per-prompt", "4", "--length-median", "8",
-                       "--max-len", "60", "--kv-budget-tokens", "300", "--max-batch-size", "8",
+                       "--max-len", "60", "--kv-budget-tokens", "600", "--max-batch-size", "8",
                        "--migrate-max-requests", "2"],
                       dict(num_prompts=12, samples_per_prompt=4, length_params={"median": 8.0},
-                           max_len=60, kv_budget_tokens=300, max_batch_size=8,
+                           max_len=60, kv_budget_tokens=600, max_batch_size=8,
                            migrate_max_requests=2)),
 }
 

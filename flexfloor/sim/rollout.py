@@ -6,13 +6,18 @@ tokens (the prompt at admission, one token after) and yields one token per runni
 finished requests free their room. KV is reserved one of two ways (`kv_block_tokens`):
 - None: a request reserves prompt + response tokens at admission;
 - B tokens per block: a request holds the blocks its cached tokens fill, allocated as tokens are
-  produced; admission needs the blocks of its prompt and first token. When a step would need more
-  blocks than are free, the request admitted last is preempted (its blocks freed, queued first
-  again, re-prefilled with what it had produced: the same tokens). All active ranks
+  produced. With `exact_blocks` the engine's pool (flexfloor/rollout/kv.py) is counted block for
+  block: admission needs its prefill's blocks over the pool's watermark, each step takes the
+  blocks its tokens need in admission order, and when the pool runs out the request admitted last
+  is preempted (its blocks freed, queued first again, re-prefilled with what it had produced: the
+  same tokens); a migrated request is queued first on its taker, as the engine adopts it.
+  Without, each request holds half a block of unfilled room on average (no pass over the
+  requests per step: the accelerator scenarios, where unit-cost equality is not claimed). All
+  active ranks
 step in lockstep; a step's time comes from the cost model. At each step boundary (and once before
-the first step) the active ranks' `StepReport` goes to the membership:
+the first step) the active ranks' `StepReport` is decided on:
 - static: every rank stays until no rank has work (the verl-like baseline);
-- elastic: `ElasticMembership.decide` (flexfloor/rollout/elastic.py): the object the engine uses,
+- elastic: `flexfloor.rollout.release.decide`, the pure function the engine's membership calls,
   so migration, the memory floor and the leavers are decided by the same code.
 
 Between events (a request finishing, a rank able to admit) nothing in a report changes but the
@@ -28,8 +33,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from flexfloor.rollout.elastic import RankLimits
 from flexfloor.rollout.engine import StepReport
+from flexfloor.rollout.kv import blocks_for, watermark_blocks
+from flexfloor.rollout.release import RankLimits, ReleaseRules, decide
 from flexfloor.rollout.types import RankRecord
 from flexfloor.sim.cost import RankLoad
 
@@ -60,6 +66,8 @@ class _Run:
     done_at: int  # the global step whose token is its last
     start: int  # global step count when admitted, less the tokens it had already (migration)
     pending: int  # tokens it feeds its first step on a rank (prompt, or all so far: migration)
+    seq: int = 0  # admission order on its rank (the engine's running list; youngest last)
+    blocks: int = 0  # KV blocks it holds (exact block accounting only)
 
     def cached(self, step: int) -> int:
         """Tokens in its KV cache once `step` global steps are done (prompt and produced)."""
@@ -86,6 +94,8 @@ class _Rank:
     # attention pairs the next step adds beyond one token per request against its context (a
     # prompt of p tokens: p * (p + 1) / 2 pairs instead of p)
     extra_pairs: float = 0.0
+    used_blocks: int = 0  # exact block accounting: blocks in the running requests' tables
+    withheld_blocks: int = 0  # exact block accounting: room borrowed experts took
 
     def block_bytes(self, step: int, block: int, kv_bytes: int) -> int:
         """KV bytes of the blocks its running requests hold after `step` global steps, with the
@@ -117,14 +127,18 @@ class SimOutput:
     groups_created: int = 0  # survivors' groups built during the rollout (one per shrink)
 
 
-def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, cost, *,
-                     limits: RankLimits, placement, kv_block_tokens: Optional[int] = None
-                     ) -> SimOutput:
-    """Run one rollout of one EP group. `membership`: None for static EP, or an
-    `ElasticMembership` (its `parallel` unused); `placement`: the starting expert placement over
+def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], rules: Optional[ReleaseRules],
+                     cost, *,
+                     limits: RankLimits, placement, kv_block_tokens: Optional[int] = None,
+                     exact_blocks: bool = False) -> SimOutput:
+    """Run one rollout of one EP group. `rules`: None for static EP, or the elastic policy,
+    decided at every boundary by `flexfloor.rollout.release.decide` as the engine does; `placement`: the starting expert placement over
     the group's ranks; `limits`: batch slots, KV budget, bytes per KV token and per expert, as the
     engine's; `kv_block_tokens`: None to reserve prompt + response at admission, else the block
-    size of a pool that allocates as tokens are produced."""
+    size of a pool that allocates as tokens are produced; `exact_blocks`: count every request's
+    blocks as the engine's pool does (flexfloor/rollout/kv.py: admission by free blocks over the
+    watermark, the youngest preempted, borrowed experts withheld in whole blocks), a pass over
+    the running requests per step; else half a block per request on average."""
     ranks = {r: _Rank(r, deque(reqs), RankRecord(rank=r, requests=len(reqs)))
              for r, reqs in sorted(assignment.items())}
     active = sorted(ranks)
@@ -135,14 +149,29 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
     tokens_total = finished_total = 0
     lengths: dict[int, list[int]] = {}
     timeline: list[dict] = []
-    elastic = membership is not None
+    elastic = rules is not None
+    boundaries = 0  # step boundaries with work (the engine's count for check_interval_steps)
     quiet = False  # the last boundary decided nothing: the next identical one may be skipped
     floor_hit = False
     hosted = Counter(placement.owner)
     groups_created = 0
     kvb = limits.kv_bytes_per_token
+    exact = exact_blocks and kv_block_tokens is not None
+    if exact:
+        block_nbytes = kvb * kv_block_tokens
+        capacity = None if budget is None else budget // block_nbytes  # the engine's pool
+        watermark = watermark_blocks(capacity)
+    seq = 0
+
+    def blocks_at(x: _Rank, at_step: int) -> int:
+        """Exact: blocks in use plus withheld once every running request holds what the step
+        after `at_step` global steps needs."""
+        return x.withheld_blocks + sum(max(run.blocks, blocks_for(run.cached(at_step), kv_block_tokens))
+                                       for run in x.running)
 
     def kv_in_use(x: _Rank, at_step: int) -> int:
+        if exact:
+            return blocks_at(x, at_step) * block_nbytes
         if kv_block_tokens is None:
             return x.kv_used
         return x.kv_used + x.block_bytes(at_step, kv_block_tokens, kvb)
@@ -166,14 +195,35 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             tokens=tokens_total, requests=requests_total,
             running=[len(x.running) for x in rs], queued=[len(x.queue) for x in rs],
             remaining=[x.remaining(step) for x in rs],
-            kv_free=[budget - kv_in_use(x, step) if budget is not None else UNBOUNDED_KV
-                     for x in rs])
+            kv_free=[UNBOUNDED_KV if budget is None else
+                     (capacity - x.withheld_blocks - x.used_blocks) * block_nbytes if exact else
+                     budget - kv_in_use(x, step) for x in rs])
 
     def admit(x: _Rank, dry: bool = False) -> bool:
         """The engine's admission loop; dry: only say whether one would be admitted."""
+        nonlocal seq
         admitted = False
         while x.queue and len(x.running) < limits.max_batch_size:
             item = x.queue[0]
+            if exact:  # the engine's `_admit`: the prefill's blocks over the watermark
+                cached = item.req.prompt_len + item.produced if isinstance(item, _Preempted) else item.prompt_len
+                nb = blocks_for(cached, kv_block_tokens)
+                free = None if capacity is None else capacity - x.withheld_blocks - x.used_blocks
+                if free is not None and free - nb < (watermark if x.running else 0):
+                    if not x.running and not dry:
+                        raise SimError(f"rank {x.rank}: request {item_id(item)} needs {nb} KV "
+                                       f"blocks and only {free} are free with nothing running")
+                    break
+                if dry:
+                    return True
+                x.queue.popleft()
+                req, produced = (item.req, item.produced) if isinstance(item, _Preempted) else (item, 0)
+                seq += 1
+                x.used_blocks += nb
+                x.add(_Run(req, done_at=step + req.length - produced, start=step - produced,
+                           pending=req.prompt_len + produced, seq=seq, blocks=nb))
+                admitted = True
+                continue
             need = admission_need(item)
             used = kv_in_use(x, step)
             if budget is not None and used + need > budget:
@@ -189,8 +239,9 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             else:
                 req, produced = item, 0
             x.kv_used += reserve(req)
+            seq += 1
             x.add(_Run(req, done_at=step + req.length - produced, start=step - produced,
-                       pending=req.prompt_len + produced))
+                       pending=req.prompt_len + produced, seq=seq))
             admitted = True
         return admitted
 
@@ -199,17 +250,36 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
         last goes back to the queue's head (vLLM's recompute preemption)."""
         if kv_block_tokens is None or budget is None:
             return
+        if exact:  # the engine's `_take_blocks`, in admission order
+            order = sorted(x.running, key=lambda r: r.seq)
+            i = 0
+            while i < len(order):
+                run = order[i]
+                need = blocks_for(run.cached(step), kv_block_tokens) - run.blocks
+                if need <= 0 or capacity - x.withheld_blocks - x.used_blocks >= need:
+                    run.blocks += max(0, need)
+                    x.used_blocks += max(0, need)
+                    i += 1
+                    continue
+                victim = order.pop()  # the youngest (possibly run itself)
+                drop(x, victim)
+                x.used_blocks -= victim.blocks
+                victim.blocks = 0
+            return
         while len(x.running) > 1 and kv_in_use(x, step) > budget:
-            last = max(x.running, key=lambda r: (r.start, r.req.request_id))
-            x.running.remove(last)
-            x.ctx_base -= last.req.prompt_len - last.start
-            if last.cached(step) == last.pending:  # admitted (or adopted) for this step
-                x.pending -= last.pending
-                x.extra_pairs -= last.pending * (last.pending + 1) / 2 - last.pending
-            else:
-                x.pending -= 1
-            x.queue.appendleft(_Preempted(last.req, step - last.start))
-            x.record.extra["preempted"] = x.record.extra.get("preempted", 0) + 1
+            drop(x, max(x.running, key=lambda r: r.seq))
+
+    def drop(x: _Rank, last: _Run) -> None:
+        """Preempt `last`: back to the queue's head with what it had produced."""
+        x.running.remove(last)
+        x.ctx_base -= last.req.prompt_len - last.start
+        if last.cached(step) == last.pending:  # admitted (or adopted) for this step
+            x.pending -= last.pending
+            x.extra_pairs -= last.pending * (last.pending + 1) / 2 - last.pending
+        else:
+            x.pending -= 1
+        x.queue.appendleft(_Preempted(last.req, step - last.start))
+        x.record.extra["preempted"] = x.record.extra.get("preempted", 0) + 1
 
     def loads(at_step: int) -> list[RankLoad]:
         out = []
@@ -220,22 +290,37 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
         return out
 
     def boundary() -> bool:
-        """The membership's decision after a step; False ends the rollout."""
-        nonlocal placement, active, now, quiet, floor_hit, hosted, groups_created
+        """The release decision after a step; False ends the rollout."""
+        nonlocal placement, active, now, quiet, floor_hit, hosted, groups_created, boundaries
         rep = report()
         if not any(rep.has_work):
             return False
         if not elastic:
             quiet = True
             return True
-        decision = membership.decide(placement, rep, limits)
+        boundaries += 1
+        decision = decide(rules, placement, rep, limits, boundaries)
         floor_hit = decision.floor_hit
         if floor_hit:
             for r in active:
                 ex = ranks[r].record.extra
                 ex["floor_hits"] = ex.get("floor_hits", 0) + 1
         quiet = not decision.migrate and not decision.leaving
-        for giver, taker in sorted(decision.migrate.items()):
+        if exact:  # the engine's export/adopt: the taker queues them first, re-prefilled later
+            adopted: dict[int, list] = {}
+            for giver, taker in sorted(decision.migrate.items()):
+                g = ranks[giver]
+                runs = sorted(g.running, key=lambda r: r.seq)
+                adopted.setdefault(taker, []).extend(_Preempted(r.req, step - r.start) for r in runs)
+                g.used_blocks -= sum(r.blocks for r in runs)
+                g.record.extra["migrated_out"] = g.record.extra.get("migrated_out", 0) + len(runs)
+                g.running, g.ctx_base, g.pending, g.extra_pairs = [], 0, 0, 0.0
+                timeline.append({"step": step, "migrated": {giver: taker}})
+            for taker, items in adopted.items():
+                t = ranks[taker]
+                t.queue.extendleft(reversed(items))
+                t.record.extra["adopted"] = t.record.extra.get("adopted", 0) + len(items)
+        for giver, taker in sorted(decision.migrate.items()) if not exact else ():
             g, t = ranks[giver], ranks[taker]
             for run in g.running:
                 run.pending = run.req.prompt_len + step - run.start  # re-prefill there
@@ -249,7 +334,12 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
         if decision.leaving:
             now += cost.shrink_seconds(decision.transfers, placement.owner)
             groups_created += 1
-            for tr in decision.transfers:  # borrowed weights take KV room on the survivor
+            if exact:  # the engine's `withhold`: each survivor's borrowed bytes in whole blocks
+                got = Counter(tr.dst for tr in decision.transfers)
+                for dst, n in got.items():
+                    if dst not in decision.leaving:
+                        ranks[dst].withheld_blocks += blocks_for(n * limits.expert_nbytes, block_nbytes)
+            for tr in decision.transfers if not exact else ():  # borrowed weights take KV room
                 ranks[tr.dst].kv_used += limits.expert_nbytes
             for r in decision.leaving:
                 rec = ranks[r].record
@@ -269,6 +359,11 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             admit(x)
             preempt(x)
             x.record.kv_peak_bytes = max(x.record.kv_peak_bytes, kv_in_use(x, step))
+            if exact and budget is None:  # unbounded: no preempt
+                for run in x.running:
+                    nb = blocks_for(run.cached(step), kv_block_tokens)
+                    x.used_blocks += nb - run.blocks
+                    run.blocks = nb
         dt = cost.step_seconds(loads(step), placement.owner)
         step += 1
         now += dt
@@ -277,6 +372,7 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             x = ranks[r]
             while x.running and x.running[0].done_at <= step:
                 run = x.running.pop(0)
+                x.used_blocks -= run.blocks
                 x.ctx_base -= run.req.prompt_len - run.start
                 x.kv_used -= reserve(run.req)
                 x.record.local_finish_s = now
@@ -286,7 +382,7 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
             x.pending = len(x.running)
         tokens_total = sum(x.record.tokens for x in ranks.values())
         keep = boundary()
-        if not keep or not quiet or (elastic and membership.check_interval_steps != 1):
+        if not keep or not quiet or (elastic and rules.check_interval_steps != 1):
             continue
         # fast-forward over steps where nothing can change: no admission, no finish
         if any(ranks[r].queue and admit(ranks[r], dry=True) for r in active):
@@ -295,7 +391,9 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
                   default=step + 1)
         skip = nxt - step - 1
         if kv_block_tokens is not None and budget is not None and skip > 0:
-            skip = _steps_within(ranks, active, step, skip, lambda x, s: kv_in_use(x, s) <= budget)
+            fits = ((lambda x, s: blocks_at(x, s) <= capacity) if exact else
+                    (lambda x, s: kv_in_use(x, s) <= budget))
+            skip = _steps_within(ranks, active, step, skip, fits)
         if skip <= 0:
             continue
         first = cost.step_seconds(loads(step), placement.owner)
@@ -303,7 +401,17 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], membership, co
         step += skip
         now += skip * (first + last) / 2
         _advance(ranks, active, step, now, skip)
+        if exact:  # the blocks the skipped steps took (they only grow between events)
+            for r in active:
+                x = ranks[r]
+                for run in x.running:
+                    nb = max(run.blocks, blocks_for(run.cached(step - 1), kv_block_tokens))
+                    x.used_blocks += nb - run.blocks
+                    run.blocks = nb
+                x.record.kv_peak_bytes = max(x.record.kv_peak_bytes,
+                                             (x.used_blocks + x.withheld_blocks) * block_nbytes)
         tokens_total = sum(x.record.tokens for x in ranks.values())
+        boundaries += skip  # the skipped boundaries decide nothing new (every one is checked)
         if floor_hit:  # the engine counts the floor at every boundary it meets it
             for r in active:
                 ex = ranks[r].record.extra

@@ -10,7 +10,7 @@ modes roll out the same requests (`Mode`):
 - `replica_release`: like `static`, but a replica is released when its own requests are done;
 - `single_group`: one world-wide EP group, contiguous chunks, all held (the paper's setting);
 - `elastic`: FlexFloor: its placement (`PlacementPolicy.FLEXFLOOR`, over every rank) and
-  `ElasticMembership` shrinking inside each replica; a replica done is released whole.
+  release decision (`flexfloor.rollout.release.decide`) shrinking inside each replica; a replica done is released whole.
 The scheduler objects are the trainer's (`flexfloor.rollout.scheduler.Scheduler`): FlexFloor's
 learns the lengths of each step and places the next from that history. Headline figures sum
 steps 2..E (as `tools/bench_rollout.py` does) under the same metric names, plus:
@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 
 from flexfloor.config import MODEL_PRESETS, PlacementPolicy
-from flexfloor.rollout.elastic import ElasticMembership, RankLimits
+from flexfloor.rollout.release import RankLimits, ReleaseRules
 from flexfloor.rollout.metrics import metrics_from_counts, ratios, summed_records
 from flexfloor.rollout.scheduler import (
     LengthHistory, MemoryModel, PromptGroup, Scheduler, least_outstanding,
@@ -80,6 +80,10 @@ class Scenario:
     # KV block size of the engine's pool (allocated as tokens are produced); None: a request
     # reserves prompt + response at admission
     kv_block_tokens: Optional[int] = 16
+    # count every request's blocks as the engine's pool does (a pass per step); False: half a
+    # block per request on average (accelerator scenarios, where the unit-cost equality is not
+    # claimed)
+    kv_exact_blocks: bool = False
     min_active_ranks: int = 1  # the floor, per replica (at most its size)
     migrate_max_requests: int = 0
     # FlexFloor placement (flexfloor.config.SchedulerConfig): the product defaults; on
@@ -112,7 +116,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
         "tiny-cpu", "The CPU benchmark's setting (tools/bench_rollout.py defaults): tiny MoE, 4 "
         "ranks, lognormal lengths, every step costs 1. Its steps equal the real engine's.",
-        kv_block_tokens=None),
+        kv_block_tokens=16, kv_exact_blocks=True),
     Scenario(
         "paper-like",
         "Qwen3-30B-A3B-shaped model on 64 H800 (8 nodes) as 8 replicas x EP8, 512 prompts x 8 "
@@ -179,7 +183,12 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
         max_seq_len = max(model_cfg.max_seq_len, max_seq_len)
 
         def memory_of(groups):
-            return MemoryModel.from_model_config(model_cfg, kv_budget_tokens=sc.kv_budget_tokens)
+            # the benchmark's: the budget in whole blocks of the engine's pool
+            bt = sc.kv_block_tokens or 1
+            m = MemoryModel.from_model_config(model_cfg)
+            budget = (None if sc.kv_budget_tokens is None else
+                      sc.kv_budget_tokens // bt * bt * m.kv_bytes_per_token)
+            return dataclasses.replace(m, kv_budget_bytes=budget, block_tokens=bt)
     else:
         if sc.accelerator not in ACCELERATORS:
             raise ValueError(f"unknown accelerator {sc.accelerator!r}; choose one of "
@@ -314,15 +323,15 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
     total = responses = created = 0
     for i, ranks in enumerate(topo.groups):
         placement, holding = topo.states[ranks]
-        membership = None
+        rules = None
         if mode == Mode.ELASTIC:
-            membership = ElasticMembership(
-                parallel=None, min_active_ranks=min(sc.min_active_ranks, len(ranks)),
-                holding=holding, migrate_max_requests=sc.migrate_max_requests)
+            rules = ReleaseRules(min_active_ranks=min(sc.min_active_ranks, len(ranks)),
+                                 holding=holding, migrate_max_requests=sc.migrate_max_requests)
         sub = {r: [SimRequest(q.request_id, q.prompt_uid, len(q.prompt_ids), q.target_len)
                    for q in assignment.get(r, [])] for r in ranks}
-        out = simulate_rollout(sub, membership, cost, limits=topo.limits, placement=placement,
-                               kv_block_tokens=sc.kv_block_tokens)
+        out = simulate_rollout(sub, rules, cost, limits=topo.limits, placement=placement,
+                               kv_block_tokens=sc.kv_block_tokens,
+                               exact_blocks=sc.kv_exact_blocks)
         records += out.records
         timeline += [{**t, "replica": i} for t in out.timeline] if len(topo.groups) > 1 else out.timeline
         for uid, ls in out.lengths.items():
