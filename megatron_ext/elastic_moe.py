@@ -167,12 +167,18 @@ class PlacedMoE:
         return out.view(hidden.shape)
 
     def route(self, layer: int, x: torch.Tensor) -> "Routed":
-        """Megatron's own router: each token's top-k experts (ascending) and their probabilities."""
+        """Megatron's router: each token's top-k experts (ascending) and their probabilities.
+        A plain top-k router runs as raw ops (`_raw_topk`); any other through its own forward."""
         t = x.shape[0]
         if t == 0:
             empty = torch.empty(0, self.topk, dtype=torch.long, device=x.device)
             return Routed(x, empty, torch.empty(0, self.topk, dtype=self.prob_dtype, device=x.device))
-        probs, routing_map = self.layers[layer].router(x.view(t, 1, self.hidden))  # [T, E] x2
+        router = self.layers[layer].router
+        if _plain_topk_router(router):
+            probs, top = _raw_topk(router, x)  # [T, k] x2, in top-k order
+            experts, order = top.sort(dim=1)
+            return Routed(x, experts, probs.gather(1, order).to(self.prob_dtype))
+        probs, routing_map = router(x.view(t, 1, self.hidden))  # [T, E] x2
         # the k chosen experts of each token in ascending order, without a host sync (nonzero)
         experts = torch.topk(routing_map.to(torch.int8), self.topk, dim=1).indices.sort(dim=1).values
         return Routed(x, experts, probs.gather(1, experts).to(self.prob_dtype))  # [T, k] x2
@@ -214,10 +220,11 @@ class PlacedMoE:
 
     def compute(self, layer: int, handle: "Dispatched") -> torch.Tensor:
         """Expert MLPs over the rows sorted by expert: raw GEMMs on each hosted expert's own
-        weights (no copies), only for experts that received rows. Returns rows in received order."""
+        weights (no copies), only for experts that received rows; the activation and the
+        probability scaling run once over every row. Returns rows in received order."""
         rows, probs = handle.rows, handle.probs
-        out = torch.empty_like(rows)
         hosted = self.hosted[layer]
+        groups = []  # (module, first row, rows) of each expert that received rows
         start = 0
         for e, n in enumerate(handle.per_expert):
             if n == 0:
@@ -226,21 +233,30 @@ class PlacedMoE:
             if module is None:
                 raise PlacementError(f"rank {self.rank} received tokens for expert {e} it does "
                                      f"not host (layer {layer})")
-            out[start:start + n] = self._expert(module, rows[start:start + n], probs[start:start + n])
+            groups.append((module, start, n))
             start += n
+        if not groups:
+            out = torch.empty_like(rows)
+        elif self._raw_experts(groups[0][0]):
+            h = torch.cat([F.linear(rows[s:s + n], m.linear_fc1.weight) for m, s, n in groups])
+            h = self._activation(groups[0][0].config, h, probs)  # [N, F]
+            out = torch.cat([F.linear(h[s:s + n], m.linear_fc2.weight) for m, s, n in groups])
+        else:  # biases or fused kernels: Megatron's own forward per expert
+            out = torch.cat([m(rows[s:s + n], probs[s:s + n])[0] for m, s, n in groups])
         if handle.by_expert is not None:  # back to the order rows arrived in
             out = torch.empty_like(out).index_copy_(0, handle.by_expert, out)
         return out
 
-    def _expert(self, module, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """Megatron's `MLP.forward` for one expert (x [n, H], p [n]) as raw ops on its weights:
-        fc1 -> GLU activation -> scale by the routing probability -> fc2 (same order, same math;
-        no autograd wrappers)."""
-        fc1, fc2 = module.linear_fc1, module.linear_fc2
-        if fc1.bias is not None or fc2.bias is not None or self._fused_activation:
-            return module(x, p)[0]  # biases or fused kernels: Megatron's own forward
-        h = F.linear(x, fc1.weight)
-        cfg = module.config
+    def _raw_experts(self, module) -> bool:
+        """Whether Megatron's `MLP.forward` of these experts runs as raw ops (no biases, no
+        fused activation kernel); every hosted expert of a layer is built alike."""
+        return (module.linear_fc1.bias is None and module.linear_fc2.bias is None
+                and not self._fused_activation)
+
+    @staticmethod
+    def _activation(cfg, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Megatron's `MLP.forward` between fc1 and fc2 (h [n, F or 2F], p [n]): GLU activation,
+        then the scaling by the routing probability (same order, same math)."""
         if cfg.gated_linear_unit:
             a, b = torch.chunk(h, 2, dim=-1)
             if (val := cfg.activation_func_clamp_value) is not None:
@@ -248,8 +264,7 @@ class PlacedMoE:
             h = cfg.activation_func(a) * (b + cfg.glu_linear_offset)
         else:
             h = cfg.activation_func(h)
-        h = (h * p.unsqueeze(-1)).to(h.dtype)
-        return F.linear(h, fc2.weight)
+        return (h * p.unsqueeze(-1)).to(h.dtype)
 
     def combine(self, layer: int, handle: "Dispatched", rows: torch.Tensor) -> torch.Tensor:
         """Expert outputs back to their tokens (one all-to-all), then one scatter into [T, k, H]
@@ -267,3 +282,57 @@ class PlacedMoE:
             x = handle.x
             out = out + mlp.shared_experts(x.view(t, 1, self.hidden)).view(t, self.hidden)
         return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the router as raw ops
+
+
+def _plain_topk_router(router) -> bool:
+    """Whether Megatron's `TopKRouter.forward` in eval reduces to gating -> score function ->
+    top-k -> normalisation -> scaling (`_raw_topk`): no sinkhorn, grouped top-k, token dropping,
+    input jitter, forced balancing, fused kernel, replay or transformer-engine GEMM."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if type(router) is not TopKRouter or router.training:
+        return False
+    cfg = router.config
+    return (router.routing_type != "sinkhorn" and not cfg.moe_router_group_topk
+            and cfg.moe_expert_capacity_factor is None and cfg.moe_input_jitter_eps is None
+            and not cfg.moe_router_force_load_balancing and not cfg.moe_router_fusion
+            and getattr(router, "router_replay", None) is None
+            and router.score_function in ("softmax", "sigmoid")
+            and (getattr(moe_utils, "te_general_gemm", None) is None
+                 or cfg.moe_router_dtype == "fp64"))
+
+
+def _raw_topk(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's `router_gating_linear` + `topk_routing_with_score_function` (x [T, H]) as raw
+    ops: returns the top-k probabilities and expert indices [T, k] x2, in top-k order."""
+    cfg, k = router.config, router.topk
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype, x.dtype)
+    w = router.weight.to(dtype)
+    if router.bias is None:
+        logits = torch.mm(x.to(dtype), w.t())  # [T, E]
+    else:
+        logits = torch.addmm(router.bias.to(dtype), x.to(dtype), w.t())
+    if router.score_function == "softmax":
+        if cfg.moe_router_pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            probs, top = torch.topk(scores, k=k, dim=1)
+        else:
+            scores, top = torch.topk(logits, k=k, dim=1)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+    else:  # sigmoid
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        if router.expert_bias is not None:
+            router._maintain_float32_expert_bias()
+            _, top = torch.topk(scores + router.expert_bias, k=k, dim=1)
+            scores = torch.gather(scores, dim=1, index=top).type_as(logits)
+        else:
+            scores, top = torch.topk(scores, k=k, dim=1)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if k > 1 else scores
+    if cfg.moe_router_topk_scaling_factor:
+        probs = probs * cfg.moe_router_topk_scaling_factor
+    return probs, top
