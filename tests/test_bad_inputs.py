@@ -67,7 +67,7 @@ CATALOGUE = {
         ("test_bad_inputs::test_memory_budget_that_cannot_hold_a_request",
          "test_config::test_kv_budget_must_hold_one_request",
          "test_elastic::test_memory_floor_stops_the_shrink_and_keeps_tokens"),
-        ("set it >= 228",), field="rollout.kv_budget_tokens",
+        ("set it >= 240",), field="rollout.kv_budget_tokens",
         overrides=("rollout.kv_budget_tokens=200", "data.max_prompt_len=100",
                    "rollout.max_new_tokens=128")),
     "malformed YAML (file, line, column)": Bad(
