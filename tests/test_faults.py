@@ -304,7 +304,8 @@ def workers_of(popen) -> list[int]:
 
 def random_killer(seed: int, record: list):
     """SIGKILL a random worker at a random time of each of the first RANDOM_KILLS attempts:
-    set-up, rollout, training or a save, wherever the clock falls."""
+    set-up, rollout, training or a save, wherever the clock falls (fewer kills when the job
+    ends first)."""
     rng = random.Random(seed)
 
     def run(popen, lines):
@@ -316,6 +317,8 @@ def random_killer(seed: int, record: list):
                 time.sleep(0.1)
             delay = rng.uniform(1.0, 15.0)
             time.sleep(delay)
+            if popen.poll() is not None or not workers:
+                break  # the job finished before this kill: the run is shorter than the clock
             victim = rng.choice(workers)
             last = next((t for _, t in reversed(lines) if re.match(r"step\s+\d+ \|", t)), None)
             try:
@@ -343,7 +346,9 @@ def test_random_kills_resume_to_an_uninterrupted_run(runs, soak):
     """A few kill -9s at random times (a random worker, 1-15 s into each attempt), each
     resumed by torchrun: metrics and final weights and optimizer state equal the uninterrupted
     run's; no process is left."""
-    assert len(soak["kills"]) == RANDOM_KILLS
+    # how many kills land depends on how long the run lasts on this machine (the job may end
+    # before the last one): at least one, each resumed
+    assert 1 <= len(soak["kills"]) <= RANDOM_KILLS, soak["kills"]
     got, want = metrics(runs["base"], "random_kills"), runs["ref_metrics"]
     assert [m["step"] for m in got] == list(range(1, STEPS + 1)), soak["seed"]
     for g, w in zip(got, want):
