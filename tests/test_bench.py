@@ -1,4 +1,4 @@
-"""The rollout benchmark end to end on 4 gloo workers, small: the DESIGN.md JSON contract, identical
+"""The rollout benchmark end to end on 4 gloo workers, small: the JSON contract of the README, identical
 responses, fewer occupied worker-steps with release, and the timeline plot."""
 
 import json

@@ -16,7 +16,7 @@ repeats (tokens, steps and digests are deterministic and checked equal across re
 Beyond the contract, each mode reports `rollout_wall_steps` (steps of the rank that stays
 longest) and `ratios` its elastic/static: the wall where each rank has its own accelerator.
 
-Rank 0 writes the JSON (fields: DESIGN.md, "Command contracts"); the parent prints a table, draws
+Rank 0 writes the JSON (its fields are a contract users and checks rely on); the parent prints a table, draws
 the optional timeline plot, and exits non-zero when the workers fail (their exit code) or when any
 epoch's static and elastic responses differ (3).
 """

@@ -1,7 +1,7 @@
 """Rollout figures from per-rank records: the one place the headline metrics are computed.
 
 Used by the benchmark, the trainer's per-step log and the simulator, so every tool reports the
-same quantity under the same name (see DESIGN.md's vocabulary).
+same quantity under the same name.
 """
 
 from __future__ import annotations

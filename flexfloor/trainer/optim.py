@@ -1,7 +1,7 @@
 """Megatron-Core DDP, optimizer and LR schedule for the actor (and critic).
 
 Regular (non-distributed) Adam: its checkpoint re-shards across EP sizes, which the distributed
-optimizer of Megatron-Core 0.16 cannot do (see notes/megatron-on-cpu.md). Expert parameters reduce
+optimizer of Megatron-Core 0.16 cannot do. Expert parameters reduce
 over the expert-data-parallel group, dense ones over data-parallel; Megatron's DDP does that.
 """
 
