@@ -31,7 +31,7 @@ def tokens(parts, mode):
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
 def test_tokens_identical_across_replicas_and_modes(res, kind):
     parts = res[kind]
-    want = tokens(parts, "r1_static")
+    want = tokens(parts, "single_group")  # R = 1
     assert sorted(want) == sorted(f"{u}/{s}" for u in range(6) for s in range(2))
     assert all(len(t) > 0 for t in want.values())
     for mode in [*MODES, "r1_elastic"]:

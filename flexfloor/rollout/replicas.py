@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-import torch.distributed as dist
+from megatron_ext.placement import Placement, Transfer
 
-from flexfloor.rollout.scheduler import least_outstanding
-from flexfloor.rollout.types import Request
-from megatron_ext.placement import Placement, Transfer, initial_placement
+if TYPE_CHECKING:  # the modes and pure decisions import without torch (the benchmark's parent)
+    import torch.distributed as dist
+
+    from flexfloor.rollout.types import Request
 
 Ranks = tuple[int, ...]  # sorted global ranks
 
@@ -102,6 +103,8 @@ def route_least_outstanding(groups, replicas: Sequence[Ranks]) -> dict[int, list
     """verl's agent loop: the whole batch submitted at once, each sample to the replica with the
     fewest outstanding requests, and inside it to the rank with the fewest (data-parallel
     attention's balancing). rank -> its requests in submission order."""
+    from flexfloor.rollout.scheduler import least_outstanding
+
     reqs = [r for g in groups for r in g.requests]
     to_replica = least_outstanding([("submit", r.request_id) for r in reqs], len(replicas))
     out: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
@@ -184,6 +187,8 @@ class ReplicaTopology:
         """Every rank of the world calls this with the same arguments (`holding` gathered): the
         replica groups are created here, in replica order. R = 1: the world group and
         `world_placement` (the rollout layout of today), nothing to fetch."""
+        import torch.distributed as dist
+
         groups = replica_ranks(world_size, replicas)
         if replicas == 1:
             return cls(rank=rank, replicas=(groups[0],), placements=(world_placement,),
@@ -206,6 +211,8 @@ class ReplicaTopology:
                    transfers=tuple(transfers), holding=during, group=mine, _owned=owned)
 
     def destroy(self) -> None:
+        import torch.distributed as dist
+
         for group in self._owned:
             dist.destroy_process_group(group)
         self._owned.clear()

@@ -95,11 +95,9 @@ def main():
             policy = ReleasePolicy.ELASTIC if mode == Mode.ELASTIC else ReleasePolicy.STATIC
             case[mode.value] = rollout(engines[r], layouts[r], par, policy,
                                        assign[mode][rank], plan.expected_finish)
-        # today's two modes at R = 1: FlexFloor's placement shrinking the world-wide group
+        # R = 1 elastic: FlexFloor's placement shrinking the world-wide group
         case["r1_elastic"] = rollout(engines[1], layouts[1], par, ReleasePolicy.ELASTIC,
                                      assign[Mode.ELASTIC][rank], plan.expected_finish)
-        case["r1_static"] = rollout(engines[1], layouts[1], par, ReleasePolicy.STATIC,
-                                    assign[Mode.STATIC][rank])
         results[kind] = gathered(case)
     # a shrink inside each replica: rank 1 leaves replica (0, 1), rank 3 leaves (2, 3)
     longest = [24, 6, 16, 4]
