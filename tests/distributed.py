@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,13 +57,30 @@ def run_worker(script: str, nproc: int, out, *args: str, timeout: float = 600,
     return Launch(out, torchrun(script, nproc, str(out), *args, timeout=timeout, check=check))
 
 
+def job_processes(marker: str) -> list[int]:
+    """Live processes (pids) whose environment carries FLEXFLOOR_TEST_JOB=marker: the launcher, the
+    workers and every helper they started (they inherit it)."""
+    pids, want = [], f"FLEXFLOOR_TEST_JOB={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if want in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 600, check: bool = True):
-    """Run tests/workers/<script> on `nproc` local gloo workers; returns the CompletedProcess
-    (killed after `timeout` seconds: a negative exit status, and stderr says so)."""
+    """Run tests/workers/<script> on `nproc` local gloo workers; returns the CompletedProcess.
+    Raises AssertionError with the output if it fails (unless not `check`) or runs past `timeout`
+    seconds (then it is killed)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
+    marker = env["FLEXFLOOR_TEST_JOB"] = f"{script}-{os.getpid()}-{time.monotonic_ns()}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -70,28 +88,33 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 600, check: b
     ]
     # Output goes to files, not pipes, and the launch gets its own session: a worker killed on
     # purpose can leave helper processes behind (dist-checkpointing's writer), which would hold a
-    # pipe open; the whole session is killed once torchrun returns.
+    # pipe open; the whole session is killed once torchrun returns, and so is every process that
+    # inherited the launch's marker (torchrun starts each worker in a session of its own).
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
         timed_out = False
         try:
             popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            timed_out = True  # killed below: its exit status says so, its output says why
+            timed_out = True  # killed below, then a failure with its output
         finally:
             try:
                 os.killpg(popen.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             popen.wait()
+            for pid in job_processes(marker):  # in a session of their own (a worker's helpers)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         out.seek(0)
         err.seek(0)
         proc = subprocess.CompletedProcess(cmd, popen.returncode, out.read(), err.read())
-    if timed_out:
-        proc.stderr += f"\n[tests] {script} on {nproc} workers killed after its {timeout:.0f} s\n"
-    if check and proc.returncode != 0:
+    if timed_out or (check and proc.returncode != 0):  # a hang is never what a test expects
         raise AssertionError(
-            f"{script} on {nproc} workers exited {proc.returncode}\n"
+            f"{script} on {nproc} workers "
+            + (f"killed after {timeout:.0f} s" if timed_out else f"exited {proc.returncode}") + "\n"
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
@@ -133,8 +156,11 @@ class SharedLaunches:
             assert worker in workers, f"{worker.script}: declare it as its module's WORKER"
             out = self._tmp.mktemp(f"shared{worker.nproc}")
             specs = [w.script + (":" + ",".join(w.args) if w.args else "") for w in workers]
-            proc = torchrun("_shared.py", worker.nproc, str(out), *specs,
-                            timeout=sum(w.timeout for w in workers), check=False)
+            try:
+                proc = torchrun("_shared.py", worker.nproc, str(out), *specs,
+                                timeout=sum(w.timeout for w in workers), check=False)
+            except AssertionError as e:  # killed past its timeout: each worker reports it
+                proc = subprocess.CompletedProcess([], None, "", str(e))
             self._launches[worker.nproc] = (out, proc)
         out, proc = self._launches[worker.nproc]
         folder = out / worker.script

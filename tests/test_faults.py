@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from distributed import REPO, free_port, run_worker
+from distributed import REPO, free_port, job_processes, run_worker
 
 PY = sys.executable
 
@@ -71,21 +71,6 @@ EXACT = ("reward/mean", "reward/solved", "response_length/mean", "response_lengt
          "rollout/occupied_worker_steps", "actor/loss",
          "actor/grad_norm", "actor/lr", "data/epoch", "data/position", "scheduler/mae",
          "rollout/steps")
-
-
-def job_processes(marker: str) -> list[int]:
-    """Live processes whose environment carries FLEXFLOOR_TEST_JOB=marker: the launcher, the
-    workers and every helper they started (they inherit it)."""
-    pids, want = [], f"FLEXFLOOR_TEST_JOB={marker}".encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if want in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
 
 
 def launch(base, name, *, fault="", max_restarts=0, timeout=420, during=None):
