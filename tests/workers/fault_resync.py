@@ -50,7 +50,7 @@ def rollout(engine, layout, par, step, stall_at=None):
     return out, time.perf_counter() - t0
 
 
-def main(out):
+def main(out_dir):
     par = Parallel.build(timeout_s=60)
     rank = par.rank
     model = build_model(ModelConfig(num_experts=6), par)
@@ -66,7 +66,7 @@ def main(out):
         res["hung"] = {"error": None}
     except CollectiveError as e:
         res["hung"] = {"error": str(e), "after_s": time.perf_counter() - t0}
-    write(out, f"rank{rank}.json", res, every_rank=True)
+    write(out_dir, f"rank{rank}.json", res, every_rank=True)
     raise SystemExit(3)  # the second rollout failed: the launcher must see it
 
 
