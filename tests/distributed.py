@@ -2,17 +2,26 @@
 
 Importing megatron.core costs seconds per process, so each worker script runs many cases in one
 launch and writes its raw results (tensors, error messages) under an output folder; the pytest
-side asserts on them.
+side asserts on them. The worker side of this is tests/workers/_harness.py.
+
+    @pytest.fixture(scope="module")
+    def res(tmp_path_factory):
+        return run_worker("engine.py", 4, tmp_path_factory.mktemp("engine")).results
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,12 +32,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One finished launch of a worker: its output folder and its process's outcome."""
+
+    out: pathlib.Path
+    proc: subprocess.CompletedProcess
+
+    def load(self, name: str = "results.json"):
+        """A JSON file the worker wrote under its output folder."""
+        with open(self.out / name) as f:
+            return json.load(f)
+
+    @functools.cached_property
+    def results(self):
+        """What the worker's main() returned (rank 0 wrote it as results.json)."""
+        return self.load()
+
+
+def run_worker(script: str, nproc: int, out, *args: str, timeout: float = 600,
+           check: bool = True) -> Launch:
+    """Run tests/workers/<script> OUT [ARGS] on `nproc` local gloo workers (see torchrun)."""
+    out = pathlib.Path(out)
+    return Launch(out, torchrun(script, nproc, str(out), *args, timeout=timeout, check=check))
+
+
+def job_processes(marker: str) -> list[int]:
+    """Live processes (pids) whose environment carries FLEXFLOOR_TEST_JOB=marker: the launcher, the
+    workers and every helper they started (they inherit it)."""
+    pids, want = [], f"FLEXFLOOR_TEST_JOB={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if want in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 600, check: bool = True):
-    """Run tests/workers/<script> on `nproc` local gloo workers; returns the CompletedProcess."""
+    """Run tests/workers/<script> on `nproc` local gloo workers; returns the CompletedProcess.
+    Raises AssertionError with the output if it fails (unless not `check`) or runs past `timeout`
+    seconds (then it is killed)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
+    marker = env["FLEXFLOOR_TEST_JOB"] = f"{script}-{os.getpid()}-{time.monotonic_ns()}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -36,23 +88,88 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 600, check: b
     ]
     # Output goes to files, not pipes, and the launch gets its own session: a worker killed on
     # purpose can leave helper processes behind (dist-checkpointing's writer), which would hold a
-    # pipe open; the whole session is killed once torchrun returns.
+    # pipe open; the whole session is killed once torchrun returns, and so is every process that
+    # inherited the launch's marker (torchrun starts each worker in a session of its own).
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+        timed_out = False
         try:
             popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True  # killed below, then a failure with its output
         finally:
             try:
                 os.killpg(popen.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             popen.wait()
+            for pid in job_processes(marker):  # in a session of their own (a worker's helpers)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         out.seek(0)
         err.seek(0)
         proc = subprocess.CompletedProcess(cmd, popen.returncode, out.read(), err.read())
-    if check and proc.returncode != 0:
+    if timed_out or (check and proc.returncode != 0):  # a hang is never what a test expects
         raise AssertionError(
-            f"{script} on {nproc} workers exited {proc.returncode}\n"
+            f"{script} on {nproc} workers "
+            + (f"killed after {timeout:.0f} s" if timed_out else f"exited {proc.returncode}") + "\n"
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """A worker a test module launches, declared at module level as `WORKER = Worker(...)` so
+    that the modules of one session whose workers share a world size share one launch
+    (`SharedLaunches`). `first`: run it before the others of its launch, in a fresh process
+    (what it measures of the process, its RSS, must not inherit the others' heap)."""
+
+    script: str
+    nproc: int
+    args: tuple[str, ...] = ()
+    timeout: float = 600
+    first: bool = False
+
+
+class SharedLaunches:
+    """One launch of tests/workers/_shared.py per world size for every `WORKER` of the session's
+    modules (each process pays torch's and Megatron-Core's import once, not once per worker),
+    started when a module first asks for its worker; a failed worker fails its own module's
+    tests only, with its traceback."""
+
+    def __init__(self, session, tmp_path_factory):
+        self._session, self._tmp = session, tmp_path_factory
+        self._launches: dict[int, tuple[pathlib.Path, subprocess.CompletedProcess]] = {}
+
+    def _workers(self, nproc: int) -> list[Worker]:
+        declared = {getattr(item.module, "WORKER", None) for item in self._session.items
+                    if getattr(item, "module", None) is not None}
+        same = [w for w in declared if isinstance(w, Worker) and w.nproc == nproc]
+        return sorted(same, key=lambda w: (not w.first, w.script))
+
+    def run(self, worker: Worker) -> Launch:
+        if worker.nproc not in self._launches:
+            workers = self._workers(worker.nproc)
+            assert worker in workers, f"{worker.script}: declare it as its module's WORKER"
+            out = self._tmp.mktemp(f"shared{worker.nproc}")
+            specs = [w.script + (":" + ",".join(w.args) if w.args else "") for w in workers]
+            try:
+                proc = torchrun("_shared.py", worker.nproc, str(out), *specs,
+                                timeout=sum(w.timeout for w in workers), check=False)
+            except AssertionError as e:  # killed past its timeout: each worker reports it
+                proc = subprocess.CompletedProcess([], None, "", str(e))
+            self._launches[worker.nproc] = (out, proc)
+        out, proc = self._launches[worker.nproc]
+        folder = out / worker.script
+        errors = sorted(folder.glob("error_rank*.txt")) if folder.exists() else []
+        finished = len(list(folder.glob("finished_rank*"))) if folder.exists() else 0
+        if errors or finished != worker.nproc:
+            raise AssertionError(
+                f"{worker.script} on {worker.nproc} workers (shared launch, exit "
+                f"{proc.returncode}): {finished} of {worker.nproc} ranks finished\n"
+                + "".join(f"--- {e.name} ---\n{e.read_text()[-4000:]}" for e in errors)
+                + f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
+        return Launch(folder, proc)

@@ -7,18 +7,17 @@ import json
 
 import pytest
 
-from distributed import torchrun
+from distributed import Worker
 from flexfloor.rollout.survivors import nearest_prebuilt, planned_survivor_sets
+
+WORKER = Worker("accel.py", 4, timeout=400)
 
 BUDGET_TOKENS = 48  # three whole KV blocks of the engine's default 16 tokens
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    d = tmp_path_factory.mktemp("accel")
-    torchrun("accel.py", 4, str(d), timeout=400)
-    with open(d / "results.json") as f:
-        return json.load(f)
+def parts(shared):
+    return shared.run(WORKER).results
 
 
 def test_memory_model_admits_the_same_tokens_in_fp32_and_bf16(parts):

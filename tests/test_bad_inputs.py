@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from distributed import REPO, torchrun
+from distributed import REPO, run_worker
 from flexfloor.config import ConfigError, load_config
 
 @dataclass(frozen=True)
@@ -293,10 +293,8 @@ def test_entry_point_bad_data(tmp_path):
 
 @pytest.fixture(scope="module")
 def job_errors(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bad_inputs")
-    proc = torchrun("fault_inputs.py", 1, str(d), timeout=300)
-    with open(d / "results.json") as f:
-        return dict(json.load(f), stdout=proc.stdout)
+    run = run_worker("fault_inputs.py", 1, tmp_path_factory.mktemp("bad_inputs"), timeout=300)
+    return dict(run.results, stdout=run.proc.stdout)
 
 
 def refused_at_start(res, phase, *phrases):

@@ -1,15 +1,14 @@
 """Atomic saves: a worker killed in the middle of a save leaves the previous checkpoint intact."""
 
-import json
 import os
 
-from distributed import torchrun
+from distributed import run_worker
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     root = str(tmp_path / "ckpt")
-    crashed = torchrun("ckpt_crash.py", 2, root, "crash", check=False, timeout=300)
-    assert crashed.returncode != 0
+    crashed = run_worker("ckpt_crash.py", 2, root, "crash", check=False, timeout=300)
+    assert crashed.proc.returncode != 0
     assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002.tmp", "latest"]
     with open(os.path.join(root, "latest")) as f:
         assert f.read().strip() == "iter_0000001"
@@ -17,9 +16,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert any(n.endswith(".distcp") for n in os.listdir(os.path.join(root, "iter_0000002.tmp")))
     assert not os.path.exists(os.path.join(root, "iter_0000002.tmp", "flexfloor.json"))
 
-    torchrun("ckpt_crash.py", 2, root, "resume", timeout=300)
-    with open(os.path.join(root, "seen.json")) as f:
-        seen = json.load(f)
+    seen = run_worker("ckpt_crash.py", 2, root, "resume", timeout=300).load("seen.json")
     assert seen["step"] == 1 and seen["marker"] == 1
     assert seen["same_as_init"] is True  # step 1's weights, not a mix with step 2's
     assert seen["saved"] == "iter_0000002"
@@ -30,9 +27,7 @@ def test_resume_at_another_worker_count_and_build_after_destroy(tmp_path):
     """A run saved on 1 worker resumes on 2 and back (model and optimizer, every entry equal
     after the load), and Parallel builds again after destroy() in one process at EP=2
     (tests/workers/reshard.py: one 2-worker launch)."""
-    torchrun("reshard.py", 2, str(tmp_path), timeout=400)
-    with open(tmp_path / "results.json") as f:
-        res = json.load(f)
+    res = run_worker("reshard.py", 2, tmp_path, timeout=400).results
     assert res["b_loaded_step"] == 1 and res["b_ep_size"] == 2 and res["c_loaded_step"] == 2
     for case in ("one_to_two", "two_to_one"):  # saved again right after the load: same entries
         assert res[case]["differ"] == [], (case, res[case]["differ"][:10])

@@ -6,7 +6,6 @@ FlexFloor's engine vs transformers' generate, and the HF -> FlexFloor -> HF roun
 bit (reloaded by transformers). The pure family rules are checked without processes.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import torch
 
 from flexfloor.config import ModelConfig, QKNorm
 from flexfloor.convert.families import FAMILIES, ConversionError, family_of
-from distributed import REPO, torchrun
+from distributed import REPO, run_worker
 
 FAMILY_NAMES = sorted(FAMILIES)
 TOL = 1e-5  # fp32 logits, max |FlexFloor - transformers|
@@ -30,9 +29,8 @@ def launch(tmp_path_factory):
     def get(n):
         if n not in done:
             out = tmp_path_factory.mktemp(f"convert_ep{n}")
-            torchrun("convert.py", n, str(out), timeout=300)
-            with open(out / "results.json") as f:
-                done[n] = {**json.load(f), "_ep": n, "_out": str(out)}
+            run = run_worker("convert.py", n, out, timeout=300)
+            done[n] = {**run.results, "_ep": n, "_out": str(run.out)}
         return done[n]
 
     return get

@@ -1,22 +1,19 @@
 """Elastic EP on 4 real gloo workers: static and elastic rollouts give identical tokens for shrink
 sequences the stock Megatron layout cannot express, with 8 and 6 experts; resync restores the
-training layout; released ranks take no further step. One torchrun launch."""
-
-import json
+training layout; released ranks take no further step. One torchrun launch, shared with the
+session's other 4-worker modules (distributed.SharedLaunches)."""
 
 import pytest
 
-from distributed import torchrun
+from distributed import Worker
 
+WORKER = Worker("elastic.py", 4, timeout=400)
 SEQUENCES = {"4-2-1": [2, 1], "4-3-1": [3, 1], "4-3-2-1": [3, 2, 1]}
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    d = tmp_path_factory.mktemp("elastic")
-    torchrun("elastic.py", 4, str(d), timeout=400)
-    with open(d / "results.json") as f:
-        return json.load(f)
+def res(shared):
+    return shared.run(WORKER).results
 
 
 def tokens(parts, policy):

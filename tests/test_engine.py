@@ -1,23 +1,19 @@
 """Rollout engine on 4 real gloo workers: EP invariance, no-cache reference, per-request RNG,
-KV budget, bad input. One torchrun launch shared by the module."""
+KV budget, bad input. One torchrun launch shared by the module (and by the session's other
+4-worker modules: distributed.SharedLaunches)."""
 
-import json
 
 import pytest
 
-from distributed import torchrun
+from distributed import Worker
+
+WORKER = Worker("engine.py", 4)
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
-    d = tmp_path_factory.mktemp("engine")
-    torchrun("engine.py", 4, str(d))
-
-    def load(name):
-        with open(d / f"{name}.json") as f:
-            return json.load(f)
-
-    return load
+def out(shared):
+    run = shared.run(WORKER)
+    return lambda name: run.load(f"{name}.json")
 
 
 def by_id(parts, key="tokens"):

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from distributed import REPO, free_port, torchrun
+from distributed import REPO, free_port, job_processes, run_worker
 
 PY = sys.executable
 
@@ -35,12 +35,11 @@ PY = sys.executable
 
 
 def test_released_ranks_wait_for_progress_not_for_a_fixed_timeout(tmp_path):
-    proc = torchrun("fault_resync.py", 3, str(tmp_path), check=False, timeout=240)
-    assert proc.returncode != 0  # the hung second rollout fails the job
+    run = run_worker("fault_resync.py", 3, tmp_path, check=False, timeout=240)
+    assert run.proc.returncode != 0  # the hung second rollout fails the job
     for rank in (1, 2):
-        assert (tmp_path / f"rank{rank}.json").exists(), proc.stderr[-4000:]
-        with open(tmp_path / f"rank{rank}.json") as f:
-            res = json.load(f)
+        assert (tmp_path / f"rank{rank}.json").exists(), run.proc.stderr[-4000:]
+        res = run.load(f"rank{rank}.json")
         # 1. released at once, then waited through rank 0's ~4 s of decoding (timeout: 3 s)
         assert res["long"]["release_step"] == 2 and res["long"]["tokens"] == 2
         assert res["long"]["resync_wait_s"] > 3.0
@@ -72,21 +71,6 @@ EXACT = ("reward/mean", "reward/solved", "response_length/mean", "response_lengt
          "rollout/occupied_worker_steps", "actor/loss",
          "actor/grad_norm", "actor/lr", "data/epoch", "data/position", "scheduler/mae",
          "rollout/steps")
-
-
-def job_processes(marker: str) -> list[int]:
-    """Live processes whose environment carries FLEXFLOOR_TEST_JOB=marker: the launcher, the
-    workers and every helper they started (they inherit it)."""
-    pids, want = [], f"FLEXFLOOR_TEST_JOB={marker}".encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if want in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
 
 
 def launch(base, name, *, fault="", max_restarts=0, timeout=420, during=None):

@@ -1,20 +1,20 @@
-"""Model, EP layouts and checkpoints on 4 real gloo workers (one torchrun launch, shared)."""
+"""Model, EP layouts and checkpoints on 4 real gloo workers (one torchrun launch, shared
+with the session's other 4-worker modules: distributed.SharedLaunches)."""
 
-import json
 import os
 
 import pytest
 import torch
 
-from distributed import torchrun
+from distributed import Worker
+
+WORKER = Worker("foundation.py", 4)
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
-    d = tmp_path_factory.mktemp("foundation")
-    torchrun("foundation.py", 4, str(d))
-    with open(d / "results.json") as f:
-        return d, json.load(f)
+def out(shared):
+    run = shared.run(WORKER)
+    return run.out, run.results
 
 
 def load(out, name):

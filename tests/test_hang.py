@@ -2,12 +2,12 @@
 
 import os
 
-from distributed import torchrun
+from distributed import run_worker
 
 
 def test_stalled_peer_fails_the_others_with_rank_phase_and_step(tmp_path):
-    proc = torchrun("hang.py", 3, str(tmp_path), check=False, timeout=240)
-    assert proc.returncode != 0
+    run = run_worker("hang.py", 3, tmp_path, check=False, timeout=240)
+    assert run.proc.returncode != 0
     for rank in (0, 2):
         with open(os.path.join(tmp_path, f"rank{rank}.txt")) as f:
             seconds, message = f.read().split("\n", 1)

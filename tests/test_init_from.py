@@ -5,12 +5,11 @@ Qwen3-MoE model, converted with the CLI, trained with the example config and the
 of the converter's model.yaml.
 """
 
-import json
 import math
 
 import pytest
 
-from distributed import torchrun
+from distributed import run_worker
 from flexfloor.config import ConfigError, load_config
 
 TOL = 1e-5  # fp32 logits, max |FlexFloor - transformers|
@@ -18,10 +17,8 @@ TOL = 1e-5  # fp32 logits, max |FlexFloor - transformers|
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    d = tmp_path_factory.mktemp("init_from")
-    proc = torchrun("init_from.py", 2, str(d), timeout=300)
-    with open(d / "results.json") as f:
-        return json.load(f), proc.stdout, str(d)
+    run = run_worker("init_from.py", 2, tmp_path_factory.mktemp("init_from"), timeout=300)
+    return run.results, run.proc.stdout, str(run.out)
 
 
 @pytest.fixture(scope="module")

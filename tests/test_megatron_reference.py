@@ -3,11 +3,10 @@
 loop) on the same model. One torchrun launch (world 1, EP=1) shared by the module; see
 tests/workers/megatron_reference.py."""
 
-import json
 
 import pytest
 
-from distributed import torchrun
+from distributed import run_worker
 
 NEW_TOKENS = 16
 CASES = ["tiny_float32", "tiny_float64", "sharp_float32", "sharp_float64"]
@@ -15,14 +14,9 @@ CASES = ["tiny_float32", "tiny_float64", "sharp_float32", "sharp_float64"]
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
-    d = tmp_path_factory.mktemp("megatron_reference")
-    torchrun("megatron_reference.py", 1, str(d), timeout=300)
-
-    def load(name):
-        with open(d / f"{name}.json") as f:
-            return json.load(f)
-
-    return load
+    run = run_worker("megatron_reference.py", 1, tmp_path_factory.mktemp("megatron_reference"),
+                 timeout=300)
+    return lambda name: run.load(f"{name}.json")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -7,9 +7,7 @@ Usage: torchrun --nproc-per-node 4 tests/workers/accel.py OUT_DIR
 """
 
 import dataclasses
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -26,15 +24,10 @@ from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.trainer.optim import build_train_state
 
-OUT = sys.argv[1]
+from _harness import gather, run
+
 LONGEST = [12, 9, 6, 3]  # each rank's longest response: a 4 -> 3 -> 2 -> 1 rollout
 BUDGET_TOKENS = 48  # three whole KV blocks of the engine's default 16 tokens
-
-
-def gather(obj):
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj)
-    return parts
 
 
 def requests(rank, sampling, longest=LONGEST):
@@ -237,7 +230,7 @@ def survivor_case(par, rank):
     return res
 
 
-def job_case():
+def job_case(out):
     """The coordinator's own wiring: one GRPO step with elastic.offload_on_release=true equals
     one with static release (same weights); the released ranks' records carry the offload."""
     from flexfloor.config import load_config
@@ -250,7 +243,7 @@ def job_case():
     weights, records = {}, {}
     for name, extra in (("static", ["elastic.release_policy=static"]),
                         ("offload", ["elastic.offload_on_release=true"])):
-        cfg = load_config(None, base + extra + [f"logging.run_dir={OUT}/run_{name}"])
+        cfg = load_config(None, base + extra + [f"logging.run_dir={out}/run_{name}"])
         job = Job(cfg.resolve_world(dist.get_world_size()))
         job.step()
         weights[name] = {n: p.detach().clone() for n, p in job.model.named_parameters()}
@@ -263,18 +256,14 @@ def job_case():
             "records": records["offload"]}
 
 
-def main():
+def main(out):
     rank = int(os.environ["RANK"])
     par = Parallel.build(expert_parallel_size=4, timeout_s=60)
     results = {"memory": memory_case(par, rank), "offload": offload_case(par, rank),
                "survivors": survivor_case(par, rank)}
-    results["job"] = job_case()
-    parts = gather(results)
-    if rank == 0:
-        with open(os.path.join(OUT, "results.json"), "w") as f:
-            json.dump(parts, f)
-    par.destroy()
+    results["job"] = job_case(out)
+    return gather(results)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

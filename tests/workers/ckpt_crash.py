@@ -6,9 +6,7 @@ Usage: torchrun --nproc-per-node 2 tests/workers/ckpt_crash.py ROOT crash|resume
   resume: load ROOT (must be step 1), then save step 2 for real; write what was seen.
 """
 
-import json
 import os
-import sys
 
 import torch
 
@@ -17,7 +15,8 @@ from flexfloor.config import ModelConfig
 from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
 
-ROOT, MODE = sys.argv[1], sys.argv[2]
+from _harness import run, write
+
 MODEL = ModelConfig()
 
 
@@ -28,29 +27,26 @@ class DieWhilePickled:
         os._exit(17)
 
 
-def main():
+def main(root, mode):
     par = Parallel.build(timeout_s=30)
     model = build_model(MODEL, par)
     probe = torch.arange(10).view(1, 10)
-    if MODE == "crash":
-        save_checkpoint(ROOT, 1, model=model, model_cfg=MODEL, extra_state={"marker": 1})
+    if mode == "crash":
+        save_checkpoint(root, 1, model=model, model_cfg=MODEL, extra_state={"marker": 1})
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.5)  # step 2's weights differ from step 1's
         extra = {"marker": 2, "die": DieWhilePickled() if par.rank == 0 else None}
-        save_checkpoint(ROOT, 2, model=model, model_cfg=MODEL, extra_state=extra)
+        save_checkpoint(root, 2, model=model, model_cfg=MODEL, extra_state=extra)
         raise SystemExit("unreachable: the save should have died")
     fresh = forward_logits(model, probe)
-    step, extra = load_checkpoint(ROOT, model=model, model_cfg=MODEL)
+    step, extra = load_checkpoint(root, model=model, model_cfg=MODEL)
     loaded = forward_logits(model, probe)
-    saved = save_checkpoint(ROOT, 2, model=model, model_cfg=MODEL, extra_state={"marker": 2})
-    if par.rank == 0:
-        with open(os.path.join(ROOT, "seen.json"), "w") as f:
-            json.dump({"step": step, "marker": extra["marker"],
-                       "same_as_init": bool(torch.equal(fresh, loaded)),
-                       "saved": os.path.basename(saved), "dirs": sorted(os.listdir(ROOT))}, f)
-    par.destroy()
+    saved = save_checkpoint(root, 2, model=model, model_cfg=MODEL, extra_state={"marker": 2})
+    write(root, "seen.json", {"step": step, "marker": extra["marker"],
+                              "same_as_init": bool(torch.equal(fresh, loaded)),
+                              "saved": os.path.basename(saved), "dirs": sorted(os.listdir(root))})
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -6,7 +6,8 @@ Then every rank runs the converter's CLI (in process) HF -> FlexFloor, loads the
 FlexFloor's model, computes the trainer path's logits (forward_logits) and the engine's greedy
 generation, and converts back FlexFloor -> HF (one shard per EP rank). Rank 0 compares every
 tensor of the round trip with the original and reloads it with transformers. With W = 1 it also
-runs the error cases and a rerun over a crashed conversion's leftover iter_N.tmp. Results: OUT/results.json (rank 0).
+runs the error cases and a rerun over a crashed conversion's leftover iter_N.tmp. Results:
+OUT_DIR/results.json (rank 0).
 
 Usage: torchrun --nproc-per-node W tests/workers/convert.py OUT_DIR
 """
@@ -36,7 +37,8 @@ from megatron_ext.elastic_moe import PlacedMoE  # noqa: E402
 from megatron_ext.placement import contiguous_placement  # noqa: E402
 from tools.convert_checkpoint import main as convert_cli  # noqa: E402
 
-OUT = sys.argv[1]
+from _harness import broadcast, gather, run  # noqa: E402
+
 NEW_TOKENS = 16
 
 
@@ -65,8 +67,7 @@ def engine_greedy(par, model, cfg):
     moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
                     placement=contiguous_placement(cfg.num_experts, par.ep_ranks))
     out = RolloutEngine(model, moe, rank=par.rank).generate(reqs, StaticMembership())
-    parts = [None] * par.world_size
-    dist.all_gather_object(parts, {r.prompt_uid: r.token_ids for r in out.results})
+    parts = gather({r.prompt_uid: r.token_ids for r in out.results})
     merged = {k: v for p in parts for k, v in p.items()}
     return [merged[i] for i in sorted(merged)]
 
@@ -85,14 +86,14 @@ def compare_round_trip(src, back):
             "files": sorted(os.listdir(back))}
 
 
-def family_case(family, world, rank):
-    d = os.path.join(OUT, family)
+def family_case(out_dir, family, world, rank):
+    d = os.path.join(out_dir, family)
     hf_dir, ff_dir, back_dir = (os.path.join(d, x) for x in ("hf", "flexfloor", "hf_back"))
     ref = None
     if rank == 0:
         os.makedirs(d, exist_ok=True)
         ref = reference(family, hf_dir)
-    ref = _bcast(ref)
+    ref = broadcast(ref)
 
     assert 0 == convert_cli(["hf-to-flexfloor", "--hf", hf_dir, "--out", ff_dir, "--ep", str(world)])
     cfg, _ = checkpoint_model_config(ff_dir)
@@ -125,9 +126,9 @@ def family_case(family, world, rank):
     return res
 
 
-def error_cases():
+def error_cases(out_dir):
     """W = 1 only: bad inputs fail with a message naming the tensor and leave nothing behind."""
-    src = os.path.join(OUT, "mixtral", "hf")
+    src = os.path.join(out_dir, "mixtral", "hf")
     out = {}
     par = Parallel.build(expert_parallel_size=1, backend="gloo")
 
@@ -142,7 +143,7 @@ def error_cases():
     from safetensors.torch import load_file, save_file
 
     def broken(name, edit, config_edit=None):
-        d = os.path.join(OUT, "bad_" + name)
+        d = os.path.join(out_dir, "bad_" + name)
         shutil.copytree(src, d)
         tensors = load_file(os.path.join(d, "model.safetensors"))
         edit(tensors)
@@ -157,44 +158,44 @@ def error_cases():
 
     key = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
     bad_shape = broken("shape", lambda t: t.__setitem__(key, t[key][:-1].clone()))
-    target = os.path.join(OUT, "ff_bad_shape")
+    target = os.path.join(out_dir, "ff_bad_shape")
     attempt("shape", lambda: hf_to_flexfloor(bad_shape, target, par), target)
 
     def shrink_vocab(t):
         t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:100].clone()
         t["lm_head.weight"] = t["lm_head.weight"][:100].clone()
     bad_vocab = broken("vocab", shrink_vocab)
-    target = os.path.join(OUT, "ff_bad_vocab")
+    target = os.path.join(out_dir, "ff_bad_vocab")
     attempt("vocab", lambda: hf_to_flexfloor(bad_vocab, target, par), target)
 
     missing = broken("missing", lambda t: t.pop("model.layers.0.self_attn.v_proj.weight"))
-    target = os.path.join(OUT, "ff_missing")
+    target = os.path.join(out_dir, "ff_missing")
     attempt("missing", lambda: hf_to_flexfloor(missing, target, par), target)
 
     # a FlexFloor checkpoint read with a config of another vocabulary
     from flexfloor.convert.families import model_config_from_dict, model_config_dict
 
-    cfg, _ = checkpoint_model_config(os.path.join(OUT, "mixtral", "flexfloor"))
+    cfg, _ = checkpoint_model_config(os.path.join(out_dir, "mixtral", "flexfloor"))
     other = model_config_from_dict({**model_config_dict(cfg), "vocab_size": 256})
-    target = os.path.join(OUT, "hf_bad_vocab")
-    attempt("to_hf_vocab", lambda: flexfloor_to_hf(os.path.join(OUT, "mixtral", "flexfloor"),
+    target = os.path.join(out_dir, "hf_bad_vocab")
+    attempt("to_hf_vocab", lambda: flexfloor_to_hf(os.path.join(out_dir, "mixtral", "flexfloor"),
                                                    target, par, model_cfg=other), target)
     # never overwrite
-    existing = os.path.join(OUT, "mixtral", "hf_back")
+    existing = os.path.join(out_dir, "mixtral", "hf_back")
     before = sorted(os.listdir(existing))
-    attempt("to_hf_exists", lambda: flexfloor_to_hf(os.path.join(OUT, "mixtral", "flexfloor"),
-                                                    existing, par), os.path.join(OUT, "nothing"))
+    attempt("to_hf_exists", lambda: flexfloor_to_hf(os.path.join(out_dir, "mixtral", "flexfloor"),
+                                                    existing, par), os.path.join(out_dir, "nothing"))
     out["to_hf_exists"]["unchanged"] = sorted(os.listdir(existing)) == before
 
     # published checkpoints are bfloat16: the round trip keeps dtype and bits
-    src16 = os.path.join(OUT, "bf16", "hf")
+    src16 = os.path.join(out_dir, "bf16", "hf")
     tiny_hf_model("olmoe", seed=7, dtype=torch.bfloat16).save_pretrained(src16)
-    _, cfg16, _ = hf_to_flexfloor(src16, os.path.join(OUT, "bf16", "flexfloor"), par)
-    flexfloor_to_hf(os.path.join(OUT, "bf16", "flexfloor"), os.path.join(OUT, "bf16", "back"), par)
+    _, cfg16, _ = hf_to_flexfloor(src16, os.path.join(out_dir, "bf16", "flexfloor"), par)
+    flexfloor_to_hf(os.path.join(out_dir, "bf16", "flexfloor"), os.path.join(out_dir, "bf16", "back"), par)
     out["bf16"] = {"params_dtype": cfg16.params_dtype,
-                   **compare_round_trip(src16, os.path.join(OUT, "bf16", "back"))}
+                   **compare_round_trip(src16, os.path.join(out_dir, "bf16", "back"))}
     # a crashed conversion left iter_0000000.tmp behind: a rerun proceeds, and its result loads
-    root = os.path.join(OUT, "rerun")
+    root = os.path.join(out_dir, "rerun")
     leftover = os.path.join(root, "iter_0000000.tmp")
     os.makedirs(leftover)
     open(os.path.join(leftover, "partial.distcp"), "w").close()
@@ -211,30 +212,20 @@ def error_cases():
     par.destroy()
     # the CLI reports a refused conversion as exit status 2
     out["cli_exit"] = convert_cli(["hf-to-flexfloor", "--hf", bad_shape, "--out",
-                                   os.path.join(OUT, "ff_cli_bad")])
-    out["cli_written"] = os.path.exists(os.path.join(OUT, "ff_cli_bad"))
+                                   os.path.join(out_dir, "ff_cli_bad")])
+    out["cli_written"] = os.path.exists(os.path.join(out_dir, "ff_cli_bad"))
     return out
 
 
-def _bcast(obj):
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def main():
+def main(out_dir):
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
-    results = {f: family_case(f, world, rank) for f in FAMILIES}
+    results = {f: family_case(out_dir, f, world, rank) for f in FAMILIES}
     if world == 1:
-        results["errors"] = error_cases()
-    if rank == 0:
-        with open(os.path.join(OUT, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+        results["errors"] = error_cases(out_dir)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -6,12 +6,9 @@ Usage: torchrun --nproc-per-node 4 tests/workers/elastic.py OUT_DIR
 """
 
 import dataclasses
-import json
 import os
-import sys
 
 import torch
-import torch.distributed as dist
 
 from flexfloor.config import ModelConfig, ReleasePolicy
 from flexfloor.model import build_model, forward_logits
@@ -20,7 +17,8 @@ from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
 from flexfloor.rollout.engine import RolloutEngine
 from flexfloor.rollout.types import Request, SamplingParams
 
-OUT = sys.argv[1]
+from _harness import gather, run
+
 # the response length of each rank's longest request: who finishes when
 SEQUENCES = {"4-2-1": [30, 20, 10, 10], "4-3-1": [30, 20, 20, 10], "4-3-2-1": [40, 30, 20, 10]}
 SAMPLING = {"greedy": SamplingParams(greedy=True), "sampled": SamplingParams(temperature=1.0, top_p=0.95)}
@@ -50,12 +48,10 @@ def static_vs_elastic(engine, layout, par, reqs, *, migrate=0, expected_finish=N
                               "timeline": getattr(membership, "timeline", [])}
         if policy == ReleasePolicy.ELASTIC:
             case["groups"] = membership.group_record()
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, case)
-    return parts
+    return gather(case)
 
 
-def main():
+def main(out):
     rank = int(os.environ["RANK"])
     results = {}
     probe = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(50 + rank))
@@ -89,16 +85,11 @@ def main():
             results["memory_floor"] = static_vs_elastic(
                 eng, layout, par, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["greedy"]))
         after = forward_logits(model, probe).detach()
-        flags = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, bool(torch.equal(before, after)))
-        results[f"e{experts}_resync_logits_equal"] = flags
+        results[f"e{experts}_resync_logits_equal"] = gather(bool(torch.equal(before, after)))
         results[f"e{experts}_initial_placement"] = layout.placement.as_dict()
         del model, engine, moe
-    if rank == 0:
-        with open(os.path.join(OUT, "results.json"), "w") as f:
-            json.dump(results, f)
-    par.destroy()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

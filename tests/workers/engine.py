@@ -6,12 +6,9 @@ no-cache full-recompute reference computed at EP=1 (each rank alone, the stock M
 Usage: torchrun --nproc-per-node 4 tests/workers/engine.py OUT_DIR
 """
 
-import json
 import os
-import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexfloor.config import ModelConfig
@@ -22,7 +19,8 @@ from flexfloor.rollout.types import Request, SamplingParams
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import contiguous_placement
 
-OUT = sys.argv[1]
+from _harness import gather, run, write
+
 MODEL = ModelConfig()
 GREEDY = SamplingParams(greedy=True)
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
@@ -45,7 +43,7 @@ def mine(reqs, rank, world, shift=0):
     return [r for i, r in enumerate(reqs) if (i + shift) % world == rank]
 
 
-def run(par, model, reqs, **kw):
+def decode(par, model, reqs, **kw):
     moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
                     placement=contiguous_placement(MODEL.num_experts, par.ep_ranks))
     engine = RolloutEngine(model, moe, rank=par.rank, **kw)
@@ -56,15 +54,7 @@ def run(par, model, reqs, **kw):
 def gathered(out):
     rows = [dict(id=r.request_id, tokens=r.token_ids, logprobs=r.logprobs,
                  reason=r.finish_reason.value, rank=r.rank) for r in out.results]
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {"results": rows, "record": out.record.as_dict()})
-    return parts
-
-
-def save0(name, obj):
-    if dist.get_rank() == 0:
-        with open(os.path.join(OUT, name + ".json"), "w") as f:
-            json.dump(obj, f)
+    return gather({"results": rows, "record": out.record.as_dict()})
 
 
 def recompute(model, results_by_rank, temperature=1.0):
@@ -85,7 +75,7 @@ def recompute(model, results_by_rank, temperature=1.0):
     return ref
 
 
-def main():
+def main(out_dir):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     greedy, sampled = workload(GREEDY), workload(SAMPLED, seed=1)
 
@@ -93,36 +83,37 @@ def main():
         for ep in (1, 2, 4):
             par = Parallel.build(expert_parallel_size=ep, timeout_s=60)
             model = build_model(MODEL, par, params_dtype=dtype)
-            save0(f"greedy_{dtype}_ep{ep}", gathered(run(par, model, mine(greedy, rank, world))))
-            save0(f"sampled_{dtype}_ep{ep}", gathered(run(par, model, mine(sampled, rank, world))))
+            write(out_dir, f"greedy_{dtype}_ep{ep}.json",
+                  gathered(decode(par, model, mine(greedy, rank, world))))
+            write(out_dir, f"sampled_{dtype}_ep{ep}.json",
+                  gathered(decode(par, model, mine(sampled, rank, world))))
             if dtype == "float64" and ep == 4:
                 # other batch sizes and another assignment of requests to ranks
                 for bs in (1, 3):
-                    save0(f"sampled_{dtype}_ep4_bs{bs}",
-                          gathered(run(par, model, mine(sampled, rank, world, shift=1), max_batch_size=bs)))
+                    write(out_dir, f"sampled_{dtype}_ep4_bs{bs}.json",
+                          gathered(decode(par, model, mine(sampled, rank, world, shift=1), max_batch_size=bs)))
                 # all 16 requests on one rank, decoded as one batch of 16
-                save0("sampled_float64_ep4_bs16",
-                      gathered(run(par, model, sampled if rank == 0 else [], max_batch_size=16)))
+                write(out_dir, "sampled_float64_ep4_bs16.json",
+                      gathered(decode(par, model, sampled if rank == 0 else [], max_batch_size=16)))
                 # a KV budget that holds about two requests at once
                 budget = 2 * 32 * run_kv_bytes(model)
-                out = run(par, model, mine(greedy, rank, world), kv_budget_bytes=budget)
-                save0("kv_budget", {"budget": budget, "parts": gathered(out)})
+                out = decode(par, model, mine(greedy, rank, world), kv_budget_bytes=budget)
+                write(out_dir, "kv_budget.json", {"budget": budget, "parts": gathered(out)})
                 # a pool of 3 blocks for 4 requests of up to 2 blocks each: running requests
                 # are preempted and re-prefilled later
                 budget = 3 * 16 * run_kv_bytes(model)
-                out = run(par, model, mine(sampled, rank, world), kv_budget_bytes=budget)
-                save0("preempted", {"budget": budget, "parts": gathered(out)})
+                out = decode(par, model, mine(sampled, rank, world), kv_budget_bytes=budget)
+                write(out_dir, "preempted.json", {"budget": budget, "parts": gathered(out)})
             if ep == 1:
                 # no-cache reference: EP=1 means each rank runs the stock layer alone
-                out = run(par, model, mine(greedy, rank, world))
+                out = decode(par, model, mine(greedy, rank, world))
                 ref = recompute(model, out.results)
-                outs = run(par, model, mine(sampled, rank, world))
+                outs = decode(par, model, mine(sampled, rank, world))
                 refs = recompute(model, outs.results)
-                outt = run(par, model, mine(workload(TEMPERED, seed=2), rank, world))
+                outt = decode(par, model, mine(workload(TEMPERED, seed=2), rank, world))
                 reft = recompute(model, outt.results, temperature=TEMPERED.temperature)
-                parts = [None] * world
-                dist.all_gather_object(parts, {"greedy": ref, "sampled": refs, "tempered": reft})
-                save0(f"reference_{dtype}", parts)
+                write(out_dir, f"reference_{dtype}.json",
+                      gather({"greedy": ref, "sampled": refs, "tempered": reft}))
             del model
 
     # bad input: a prompt longer than the context; an empty rollout
@@ -132,24 +123,21 @@ def main():
     long = Request(prompt_uid=99, sample_index=0, prompt_ids=tuple([5] * MODEL.max_seq_len),
                    max_new_tokens=4, sampling=GREEDY)
     try:
-        run(par, model, [long] if rank == 0 else [])
+        decode(par, model, [long] if rank == 0 else [])
     except RolloutError as e:
         errors["long_prompt"] = str(e)
-    refused = [None] * world
-    dist.all_gather_object(refused, "long_prompt" in errors)
-    errors["refused_on_every_rank"] = all(refused)
+    errors["refused_on_every_rank"] = all(gather("long_prompt" in errors))
     # a request that can never fit the KV budget (one block of 16 tokens)
     big = Request(prompt_uid=98, sample_index=0, prompt_ids=tuple([5] * 12), max_new_tokens=8,
                   sampling=GREEDY)
     try:
-        run(par, model, [big] if rank == 1 else [], kv_budget_bytes=16 * run_kv_bytes(model))
+        decode(par, model, [big] if rank == 1 else [], kv_budget_bytes=16 * run_kv_bytes(model))
     except RolloutError as e:
         errors["never_fits"] = str(e)
-    out = run(par, model, [])
+    out = decode(par, model, [])
     errors["empty_steps"] = out.record.steps
     errors["empty_results"] = len(out.results)
-    save0("errors", errors)
-    par.destroy()
+    write(out_dir, "errors.json", errors)
 
 
 def run_kv_bytes(model):
@@ -158,4 +146,4 @@ def run_kv_bytes(model):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,9 @@ from flexfloor.config import load_config
 from flexfloor.coordinator import Job, error_origin
 from flexfloor.data import make_synthetic_prompts, register_reward, write_examples
 
-OUT = sys.argv[1]
+from _harness import out_dir, run
+
+OUT = out_dir()
 BASE = [
     "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
     "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.progress=false",
@@ -135,9 +136,9 @@ def save_fails(case):
     return res
 
 
-def main():
+def main(out):
     dist.init_process_group("gloo")
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     res = {}
     res["prompt_too_long"] = attempt("prompt_too_long", "data.max_prompt_len=8")
 
@@ -190,10 +191,8 @@ def main():
     res["nan_stop"] = nan_step("nan_stop", "stop")
     res["nan_skip"] = nan_step("nan_skip", "skip")
 
-    with open(path("results.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    dist.destroy_process_group()
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

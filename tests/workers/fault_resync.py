@@ -11,9 +11,6 @@ are released:
      left: they fail with an error naming the rank, the phase and the step, and exit non-zero.
 """
 
-import json
-import os
-import sys
 import time
 
 from flexfloor.config import ModelConfig, ReleasePolicy
@@ -23,7 +20,8 @@ from flexfloor.rollout.elastic import ElasticMembership, RolloutLayout, membersh
 from flexfloor.rollout.engine import CollectiveError, RolloutEngine
 from flexfloor.rollout.types import Request, SamplingParams
 
-OUT = sys.argv[1]
+from _harness import run, write
+
 TIMEOUT_S = 3.0
 
 
@@ -52,7 +50,7 @@ def rollout(engine, layout, par, step, stall_at=None):
     return out, time.perf_counter() - t0
 
 
-def main():
+def main(out_dir):
     par = Parallel.build(timeout_s=60)
     rank = par.rank
     model = build_model(ModelConfig(num_experts=6), par)
@@ -68,10 +66,9 @@ def main():
         res["hung"] = {"error": None}
     except CollectiveError as e:
         res["hung"] = {"error": str(e), "after_s": time.perf_counter() - t0}
-    with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    sys.exit(3)  # the second rollout failed: the launcher must see it
+    write(out_dir, f"rank{rank}.json", res, every_rank=True)
+    raise SystemExit(3)  # the second rollout failed: the launcher must see it
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

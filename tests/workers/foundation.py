@@ -6,10 +6,8 @@ Usage: torchrun --nproc-per-node 4 tests/workers/foundation.py OUT_DIR
 """
 
 import dataclasses
-import json
 import os
 import shutil
-import sys
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,8 @@ from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
 from flexfloor.trainer.optim import build_train_state
 
-OUT = sys.argv[1]
+from _harness import rank, run
+
 MODEL = ModelConfig()  # the tiny preset: 2 layers, 8 experts, top-2
 TRAINER = dataclasses.replace(TrainerConfig(), lr=1e-2, clip_grad=1.0)
 
@@ -31,15 +30,16 @@ def rank_tokens(rank: int) -> torch.Tensor:
     return torch.randint(0, MODEL.vocab_size, (2, 12), generator=g)
 
 
-def gather(t: torch.Tensor) -> torch.Tensor:
+def stacked(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's tensor, stacked in rank order."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return torch.stack(parts)
 
 
-def save0(name: str, obj) -> None:
-    if dist.get_rank() == 0:
-        torch.save(obj, os.path.join(OUT, name))
+def save0(out: str, name: str, obj) -> None:
+    if rank() == 0:
+        torch.save(obj, os.path.join(out, name))
 
 
 def lm_loss(model, tokens):
@@ -61,9 +61,9 @@ def expect_error(fn) -> str:
     return ""
 
 
-def main():
+def main(out):
     results = {}
-    tokens = rank_tokens(int(os.environ["RANK"]))
+    tokens = rank_tokens(rank())
 
     # 1. the same weights at EP = 1, 2, 4: logits and a backward pass
     for ep in (1, 2, 4):
@@ -73,26 +73,26 @@ def main():
         loss = lm_loss(model, tokens)
         loss.backward()
         grads_ok = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-        save0(f"logits_ep{ep}.pt", gather(logits.detach()))
+        save0(out, f"logits_ep{ep}.pt", stacked(logits.detach()))
         # float64: batch-shape-dependent BLAS summation order cannot hide in the last bit
         model64 = build_model(MODEL, par, params_dtype="float64")
-        save0(f"logits64_ep{ep}.pt", gather(forward_logits(model64, tokens).detach()))
+        save0(out, f"logits64_ep{ep}.pt", stacked(forward_logits(model64, tokens).detach()))
         del model64
         results[f"ep{ep}"] = {"loss": loss.item(), "grads_finite": bool(grads_ok),
                               "local_experts": model.decoder.layers[0].mlp.num_local_experts}
         del model
 
     # 2. train one step at EP=4, save; load at EP=2: same logits; one more step on each layout
-    ckpt = os.path.join(OUT, "ckpt")
+    ckpt = os.path.join(out, "ckpt")
     par = Parallel.build(expert_parallel_size=4)
     model = build_model(MODEL, par)
     state = build_train_state(model, TRAINER, par, total_steps=10)
     results["step1_applied"] = train_step(state, tokens)[0]
     save_checkpoint(ckpt, 1, model=model, model_cfg=MODEL, optimizer=state.optimizer,
                     extra_state={"data_position": 7, "scheduler": state.state_dict()})
-    save0("ckpt_ep4.pt", gather(forward_logits(model, tokens).detach()))
+    save0(out, "ckpt_ep4.pt", stacked(forward_logits(model, tokens).detach()))
     train_step(state, tokens)
-    save0("step2_ep4.pt", gather(forward_logits(model, tokens).detach()))
+    save0(out, "step2_ep4.pt", stacked(forward_logits(model, tokens).detach()))
     del model, state
 
     par = Parallel.build(expert_parallel_size=2)
@@ -102,16 +102,16 @@ def main():
     state.load_state_dict(extra["scheduler"])
     results["loaded_step"] = step
     results["loaded_data_position"] = extra["data_position"]
-    save0("ckpt_ep2.pt", gather(forward_logits(model, tokens).detach()))
+    save0(out, "ckpt_ep2.pt", stacked(forward_logits(model, tokens).detach()))
     train_step(state, tokens)
-    save0("step2_ep2.pt", gather(forward_logits(model, tokens).detach()))
+    save0(out, "step2_ep2.pt", stacked(forward_logits(model, tokens).detach()))
 
     # 3. refused: another model shape, a truncated shard, an unfinished save
     other = dataclasses.replace(MODEL, num_layers=3)
     results["shape_error"] = expect_error(
         lambda: load_checkpoint(ckpt, model=model, model_cfg=other))
-    bad = os.path.join(OUT, "ckpt_bad")
-    if dist.get_rank() == 0:
+    bad = os.path.join(out, "ckpt_bad")
+    if rank() == 0:
         shutil.copytree(ckpt, bad)
         shard = sorted(f for f in os.listdir(os.path.join(bad, "iter_0000001")) if f.endswith(".distcp"))[0]
         path = os.path.join(bad, "iter_0000001", shard)
@@ -122,12 +122,8 @@ def main():
         lambda: load_checkpoint(bad, model=model, model_cfg=MODEL))
     results["tmp_error"] = expect_error(
         lambda: load_checkpoint(os.path.join(ckpt, "iter_0000001") + ".tmp", model=model, model_cfg=MODEL))
-
-    if dist.get_rank() == 0:
-        with open(os.path.join(OUT, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    par.destroy()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

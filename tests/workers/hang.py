@@ -5,9 +5,7 @@ Usage: torchrun --nproc-per-node 3 tests/workers/hang.py OUT_DIR
 """
 
 import os
-import sys
 import time
-
 
 from flexfloor.config import ModelConfig
 from flexfloor.model import build_model
@@ -16,7 +14,8 @@ from flexfloor.rollout.elastic import RolloutLayout
 from flexfloor.rollout.engine import RolloutEngine, RolloutError, StaticMembership
 from flexfloor.rollout.types import Request, SamplingParams
 
-OUT = sys.argv[1]
+from _harness import run
+
 MODEL = ModelConfig(num_experts=6)
 
 
@@ -33,7 +32,7 @@ class StallsAtStep3(StaticMembership):
         return super().step_boundary(engine, has_work)
 
 
-def main():
+def main(out):
     par = Parallel.build(timeout_s=4)
     rank = par.rank
     model = build_model(MODEL, par)
@@ -47,10 +46,10 @@ def main():
         msg = "no error"
     except RolloutError as e:
         msg = str(e)
-    with open(os.path.join(OUT, f"rank{rank}.txt"), "w") as f:
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
         f.write(f"{time.perf_counter() - t0:.1f}\n{msg}\n")
-    sys.exit(3)  # non-zero: the launcher sees the failure
+    raise SystemExit(3)  # non-zero: the launcher sees the failure
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -10,13 +10,12 @@ CKPT/model.yaml). Then, each a fresh Job:
   2. the same config again: checkpoint.dir/latest exists, so the resume wins over init_from;
   3. checkpoint.load of the converted checkpoint: refused, pointing at checkpoint.init_from;
   4. init_from with a config of another shape: refused, naming the field.
-Results: OUT/results.json (every rank's).
+Results: OUT_DIR/results.json (every rank's).
 
 Usage: torchrun --nproc-per-node 2 tests/workers/init_from.py OUT_DIR
 """
 
 import dataclasses
-import json
 import os
 import sys
 import warnings
@@ -37,7 +36,9 @@ from flexfloor.data import make_synthetic_prompts, register_reward, write_exampl
 from flexfloor.model import forward_logits  # noqa: E402
 from tools.convert_checkpoint import main as convert_cli  # noqa: E402
 
-OUT = sys.argv[1]
+from _harness import broadcast, gather, out_dir, run  # noqa: E402
+
+OUT = out_dir()
 HF, CKPT, RUN_YAML, DATA = (os.path.join(OUT, x) for x in
                             ("hf", "ckpt", "run.yaml", "sevens.parquet"))
 SMALL = [  # 2 workers, one small GRPO step, no warm start, full lr at once
@@ -76,20 +77,19 @@ def same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def main():
+def main(out):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tokens = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(1))
-    box = [None]
+    hf_logits = None
     if rank == 0:
         write_examples([dataclasses.replace(e, data_source="test/sevens")
                         for e in make_synthetic_prompts(16, 0)], DATA)
         hf = tiny_hf_model("qwen3_moe", seed=5)
         hf.save_pretrained(HF, safe_serialization=True)
         with torch.no_grad():
-            box[0] = hf(tokens).logits
-    dist.broadcast_object_list(box, src=0)
-    hf_logits = box[0]
+            hf_logits = hf(tokens).logits
+    hf_logits = broadcast(hf_logits)
     assert 0 == convert_cli(["hf-to-flexfloor", "--hf", HF, "--out", CKPT, "--ep", "2"])
     if rank == 0:  # the run's YAML: the example with the model section of CKPT/model.yaml
         with open(os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml")) as f:
@@ -102,7 +102,7 @@ def main():
     res = {}
 
     # 1. weights from the converted checkpoint, fresh optimizer, step 0; one step trains
-    init = [f"checkpoint.init_from={CKPT}", f"checkpoint.dir={OUT}/run_ckpt",
+    init = [f"checkpoint.init_from={CKPT}", f"checkpoint.dir={out}/run_ckpt",
             "trainer.kl_coef=0.05"]
     j = job(*init)
     res["start_step"], res["start_cursor"] = j.step_index, j.cursor.state_dict()
@@ -135,14 +135,8 @@ def main():
     res["load_converted_error"] = attempt(f"checkpoint.load={CKPT}")
     res["other_shape_error"] = attempt(f"checkpoint.init_from={CKPT}", "model.num_layers=1")
 
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, res)
-    if rank == 0:
-        with open(os.path.join(OUT, "results.json"), "w") as f:
-            json.dump(parts, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    return gather(res)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

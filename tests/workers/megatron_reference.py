@@ -18,10 +18,6 @@ log-probs; and one prompt at a time) and the state of Megatron's KV cache after 
 Usage: torchrun --nproc-per-node 1 tests/workers/megatron_reference.py OUT_DIR
 """
 
-import json
-import os
-import sys
-
 import torch
 
 from flexfloor.config import ModelConfig
@@ -32,7 +28,8 @@ from flexfloor.rollout.types import Request, SamplingParams
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import contiguous_placement
 
-OUT = sys.argv[1]
+from _harness import run, write
+
 NEW_TOKENS = 16
 PROMPT_LENS = (3, 5, 6, 8, 9, 11, 13, 16)  # all different: Megatron's batch mixes prefill/decode
 CASES = {
@@ -135,7 +132,7 @@ def megatron_generate(par, model, model_cfg, batch, *, logprobs: bool):
     }
 
 
-def main():
+def main(out):
     par = Parallel.build(expert_parallel_size=1, timeout_s=60)
     assert par.world_size == 1 and par.ep_size == 1
     for name, (model_cfg, dtype) in CASES.items():
@@ -151,11 +148,9 @@ def main():
             "megatron_single": [megatron_generate(par, model, model_cfg, [p], logprobs=False)
                                 for p in batch],
         }
-        with open(os.path.join(OUT, f"{name}.json"), "w") as f:
-            json.dump(result, f)
+        write(out, f"{name}.json", result)
         del model
-    par.destroy()
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -7,20 +7,20 @@ built again after Parallel.destroy() in one process. 2 torchrun workers, one lau
   B2 both ranks again, after B's Parallel.destroy(): Parallel.build at EP=2 and an all-reduce,
      twice (build after destroy).
   C  rank 0 alone (world 1 again): load B/iter_2, save it again as C/iter_2.
-Rank 0 compares the checkpoints (model and optimizer, every entry) and writes OUT/results.json.
+Rank 0 compares the checkpoints (model and optimizer, every entry) and writes
+OUT_DIR/results.json.
 
-Usage: torchrun --nproc-per-node 2 tests/workers/reshard.py OUT
+Usage: torchrun --nproc-per-node 2 tests/workers/reshard.py OUT_DIR
 """
 
-import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-OUT = sys.argv[1]
+from _harness import run
+
 BASE = [
     "trainer.prompts_per_step=2", "trainer.micro_batch_size=2", "rollout.samples_per_prompt=2",
     "rollout.max_new_tokens=8", "rollout.progress=false", "data.synthetic_num_prompts=8",
@@ -58,17 +58,17 @@ def compare(a, b) -> dict:
             "differ": differ}
 
 
-def main():
+def main(out):
     from flexfloor.coordinator import Job
     from flexfloor.parallel import Parallel
 
     rank = int(os.environ["RANK"])
-    d = {k: os.path.join(OUT, k) for k in "ABC"}
+    d = {k: os.path.join(out, k) for k in "ABC"}
     res = {}
 
     def run_a():
         job = Job(config(1, "trainer.steps=2", f"checkpoint.dir={d['A']}",
-                         f"logging.run_dir={OUT}/run_a"))
+                         f"logging.run_dir={out}/run_a"))
         job.step()  # step 1 of 2 (a 1-step run's schedule would end at lr 0)
         job.save()
         job.close()
@@ -77,7 +77,7 @@ def main():
         alone(run_a)
     # B: 1 -> 2 workers (rank 1 waits here for rank 0 at the rendezvous)
     job = Job(config(2, "trainer.steps=2", f"checkpoint.load={d['A']}", f"checkpoint.dir={d['B']}",
-                     f"logging.run_dir={OUT}/run_b"))
+                     f"logging.run_dir={out}/run_b"))
     res["b_loaded_step"] = job.step_index
     job.save()  # B/iter_1: what was loaded, saved again at 2 workers
     job.run()  # step 2 at 2 workers; saves B/iter_2
@@ -97,7 +97,7 @@ def main():
 
     def run_c():
         job = Job(config(1, "trainer.steps=2", f"checkpoint.load={d['B']}",
-                         f"checkpoint.dir={d['C']}", f"logging.run_dir={OUT}/run_c"))
+                         f"checkpoint.dir={d['C']}", f"logging.run_dir={out}/run_c"))
         res["c_loaded_step"] = job.step_index
         job.save()  # C/iter_2: B/iter_2 loaded at 1 worker, saved again
         job.close()
@@ -106,9 +106,8 @@ def main():
         res["trained"] = compare(f"{d['B']}/iter_0000001", f"{d['B']}/iter_0000002")
 
     alone(run_c)
-    with open(os.path.join(OUT, "results.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -11,15 +11,11 @@ resync, KV bytes, hosted experts, live tensor bytes and RSS.
 """
 
 import gc
-import json
-import os
 import random
-import sys
 import time
 
 import psutil
 import torch
-import torch.distributed as dist
 
 from flexfloor.config import ElasticConfig, ModelConfig, ReleasePolicy
 from flexfloor.model import build_model
@@ -29,7 +25,7 @@ from flexfloor.rollout.engine import RolloutEngine
 from flexfloor.rollout.survivors import live_process_groups
 from flexfloor.rollout.types import Request, SamplingParams
 
-OUT, ROLLOUTS = sys.argv[1], int(sys.argv[2])
+from _harness import gather, run
 
 
 def workload(round_: int, world: int):
@@ -77,7 +73,7 @@ def live_tensor_bytes() -> int:
     return total
 
 
-def main():
+def main(out, rollouts):
     par = Parallel.build(timeout_s=60)
     rank, world = par.rank, par.world_size
     model = build_model(ModelConfig(), par, params_dtype="float64")
@@ -90,7 +86,7 @@ def main():
     proc = psutil.Process()
     rounds = []
     t_start = time.perf_counter()
-    for i in range(ROLLOUTS):
+    for i in range(int(rollouts)):
         per_rank, prompts, knobs = workload(i, world)
         mine = per_rank[rank]
         t0 = time.perf_counter()
@@ -122,13 +118,8 @@ def main():
             "tensor_bytes": live_tensor_bytes(), "rss": proc.memory_info().rss,
             "seconds": time.perf_counter() - t0,
         })
-    parts = [None] * world
-    dist.all_gather_object(parts, rounds)
-    if rank == 0:
-        with open(os.path.join(OUT, "results.json"), "w") as f:
-            json.dump({"ranks": parts, "seconds": time.perf_counter() - t_start}, f)
-    par.destroy()
+    return {"ranks": gather(rounds), "seconds": time.perf_counter() - t_start}
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -7,14 +7,12 @@ of a GRPO step on 2 workers against the single-process gradient of the same batc
 Usage: torchrun --nproc-per-node 2 tests/workers/trainer.py OUT_DIR
 """
 
+import dataclasses
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
-
-import dataclasses
 
 from flexfloor.config import load_config
 from flexfloor.coordinator import Job
@@ -23,7 +21,9 @@ from flexfloor.model import build_model, causal_positions
 from flexfloor.trainer import algorithms as alg
 from flexfloor.trainer.actor import pad_batch, place_per_token
 
-OUT = sys.argv[1]
+from _harness import gather, out_dir, run
+
+OUT = out_dir()
 BASE = [
     "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.micro_batch_size=4",
     "trainer.lr=1e-3", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
@@ -56,7 +56,7 @@ def same(a, b):
     return all(torch.equal(a[n], b[n]) for n in a)
 
 
-def main():
+def main(out):
     dist.init_process_group("gloo")
     if dist.get_rank() == 0:
         examples = [dataclasses.replace(e, data_source="test/sevens")
@@ -85,7 +85,7 @@ def main():
     j.parallel.destroy()
 
     # 3. resume: save at step 1, reload in a fresh job, step: equals the uninterrupted step 2
-    ckpt = f"{OUT}/ckpt"
+    ckpt = f"{out}/ckpt"
     j = job(f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1")
     j.step()
     j.parallel.destroy()
@@ -100,7 +100,7 @@ def main():
     # 4. PPO with a critic and a KL to the reference: two steps, then resume in a fresh job
     ppo = ["trainer.algorithm=ppo", "trainer.kl_coef=0.05", "trainer.kl_estimator=k1",
            "trainer.gae_lambda=0.95", "trainer.critic_lr=1e-3"]
-    j = job(*ppo, f"checkpoint.dir={OUT}/ppo", "checkpoint.save_interval=1")
+    j = job(*ppo, f"checkpoint.dir={out}/ppo", "checkpoint.save_interval=1")
     a0, c0 = weights(j), {n: p.detach().clone() for n, p in j.critic.module.named_parameters()}
     p1 = j.step()
     p2 = j.step()
@@ -110,7 +110,7 @@ def main():
     res["ppo_kl_ref_frozen"] = same(a0, {n: p.detach().clone() for n, p in j.reference.named_parameters()})
     ppo_w2 = weights(j)
     j.parallel.destroy()
-    j = job(*ppo, f"checkpoint.load={OUT}/ppo/iter_0000001")
+    j = job(*ppo, f"checkpoint.load={out}/ppo/iter_0000001")
     j.step()
     res["ppo_resume_equals_uninterrupted"] = same(weights(j), ppo_w2)
     j.parallel.destroy()
@@ -159,7 +159,7 @@ def main():
         write_examples(val, VAL)
     dist.barrier()
     j = job("trainer.steps=3", "trainer.val_interval=2", f"data.val_files=[{VAL}]",
-            f"logging.run_dir={OUT}/val_run")
+            f"logging.run_dir={out}/val_run")
     res["val_steps"] = [sorted(k for k in j.step() if k.startswith("val/")) for _ in range(3)]
     train_prompts = {e.prompt for e in j.examples}
     res["val_disjoint"] = not train_prompts & {e.prompt for e in j.val_examples}
@@ -170,17 +170,12 @@ def main():
     res["trained_no_val_uid"] = not seen & {e.uid for e in j.val_examples}
     j.parallel.destroy()
     if dist.get_rank() == 0:
-        with open(f"{OUT}/val_run/metrics.jsonl") as f:
+        with open(f"{out}/val_run/metrics.jsonl") as f:
             res["val_lines"] = [sorted(k for k in json.loads(line) if k.startswith("val/"))
                                 for line in f]
 
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, res)
-    if dist.get_rank() == 0:
-        with open(os.path.join(OUT, "results.json"), "w") as f:
-            json.dump(flags, f)
-    dist.destroy_process_group()
+    return gather(res)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
