@@ -60,7 +60,7 @@ JOB = [
     f"parallel.world_size={NPROC}", f"parallel.expert_parallel_size={NPROC}",
     "parallel.timeout_s=60", f"trainer.steps={STEPS}", "trainer.prompts_per_step=4",
     "trainer.micro_batch_size=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=40",
-    "rollout.progress=false", "data.synthetic_num_prompts=16",
+    "rollout.progress=false", "data.synthetic_num_prompts=16", "data.val_size=16",
     # a short supervised warm start (cached, shared by both runs) so rewards carry a signal
     "trainer.sft_warmup_steps=100", "trainer.sft_lr=3e-3",
     "scheduler.placement=baseline", "checkpoint.save_interval=1", "logging.tensorboard=false",

@@ -35,6 +35,7 @@ TINY = [  # 4 prompts x 4 samples of at most 24 tokens: ranks 2 and 3 get no wor
     "trainer.micro_batch_size=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
     "rollout.progress=false", "data.synthetic_num_prompts=8", "logging.tensorboard=false",
     "logging.timeline_plot=false", "parallel.expert_parallel_size=4",
+    "data.val_size=16",  # the example validates on 256 held-out prompts: a few suffice here
 ]
 # metrics that depend only on the tokens and the weights (not on seconds)
 SAME = ("step", "reward/", "response_length/", "actor/", "rollout/occupied_worker_steps",
