@@ -42,6 +42,8 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     "kv_budget_tokens": ("kv_budget_tokens", int), "min_active_ranks": ("min_active_ranks", int),
     "migrate_max_requests": ("migrate_max_requests", int), "seed": ("seed", int),
     "max_share": ("max_share", float), "load_cap": ("load_cap", float),
+    "pace_margin": ("pace_margin", float),
+    "consolidate": ("consolidate", lambda v: bool(int(v))),  # 1: tail consolidation, 0: off
 }
 
 
