@@ -36,7 +36,8 @@ from flexfloor.rollout.consolidate import ConsolidationRules, MovePrices, remain
 from flexfloor.rollout.release import RankLimits, ReleaseRules
 from flexfloor.rollout.metrics import metrics_from_counts, ratios, summed_records
 from flexfloor.rollout.scheduler import (
-    LengthHistory, MemoryModel, PromptGroup, Scheduler, least_outstanding,
+    LengthHistory, MemoryModel, Predictor, PromptGroup, Scheduler, least_outstanding,
+    prediction_accuracy,
 )
 from flexfloor.rollout.types import Request
 from flexfloor.rollout.workload import dataset_batches, make_lengths, make_prompts, tail_stats
@@ -118,7 +119,8 @@ PAPER_TARGETS = {"baseline": Mode.SINGLE_GROUP.value, "tokens_per_occupied_worke
                  "static_tail_fraction_about": 1 / 3}
 
 # the policies a GPU deployment runs: placement for memory-bound lockstep decoding (see Scenario),
-# and a floor of one node: the last survivors exchange tokens over NVLink only
+# tail consolidation across replicas, and a floor of one node: a replica of one node is released
+# whole (a shrink inside it would stall it for a new communicator and buys nothing there)
 ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True)
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
@@ -134,8 +136,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         model="qwen3-30b-a3b", accelerator="H800", gpus=64, replicas=8, num_prompts=512,
         samples_per_prompt=8,
         epochs=3, length_params={"median": 3000.0, "sigma": 0.6}, max_len=16384,
-        prompt_len=(100, 600), max_batch_size=256, targets=PAPER_TARGETS,
-        **{**ON_GPUS, "min_active_ranks": 1}),
+        prompt_len=(100, 600), max_batch_size=256, targets=PAPER_TARGETS, **ON_GPUS),
     Scenario(
         "mixtral-h100", "Mixtral-8x7B on 32 H100: few, large experts (8 experts: at most 8 ranks "
         "serve experts, the rest hold replicas)",
@@ -258,6 +259,8 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
             m["timeline"] = out.timeline
             entry[mode.value], outs[mode.value] = m, out
         entry["ideal"] = ideal(outs["elastic"])
+        entry["prediction_accuracy"] = evidence_accuracy(plan, outs["elastic"].lengths,
+                                                         flexfloor.predictor)
         _add_ratios(entry)
         for uid in sorted(outs["elastic"].lengths):
             flexfloor.history.record(uid, outs["elastic"].lengths[uid])
@@ -306,6 +309,22 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
     if sc.targets:
         report["targets"] = check_targets(report, sc.targets)
     return report
+
+
+def evidence_accuracy(plan, lengths: dict, predictor) -> dict:
+    """The predictor's accuracy this step (Spearman, MAE of each prompt's predicted vs realised
+    longest sample), per evidence: `history` (the plan's predictions from the prompt's own past)
+    and `siblings` (`Predictor.predict(uid, siblings)` given the shorter half of its samples,
+    those that finish first: what the rollout knows once they are done)."""
+    realised = {uid: float(max(ls)) for uid, ls in lengths.items()}
+    hist = {uid: p for uid, p in plan.predicted.items() if predictor.history.last(uid)}
+    sib = {}
+    for uid, ls in lengths.items():
+        done = sorted(ls)[: len(ls) // 2]
+        if done:
+            sib[uid] = Predictor(LengthHistory(), predictor.prior_quantile).predict(uid, done)[0]
+    return {"history": prediction_accuracy(hist, realised),
+            "siblings": prediction_accuracy(sib, realised)}
 
 
 def _mix_params(sc: Scenario) -> dict:
