@@ -239,7 +239,9 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
             Request(prompt_uid=int(uid), sample_index=s, prompt_ids=(1,) * prompt_lens[uid],
                     max_new_tokens=sc.max_len, target_len=int(lengths[epoch - 1, uid, s]))
             for s in range(sc.samples_per_prompt))) for uid in batches[epoch - 1]]
-        step_cost = (None if sc.accelerator is None else
+        # across replicas on accelerators: placement by modelled seconds; one group, or UnitCost
+        # (which must match the engine): over the ranks by predicted steps
+        step_cost = (None if sc.accelerator is None or sc.replicas == 1 else
                      rank_step_cost(cost, topo_r.states[replicated[0]][0], replicated[0], max_batch))
         plan = flexfloor.plan(groups, range(sc.gpus), replicas=replicated, step_cost=step_cost)
         routed = route_least_outstanding(groups, replicated)
