@@ -18,9 +18,9 @@ The rules, in order:
 - the step-cost bound: a lockstep replica steps at its fullest rank's pace, so a taker replica's
   predicted end with the move (its clock, or later when the KV it takes has not arrived by then
   (transfers leave at the giver's clock, one after another; they overlap the taker's decoding),
-  or its clock plus a re-prefill's seconds; then its longest remaining work at the new pace)
-  must stay within the rollout's predicted end before the move: a release never lengthens the
-  rollout;
+  or its clock plus a re-prefill's seconds; then its longest remaining work at its pace, plus
+  what each request moved in slows its steps for as long as it runs) must stay within the
+  rollout's predicted end before the move: a release never lengthens the rollout;
 - among takers that keep the bound, the one whose replica is planned to stay longest (latest
   predicted end), then the least loaded rank.
 """
@@ -132,10 +132,11 @@ class _Load:
     longest: dict
     ready: dict  # replica -> when it can step with what it was promised (its clock, or later)
     sent: dict  # replica -> seconds of KV transfers promised to it (one after another)
+    extra: dict  # replica -> seconds its steps slow down while the requests moved in run
 
     def copy(self) -> "_Load":
         return _Load(dict(self.n), dict(self.ctx), dict(self.free), dict(self.longest),
-                     dict(self.ready), dict(self.sent))
+                     dict(self.ready), dict(self.sent), dict(self.extra))
 
 
 def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: StepCost,
@@ -155,15 +156,15 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                  free={r.rank: r.kv_free_blocks for r in ranks},
                  longest={i: max((q.remaining for r in by_replica[i] for q in r.running),
                                  default=0.0) for i in live},
-                 ready={i: state.now_s[i] for i in live}, sent={i: 0.0 for i in live})
+                 ready={i: state.now_s[i] for i in live}, sent={i: 0.0 for i in live},
+                 extra={i: 0.0 for i in live})
+    pace0 = {i: _pace(by_replica[i], load, step_cost) for i in live}
 
     def end(i: int, ld: _Load) -> float:
         """Replica i's predicted end: when it can go on (its clock, or the arrival of the KV it
         was promised, or its clock plus the re-prefills), then its longest work at its fullest
-        rank's pace."""
-        pace = max((step_cost(ld.n[r.rank], ld.ctx[r.rank]) for r in by_replica[i]
-                    if ld.n[r.rank]), default=0.0)
-        return ld.ready[i] + ld.longest[i] * pace
+        rank's pace now, plus what each request moved in slows its steps while it runs."""
+        return ld.ready[i] + ld.longest[i] * pace0[i] + ld.extra[i]
 
     rollout_end = max(end(i, load) for i in live)
     size = {i: sum(len(r.running) for r in by_replica[i]) for i in live}
@@ -181,7 +182,7 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
         staying = [i for i in live if i != g and i not in giving]
         trial = load.copy()
         got = _evacuate(by_replica[g], state.now_s[g], staying, by_replica, trial, end,
-                        rollout_end, state, rules, prices)
+                        rollout_end, state, rules, prices, step_cost)
         if got is not None:
             moves += got
             giving.append(g)
@@ -189,9 +190,15 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
     return Consolidation(moves=moves, leaving_replicas=sorted(giving))
 
 
+def _pace(ranks: Sequence[RankState], load: _Load, step_cost: StepCost) -> float:
+    """A lockstep replica's step: its fullest rank's."""
+    return max((float(step_cost(load.n[r.rank], load.ctx[r.rank])) for r in ranks
+                if load.n[r.rank]), default=0.0)
+
+
 def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica, load: _Load,
               end, rollout_end, state: ConsolidationState, rules: ConsolidationRules,
-              prices: MovePrices) -> Optional[list[Move]]:
+              prices: MovePrices, step_cost: StepCost) -> Optional[list[Move]]:
     """Every running request of `giver` onto ranks of `staying` replicas within the bounds,
     longest first, promising them in `load`; None when one does not fit (then `load` is to be
     dropped)."""
@@ -210,8 +217,15 @@ def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica,
                     continue
                 if load.free[k] is not None and load.free[k] - need < rules.reserve_blocks:
                     continue
-                before = (load.n[k], load.ctx[k], load.longest[i], load.ready[i], load.sent[i])
+                before = (load.n[k], load.ctx[k], load.longest[i], load.ready[i], load.sent[i],
+                          load.extra[i])
+                slower = -_pace(by_replica[i], load, step_cost)
                 load.n[k], load.ctx[k] = load.n[k] + 1, load.ctx[k] + q.cached_tokens
+                slower += _pace(by_replica[i], load, step_cost)
+                load.extra[i] += slower * min(q.remaining, load.longest[i])
+                if q.remaining > load.longest[i]:  # it outlasts the replica's own work
+                    load.extra[i] += (q.remaining - load.longest[i]) * _pace(by_replica[i], load,
+                                                                              step_cost)
                 load.longest[i] = max(load.longest[i], q.remaining)
                 if kind == MoveKind.KV_TRANSFER:  # sent from the giver's clock, in turn
                     load.sent[i] += secs
@@ -224,7 +238,8 @@ def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica,
                     move = Move(q.request_id, src, k, kind, secs,
                                 giver_now + load.sent[i] if kind == MoveKind.KV_TRANSFER else 0.0)
                     break
-                load.n[k], load.ctx[k], load.longest[i], load.ready[i], load.sent[i] = before
+                (load.n[k], load.ctx[k], load.longest[i], load.ready[i], load.sent[i],
+                 load.extra[i]) = before
             if move:
                 break
         if move is None:

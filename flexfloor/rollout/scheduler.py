@@ -470,8 +470,11 @@ class Scheduler:
         bound = max((max(self._finish([static[r] for r in g], step_cost), default=0.0)
                      for g in replicas), default=0.0) * self.pace_margin
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
-        if order:
-            bound = max(bound, self._finish([[q] for q in order[0].requests], step_cost)[0])
+        if order:  # the longest group alone, spread over a replica's ranks
+            alone: list[list[Request]] = [[] for _ in replicas[0]]
+            for i, q in enumerate(order[0].requests):
+                alone[i % len(alone)].append(q)
+            bound = max(bound, max(self._finish(alone, step_cost)))
         placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
 
         def spread(ranks, g) -> dict[int, list[Request]]:
