@@ -136,7 +136,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         model="qwen3-30b-a3b", accelerator="H800", gpus=64, replicas=8, num_prompts=512,
         samples_per_prompt=8,
         epochs=3, length_params={"median": 3000.0, "sigma": 0.6}, max_len=16384,
-        prompt_len=(100, 600), max_batch_size=256, targets=PAPER_TARGETS, **ON_GPUS),
+        prompt_len=(100, 600), max_batch_size=256, targets=PAPER_TARGETS,
+        **{**ON_GPUS, "min_active_ranks": 1}),
     Scenario(
         "mixtral-h100", "Mixtral-8x7B on 32 H100: few, large experts (8 experts: at most 8 ranks "
         "serve experts, the rest hold replicas)",
