@@ -42,6 +42,8 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     "kv_budget_tokens": ("kv_budget_tokens", int), "min_active_ranks": ("min_active_ranks", int),
     "migrate_max_requests": ("migrate_max_requests", int), "seed": ("seed", int),
     "max_share": ("max_share", float), "load_cap": ("load_cap", float),
+    "pace_margin": ("pace_margin", float),
+    "consolidate": ("consolidate", lambda v: bool(int(v))),  # 1: tail consolidation, 0: off
 }
 
 
@@ -121,6 +123,12 @@ def format_report(rep: dict) -> str:
                  f"{r['elastic_over_ideal']:.3f} of it, static {r['static_over_ideal']:.3f}")
     if unit != "s":
         lines.append("(UnitCost: every step costs 1, so 'seconds' are engine steps)")
+    for e in rep.get("per_epoch", []):
+        acc = e.get("prediction_accuracy")
+        if acc:
+            lines.append(f"step {e['epoch']} prediction: " + ", ".join(
+                f"{k} spearman {v['spearman']:.3f} mae {v['mae']:,.0f} (n {v['n']})"
+                for k, v in acc.items()))
     for name, t in rep.get("targets", {}).items():
         lines.append(f"target {name} {t['target']}: {t['value']:.3f} "
                      f"{'met' if t['met'] else 'NOT MET'}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from flexfloor.config import PlacementPolicy
 from flexfloor.rollout.types import Request
@@ -231,12 +231,66 @@ class PromptGroup:
     requests: tuple[Request, ...]
 
 
+# the modelled seconds of one rank's decode step: (requests decoding on it, their cached tokens)
+# -> seconds, with every rank of its EP group loaded alike (a lockstep step runs at its fullest
+# rank's pace). The simulator passes its cost model's; the engine, the measured one.
+StepCost = Callable[[int, float], float]
+
+
 @dataclass
 class RolloutPlan:
     assignment: dict[int, list[Request]]  # rank -> its requests, in admission order
     predicted: dict[int, float]  # uid -> predicted longest sample
     sources: dict[str, int]  # how many predictions came from history / siblings / prior
-    expected_finish: dict[int, float]  # rank -> predicted steps to its local finish
+    # rank -> predicted steps to its local finish, or, placed with a step cost, its modelled
+    # seconds: the planned order in which ranks and replicas leave
+    expected_finish: dict[int, float]
+    per_request: dict[str, float] = field(default_factory=dict)  # request id -> predicted length
+    finish_bound: Optional[float] = None  # with a step cost: the static baseline's predicted end
+
+    def leaving_order(self, replicas: Sequence[Sequence[int]]) -> list[int]:
+        """Replica indices in the order they are planned to leave (first to leave first): the
+        survivor groups to build ahead, from `expected_finish`."""
+        ends = [max((self.expected_finish.get(r, 0.0) for r in ranks), default=0.0)
+                for ranks in replicas]
+        return sorted(range(len(replicas)), key=lambda i: (ends[i], -i))
+
+
+def replica_finish(work: Sequence[tuple[Sequence[float], Sequence[int]]], step_cost: StepCost
+                   ) -> list[float]:
+    """Predicted modelled seconds at which each rank of one lockstep EP group finishes, every
+    request admitted at once. work: per rank (response lengths, prompt lengths). Between two
+    finishes each rank's running requests and context are known; the group steps at its fullest
+    rank's pace, so each stretch is priced by the trapezoid of the slowest rank's step cost at
+    its ends. `step_cost` is applied elementwise to numpy arrays."""
+    import numpy as np
+
+    lens, prompts = [], []
+    for lengths, prompt_lens in work:
+        ls = np.maximum(1.0, np.asarray(lengths, dtype=float))
+        order = np.argsort(ls, kind="stable")
+        lens.append(ls[order])
+        prompts.append(np.asarray(prompt_lens, dtype=float)[order])
+    every = [x for x in lens if len(x)]
+    if not every:
+        return [0.0] * len(work)
+    points = np.unique(np.concatenate([[0.0]] + every))
+    start, stop = points[:-1], points[1:]
+    p_start = np.zeros(len(start))
+    p_end = np.zeros(len(start))
+    for ls, ps in zip(lens, prompts):
+        if not len(ls):
+            continue
+        done = np.searchsorted(ls, start, side="right")  # finished by each stretch's start
+        n = len(ls) - done
+        left = np.concatenate([[0.0], np.cumsum(ps)])
+        running_prompts = left[-1] - left[done]
+        busy = n > 0
+        c0 = np.where(busy, step_cost(n, running_prompts + n * start), 0.0)
+        c1 = np.where(busy, step_cost(n, running_prompts + n * stop), 0.0)
+        p_start, p_end = np.maximum(p_start, c0), np.maximum(p_end, c1)
+    clock = np.concatenate([[0.0], np.cumsum((stop - start) * (p_start + p_end) / 2)])
+    return [float(clock[np.searchsorted(points, ls[-1])]) if len(ls) else 0.0 for ls in lens]
 
 
 def simulate_rank_steps(lengths: Sequence[float], prompt_lens: Sequence[int], kv_tokens: Optional[int],
@@ -336,12 +390,21 @@ class Scheduler:
     # the lockstep group steps at its fullest rank's pace: 1.0 keeps steps no slower than the
     # baseline's while the long work gathers on the ranks that stay.
     load_cap: Optional[float] = None
+    # FlexFloor across replicas (with a step cost): a rank's predicted finish at most this times
+    # the static baseline's predicted end (room for what the predictions miss)
+    pace_margin: float = 0.9
+    refusals: int = 16  # across replicas: a replica refusing this many groups in a row is full
 
     @property
     def predictor(self) -> Predictor:
         return Predictor(self.history, self.prior_quantile)
 
-    def plan(self, groups: Sequence[PromptGroup], ranks: Sequence[int]) -> RolloutPlan:
+    def plan(self, groups: Sequence[PromptGroup], ranks: Sequence[int], *,
+             replicas: Optional[Sequence[Sequence[int]]] = None,
+             step_cost: Optional[StepCost] = None) -> RolloutPlan:
+        """Place `groups` on `ranks`. FlexFloor with `step_cost` places across `replicas` (EP
+        groups, default one of every rank) by modelled seconds (`_across_replicas`); without,
+        by predicted steps over the ranks in order (`_flexfloor`)."""
         ranks = sorted(ranks)
         predicted, sources = {}, {"history": 0, "siblings": 0, "prior": 0, "default": 0}
         self._per_request = {}
@@ -353,17 +416,111 @@ class Scheduler:
             past = sorted(self.history.last(g.uid) or [predicted[g.uid]], reverse=True)
             for i, req in enumerate(g.requests):
                 self._per_request[req.request_id] = float(past[i % len(past)])
+        bound = None
         if self.policy == PlacementPolicy.BASELINE:
             assignment = self._baseline(groups, ranks)
+        elif step_cost is not None:
+            replicas = [sorted(g) for g in replicas] if replicas else [ranks]
+            if sorted(r for g in replicas for r in g) != ranks:
+                raise ValueError(f"replicas {replicas} must partition the ranks {ranks} exactly")
+            assignment, bound = self._across_replicas(groups, replicas, predicted, step_cost)
         else:
             assignment = self._flexfloor(groups, ranks, predicted)
+        if step_cost is not None and self.policy != PlacementPolicy.BASELINE:
+            expected = {}
+            for g in replicas:
+                expected.update(zip(g, self._finish([assignment[r] for r in g], step_cost)))
+        else:
+            kv = self.memory.kv_tokens() if self.memory else None
+            expected = {
+                r: simulate_rank_steps([self._per_request[q.request_id] for q in reqs],
+                                       [len(q.prompt_ids) for q in reqs], kv, self.max_batch_size)
+                for r, reqs in assignment.items()
+            }
+        return RolloutPlan(assignment, predicted, sources, expected, dict(self._per_request),
+                           bound)
+
+    def _finish(self, per_rank: Sequence[Sequence[Request]], step_cost: StepCost) -> list[float]:
+        """Predicted seconds to each rank's finish in one lockstep group (`replica_finish`)."""
+        return replica_finish([([self._per_request[q.request_id] for q in reqs],
+                                [len(q.prompt_ids) for q in reqs]) for reqs in per_rank],
+                              step_cost)
+
+    def _across_replicas(self, groups, replicas, predicted, step_cost
+                         ) -> tuple[dict[int, list[Request]], float]:
+        """FlexFloor over R replicas, bounded by modelled seconds. Prompt groups go longest
+        predicted first to the replicas meant to stay (the lowest), their samples spread over the
+        replica's ranks (siblings are alike: one rank holding a prompt's long samples together
+        would step slowly for as long as they run), while the replica's predicted finish
+        (`replica_finish`: lockstep, at its fullest rank's pace) stays within the bound; a
+        replica that refuses `refusals` groups in a row is full. So the replica of the longest
+        work stays light and keeps the pace, one of short responses decodes large batches, and
+        replicas leave in the planned order, the last ones early or at once.
+
+        The bound: the static baseline's predicted end (least outstanding requests: round robin
+        over replicas, then ranks) times `pace_margin`, and no less than the longest request
+        group alone. Returns (rank -> requests, longest first; the bound in seconds)."""
         kv = self.memory.kv_tokens() if self.memory else None
-        expected = {
-            r: simulate_rank_steps([self._per_request[q.request_id] for q in reqs],
-                                   [len(q.prompt_ids) for q in reqs], kv, self.max_batch_size)
-            for r, reqs in assignment.items()
-        }
-        return RolloutPlan(assignment, predicted, sources, expected)
+        est = self._per_request
+        reqs_all = [q for g in groups for q in g.requests]
+        static: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
+        for i, q in enumerate(reqs_all):
+            g = replicas[i % len(replicas)]
+            static[g[(i // len(replicas)) % len(g)]].append(q)
+        bound = max((max(self._finish([static[r] for r in g], step_cost), default=0.0)
+                     for g in replicas), default=0.0) * self.pace_margin
+        order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
+        if order:  # the longest group alone, spread over a replica's ranks
+            alone: list[list[Request]] = [[] for _ in replicas[0]]
+            for i, q in enumerate(order[0].requests):
+                alone[i % len(alone)].append(q)
+            bound = max(bound, max(self._finish(alone, step_cost)))
+        placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
+
+        def spread(ranks, g) -> dict[int, list[Request]]:
+            """`g`'s samples over the replica's ranks, each to the rank with the fewest."""
+            trial = {r: list(placed[r]) for r in ranks}
+            for q in g.requests:
+                r = min(ranks, key=lambda r: (len(trial[r]), r))
+                trial[r].append(q)
+            return trial
+
+        def fits(ranks, trial) -> bool:
+            if max(len(v) for v in trial.values()) > self.max_batch_size:
+                return False
+            if kv is not None:
+                for reqs in trial.values():
+                    _, peak = rank_profile([est[x.request_id] for x in reqs],
+                                           [len(x.prompt_ids) for x in reqs], None, len(reqs))
+                    if peak > kv:
+                        return False
+            return max(self._finish([trial[r] for r in ranks], step_cost)) <= bound
+
+        remaining = order
+        for ranks in replicas:
+            left, refused = [], 0
+            for k, g in enumerate(remaining):
+                if refused >= self.refusals:
+                    left += remaining[k:]
+                    break
+                trial = spread(ranks, g)
+                if not fits(ranks, trial):
+                    left.append(g)
+                    refused += 1
+                    continue
+                refused = 0
+                placed.update(trial)
+            remaining = left
+        for g in remaining:  # nothing in bound: the replica that finishes soonest with it
+            def end_with(ranks):
+                trial = spread(ranks, g)
+                return max(self._finish([trial[r] for r in ranks], step_cost))
+            placed.update(spread(min(replicas, key=end_with), g))
+        out = {}
+        for rank, reqs in placed.items():
+            out[rank] = sorted(reqs, key=lambda q: (-est[q.request_id], q.prompt_uid,
+                                                    q.sample_index))
+        return out, bound
 
     @staticmethod
     def _baseline(groups, ranks) -> dict[int, list[Request]]:

@@ -139,6 +139,37 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], rules: Optiona
     blocks as the engine's pool does (flexfloor/rollout/kv.py: admission by free blocks over the
     watermark, the youngest preempted, borrowed experts withheld in whole blocks), a pass over
     the running requests per step; else half a block per request on average."""
+    gen = rollout_steps(assignment, rules, cost, limits=limits, placement=placement,
+                        kv_block_tokens=kv_block_tokens, exact_blocks=exact_blocks)
+    try:
+        next(gen)
+        while True:
+            gen.send(False)
+    except StopIteration as done:
+        return done.value
+
+
+@dataclass
+class GroupView:
+    """A running group's face to a driver of several groups (`rollout_steps`), valid while the
+    generator waits at a boundary: its clock, each rank's running requests, and moves out and
+    in (the driver tells the generator, on resuming it, that its requests changed)."""
+
+    now: object  # () -> its clock, seconds
+    finished: object  # () -> responses finished so far
+    ranks: object  # () -> {rank: (running [(SimRequest, produced)], queued count, kv free bytes)}
+    export: object  # (rank) -> [(SimRequest, produced)]: its running requests, removed
+    adopt: object  # (rank, [(SimRequest, produced)], kv_transfer: bool, ready_s)
+    lengths: dict  # prompt uid -> lengths finished here so far
+
+
+def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[ReleaseRules],
+                  cost, *, limits: RankLimits, placement, kv_block_tokens: Optional[int] = None,
+                  exact_blocks: bool = False):
+    """`simulate_rollout` as a generator: it yields a `GroupView` at every step boundary with
+    work (after the release decision) and is resumed with `send(changed)`: True when a driver
+    moved requests out of or into it (the boundary is then decided again). Returns the
+    `SimOutput`."""
     ranks = {r: _Rank(r, deque(reqs), RankRecord(rank=r, requests=len(reqs)))
              for r, reqs in sorted(assignment.items())}
     active = sorted(ranks)
@@ -352,8 +383,57 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], rules: Optiona
                              "active": list(active), "moved_experts": len(decision.transfers)})
         return True
 
+    def ranks_now() -> dict:
+        return {r: ([(run.req, step - run.start) for run in ranks[r].running], len(ranks[r].queue),
+                    report_free(ranks[r])) for r in active}
+
+    def report_free(x: _Rank) -> int:
+        if budget is None:
+            return UNBOUNDED_KV
+        if exact:
+            return (capacity - x.withheld_blocks - x.used_blocks) * block_nbytes
+        return budget - kv_in_use(x, step)
+
+    def export(rank: int) -> list:
+        """Its running requests leave the rank (their tokens so far stay counted here)."""
+        if exact:
+            raise SimError("consolidation runs with the accelerator block model, not exact blocks")
+        nonlocal requests_total
+        x = ranks[rank]
+        out = [(run.req, step - run.start) for run in sorted(x.running, key=lambda r: r.seq)]
+        requests_total -= len(out)
+        for run in x.running:
+            x.kv_used -= reserve(run.req)
+        x.record.extra["migrated_out"] = x.record.extra.get("migrated_out", 0) + len(out)
+        x.running, x.ctx_base, x.pending, x.extra_pairs = [], 0, 0, 0.0
+        return out
+
+    def adopt(rank: int, items: list, kv_transfer: bool, ready_s: float) -> None:
+        """Requests moved in: their KV transferred (decoding resumes at the next step, once the
+        KV has arrived at `ready_s`: the group waits if it is not there by its clock) or queued
+        first to be re-prefilled with what they had produced."""
+        nonlocal now, seq, requests_total
+        x = ranks[rank]
+        requests_total += len(items)
+        if kv_transfer:
+            now = max(now, ready_s)
+            for req, produced in items:
+                seq += 1
+                x.kv_used += reserve(req)
+                x.add(_Run(req, done_at=step + req.length - produced, start=step - produced,
+                           pending=1, seq=seq))
+        else:
+            x.queue.extendleft(reversed([_Preempted(req, produced) for req, produced in items]))
+        x.record.extra["adopted"] = x.record.extra.get("adopted", 0) + len(items)
+
+    view = GroupView(now=lambda: now, finished=lambda: finished_total, ranks=ranks_now,
+                     export=export, adopt=adopt, lengths=lengths)
     keep = boundary()  # before the first step: ranks without work leave at once
     while keep:
+        if (yield view):  # a driver moved requests: decide this boundary again
+            keep = boundary()
+            if not keep:
+                break
         for r in active:
             x = ranks[r]
             admit(x)
@@ -493,3 +573,100 @@ def replica_state(num_experts: int, ranks: Sequence[int], training_ep: Optional[
     ranks = tuple(sorted(ranks))
     return (Placement(owner=tuple(ranks[r] for r in placement.owner), ranks=ranks),
             {ranks[r]: experts for r, experts in holding.items()})
+
+
+@dataclass(frozen=True)
+class TailConsolidation:
+    """What the driver of several replicas needs to consolidate their tails: the decision's
+    rules, a rank's step cost, the prices of a move, and each running request's predicted
+    remaining tokens (request, produced, the lengths finished so far by prompt uid) -> tokens."""
+
+    rules: object  # flexfloor.rollout.consolidate.ConsolidationRules
+    step_cost: object  # scheduler.StepCost
+    prices: object  # consolidate.MovePrices
+    remaining: object  # (SimRequest, produced, {uid: [lengths]}) -> float
+    block_tokens: int = 16
+
+
+def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
+                      kv_block_tokens: Optional[int], consolidation: TailConsolidation
+                      ) -> list[SimOutput]:
+    """Several replicas, each an EP group on its own clock (`rollout_steps`), with their tails
+    consolidated: the replica whose clock is earliest is advanced to its next boundary; there
+    `flexfloor.rollout.consolidate.decide` runs on every replica's latest state with that
+    replica as the only possible giver (the others' clocks are no earlier, so a moved request
+    never resumes before it left). groups: dicts of `rollout_steps`' assignment, rules and
+    placement. Returns each replica's `SimOutput`, in order."""
+    gens = [rollout_steps(g["assignment"], g["rules"], cost, limits=limits,
+                          placement=g["placement"], kv_block_tokens=kv_block_tokens)
+            for g in groups]
+    replica_of = {r: i for i, g in enumerate(groups) for r in g["assignment"]}
+    views: dict[int, GroupView] = {}
+    outs: dict[int, SimOutput] = {}
+    changed = {i: False for i in range(len(gens))}
+    seen: dict[int, int] = {}  # replica -> responses finished everywhere at its last decision
+    moves_log: dict[int, list] = {i: [] for i in range(len(gens))}
+
+    def advance(i: int, first: bool = False) -> None:
+        try:
+            views[i] = next(gens[i]) if first else gens[i].send(changed[i])
+        except StopIteration as done:
+            outs[i] = done.value
+            views.pop(i, None)
+        changed[i] = False
+
+    for i in range(len(gens)):
+        advance(i, first=True)
+    while views:
+        i = min(views, key=lambda k: (views[k].now(), k))
+        finished = sum(v.finished() for v in views.values())
+        if seen.get(i) != finished and len(views) > consolidation.rules.min_replicas:
+            seen[i] = finished
+            mine = views[i].ranks()
+            if all(q == 0 for _, q, _ in mine.values()) and 0 < sum(
+                    len(run) for run, _, _ in mine.values()) <= consolidation.rules.max_requests:
+                _consolidate(i, views, replica_of, consolidation, changed, moves_log, limits)
+        advance(i)
+    for i, out in outs.items():
+        out.timeline.extend(moves_log[i])
+    return [outs[i] for i in range(len(gens))]
+
+
+def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidation,
+                 changed: dict, moves_log: dict, limits: RankLimits) -> None:
+    """One decision at `giver`'s boundary, applied: its requests out, into the takers."""
+    from flexfloor.rollout import consolidate as cons
+
+    finished: dict[int, list[int]] = {}
+    for v in views.values():
+        for uid, ls in v.lengths.items():
+            finished.setdefault(uid, []).extend(ls)
+    block_bytes = tc.block_tokens * limits.kv_bytes_per_token
+    states, by_id = [], {}
+    for k, v in sorted(views.items()):
+        for rank, (running, queued, free) in sorted(v.ranks().items()):
+            rs = []
+            for req, produced in running:
+                by_id[req.request_id] = (req, produced)
+                rs.append(cons.Running(req.request_id, req.prompt_len + produced,
+                                       tc.remaining(req, produced, finished)))
+            states.append(cons.RankState(rank, k, tuple(rs), queued,
+                                         None if free >= UNBOUNDED_KV else free // block_bytes))
+    state = cons.ConsolidationState(tuple(states), {k: v.now() for k, v in views.items()},
+                                    limits.max_batch_size, tc.block_tokens)
+    decision = cons.decide(state, tc.rules, tc.step_cost, tc.prices, givers=[giver])
+    if not decision.moves:
+        return
+    gone = {}
+    for src in sorted({m.src for m in decision.moves}):
+        gone.update({req.request_id: (req, produced) for req, produced in views[giver].export(src)})
+    for m in decision.moves:
+        k = replica_of[m.dst]
+        views[k].adopt(m.dst, [gone[m.request_id]], m.kind == cons.MoveKind.KV_TRANSFER,
+                       m.ready_s)
+        changed[k] = True
+    changed[giver] = True
+    kinds = Counter(m.kind.value for m in decision.moves)
+    moves_log[giver].append({"time_s": views[giver].now(), "consolidated": len(decision.moves),
+                             "to_replicas": sorted({replica_of[m.dst] for m in decision.moves}),
+                             **dict(kinds)})

@@ -31,17 +31,22 @@ from typing import Optional
 import numpy as np
 
 from flexfloor.config import MODEL_PRESETS, PlacementPolicy
+from flexfloor.rollout.consolidate import ConsolidationRules, MovePrices, remaining_estimate
 from flexfloor.rollout.release import RankLimits, ReleaseRules
 from flexfloor.rollout.metrics import metrics_from_counts, ratios, summed_records
 from flexfloor.rollout.replicas import (  # noqa: F401  (Mode, MODES, ...: re-exported)
     BASELINES, HELD, MODES, Mode, route_least_outstanding,
 )
-from flexfloor.rollout.scheduler import LengthHistory, MemoryModel, PromptGroup, Scheduler
+from flexfloor.rollout.scheduler import (
+    LengthHistory, MemoryModel, Predictor, PromptGroup, Scheduler, prediction_accuracy,
+)
 from flexfloor.rollout.types import Request
 from flexfloor.rollout.workload import dataset_batches, make_lengths, make_prompts, tail_stats
 from flexfloor.sim.cost import CostParams, RooflineCost, UnitCost, kv_budget_bytes
 from flexfloor.sim.hardware import ACCELERATORS, ModelShape
-from flexfloor.sim.rollout import SimRequest, replica_state, simulate_rollout
+from flexfloor.sim.rollout import (
+    SimRequest, TailConsolidation, replica_state, simulate_replicas, simulate_rollout,
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,12 @@ class Scenario:
     # under 0.7 of the baseline's fullest rank, so lockstep steps stay as fast as the baseline's
     max_share: float = 2.0
     load_cap: Optional[float] = None
+    # FlexFloor across replicas, on accelerators: a rank's predicted finish at most this times
+    # the static baseline's predicted end (SchedulerConfig's meaning)
+    pace_margin: float = 0.9
+    # tail consolidation across replicas (flexfloor.rollout.consolidate), elastic mode with
+    # replicas on an accelerator
+    consolidate: bool = False
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
     # figures to reach, checked and printed: {"baseline": mode, metric thresholds}
@@ -96,8 +107,9 @@ PAPER_TARGETS = {"baseline": Mode.SINGLE_GROUP.value, "tokens_per_occupied_worke
                  "static_tail_fraction_about": 1 / 3}
 
 # the policies a GPU deployment runs: placement for memory-bound lockstep decoding (see Scenario),
-# and a floor of one node: the last survivors exchange tokens over NVLink only
-ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8)
+# tail consolidation across replicas, and a floor of one node: a replica of one node is released
+# whole (a shrink inside it would stall it for a new communicator and buys nothing there)
+ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True)
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
@@ -208,26 +220,38 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
         topo.setdefault(mode, topo_r)
     chunks = Scheduler(PlacementPolicy.BASELINE, memory=topo_r.memory, max_batch_size=max_batch)
     flexfloor = Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), memory=topo_r.memory,
-                          max_batch_size=max_batch, max_share=sc.max_share, load_cap=sc.load_cap)
+                          max_batch_size=max_batch, max_share=sc.max_share, load_cap=sc.load_cap,
+                          pace_margin=sc.pace_margin)
     per_epoch, kept = [], []
     for epoch in range(1, sc.epochs + 1):
         groups = [PromptGroup(int(uid), tuple(
             Request(prompt_uid=int(uid), sample_index=s, prompt_ids=(1,) * prompt_lens[uid],
                     max_new_tokens=sc.max_len, target_len=int(lengths[epoch - 1, uid, s]))
             for s in range(sc.samples_per_prompt))) for uid in batches[epoch - 1]]
-        plan = flexfloor.plan(groups, range(sc.gpus))
+        # across replicas on accelerators: placement by modelled seconds; one group, or UnitCost
+        # (which must match the engine): over the ranks by predicted steps
+        step_cost = (None if sc.accelerator is None or sc.replicas == 1 else
+                     rank_step_cost(cost, topo_r.states[replicated[0]][0], replicated[0], max_batch))
+        plan = flexfloor.plan(groups, range(sc.gpus), replicas=replicated, step_cost=step_cost)
         routed = route_least_outstanding(groups, replicated)
         assignments = {Mode.STATIC: routed, Mode.REPLICA_RELEASE: routed,
                        Mode.STATIC_CHUNKS: chunks.plan(groups, range(sc.gpus)).assignment,
                        Mode.SINGLE_GROUP: chunks.plan(groups, range(sc.gpus)).assignment,
                        Mode.ELASTIC: plan.assignment}
         entry, outs = {"epoch": epoch, "prediction_sources": dict(plan.sources)}, {}
+        tails = None
+        if sc.consolidate and sc.accelerator is not None and sc.replicas > 1:
+            tails = tail_consolidation(sc, cost, params, topo_r, step_cost, plan,
+                                       flexfloor.predictor)
         for mode in Mode:
-            out = simulate_mode(mode, assignments[mode], topo[mode], cost, sc)
+            out = simulate_mode(mode, assignments[mode], topo[mode], cost, sc,
+                                tails if mode == Mode.ELASTIC else None)
             m = mode_metrics(out, sc)
             m["timeline"] = out.timeline
             entry[mode.value], outs[mode.value] = m, out
         entry["ideal"] = ideal(outs["elastic"])
+        entry["prediction_accuracy"] = evidence_accuracy(plan, outs["elastic"].lengths,
+                                                         flexfloor.predictor)
         _add_ratios(entry)
         for uid in sorted(outs["elastic"].lengths):
             flexfloor.history.record(uid, outs["elastic"].lengths[uid])
@@ -278,6 +302,22 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
     return report
 
 
+def evidence_accuracy(plan, lengths: dict, predictor) -> dict:
+    """The predictor's accuracy this step (Spearman, MAE of each prompt's predicted vs realised
+    longest sample), per evidence: `history` (the plan's predictions from the prompt's own past)
+    and `siblings` (`Predictor.predict(uid, siblings)` given the shorter half of its samples,
+    those that finish first: what the rollout knows once they are done)."""
+    realised = {uid: float(max(ls)) for uid, ls in lengths.items()}
+    hist = {uid: p for uid, p in plan.predicted.items() if predictor.history.last(uid)}
+    sib = {}
+    for uid, ls in lengths.items():
+        done = sorted(ls)[: len(ls) // 2]
+        if done:
+            sib[uid] = Predictor(LengthHistory(), predictor.prior_quantile).predict(uid, done)[0]
+    return {"history": prediction_accuracy(hist, realised),
+            "siblings": prediction_accuracy(sib, realised)}
+
+
 def _mix_params(sc: Scenario) -> dict:
     """The RL mixes, passed only when set (an exact length file takes none)."""
     out = {}
@@ -288,11 +328,68 @@ def _mix_params(sc: Scenario) -> dict:
     return out
 
 
-def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scenario):
-    """One rollout of `mode`: each EP group on its own, then the hold rule. A held rank stays
-    to the end of the slowest group, its steps counted as that group's."""
+def rank_step_cost(cost, placement, ranks: tuple[int, ...], max_batch: int):
+    """The scheduler's `StepCost` from the cost model: a rank's step with every rank of its EP
+    group (`ranks`, `placement`) loaded alike. Decoding, a step is linear in the cached tokens it
+    reads, so the model is priced once per batch size at two contexts and interpolated."""
+    from flexfloor.sim.cost import RankLoad
+
+    hosted = {r: placement.owner.count(r) for r in ranks}
+    ref = 1 << 20
+
+    def priced(n: int, ctx: float) -> float:
+        return cost.step_seconds([RankLoad(r, n, int(ctx), hosted[r], ctx) for r in ranks],
+                                 placement.owner)
+
+    table = np.array([(priced(n, 0), (priced(n, n * ref) - priced(n, 0)) / (n * ref)) if n
+                      else (0.0, 0.0) for n in range(max_batch + 1)])
+
+    def step_cost(n, ctx):
+        """Elementwise over numpy arrays (or on plain numbers)."""
+        i = np.minimum(n, max_batch)
+        return table[i, 0] + table[i, 1] * ctx
+
+    return step_cost
+
+
+def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, step_cost,
+                       plan, predictor) -> TailConsolidation:
+    """The elastic mode's consolidation across replicas: the decision's rules, the cost model's
+    step cost and move prices (KV over the network between nodes, or a re-prefill priced as a
+    prompt step), and each running request's predicted remaining tokens: the plan's prediction,
+    or for a prompt with no history the siblings already finished in this rollout
+    (`Predictor.predict(uid, siblings)`), corrected once a request outlives it."""
+    from flexfloor.sim.cost import RankLoad
+
+    placement, _ = topo.states[topo.groups[0]]
+    ranks = topo.groups[0]
+    probe = 4096
+    prefill = cost.step_seconds([RankLoad(r, probe, probe, placement.owner.count(r),
+                                          probe * (probe + 1) / 2) for r in ranks],
+                                placement.owner) / probe
+    prices = MovePrices(kv_bytes_per_token=topo.memory.kv_bytes_per_token,
+                        transfer_bytes_per_s=cost.accel.network_bytes_per_s * params.link_efficiency,
+                        reprefill_s_per_token=prefill)
+    with_history = {uid for uid in plan.predicted if predictor.history.last(uid)}
+
+    def remaining(req: SimRequest, produced: int, finished: dict) -> float:
+        predicted = plan.per_request.get(req.request_id, plan.predicted.get(req.prompt_uid, 0.0))
+        if req.prompt_uid not in with_history and finished.get(req.prompt_uid):
+            predicted = predictor.predict(req.prompt_uid, finished[req.prompt_uid])[0]
+        return remaining_estimate(predicted, produced, sc.max_len)
+
+    return TailConsolidation(ConsolidationRules(min_replicas=1), step_cost, prices, remaining,
+                             sc.kv_block_tokens or 1)
+
+
+def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scenario,
+                  tails: Optional[TailConsolidation] = None):
+    """One rollout of `mode`: each EP group on its own (or, with `tails`, together: their tails
+    consolidated), then the hold rule. A held rank stays to the end of the slowest group, its
+    steps counted as that group's."""
     records, timeline, lengths = [], [], {}
     total = responses = created = 0
+    runs = []
     for i, ranks in enumerate(topo.groups):
         placement, holding = topo.states[ranks]
         rules = None
@@ -301,9 +398,15 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
                                  holding=holding, migrate_max_requests=sc.migrate_max_requests)
         sub = {r: [SimRequest(q.request_id, q.prompt_uid, len(q.prompt_ids), q.target_len)
                    for q in assignment.get(r, [])] for r in ranks}
-        out = simulate_rollout(sub, rules, cost, limits=topo.limits, placement=placement,
-                               kv_block_tokens=sc.kv_block_tokens,
-                               exact_blocks=sc.kv_exact_blocks)
+        runs.append({"assignment": sub, "rules": rules, "placement": placement})
+    if tails is not None:
+        outs = simulate_replicas(runs, cost, limits=topo.limits,
+                                 kv_block_tokens=sc.kv_block_tokens, consolidation=tails)
+    else:
+        outs = [simulate_rollout(g["assignment"], g["rules"], cost, limits=topo.limits,
+                                 placement=g["placement"], kv_block_tokens=sc.kv_block_tokens,
+                                 exact_blocks=sc.kv_exact_blocks) for g in runs]
+    for i, out in enumerate(outs):
         records += out.records
         timeline += [{**t, "replica": i} for t in out.timeline] if len(topo.groups) > 1 else out.timeline
         for uid, ls in out.lengths.items():

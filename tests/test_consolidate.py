@@ -1,0 +1,213 @@
+"""Tail consolidation: the decision on hand-built step states (pure, no process group), the
+placement across replicas by modelled seconds, and the simulator with consolidation on counting
+the same tokens as static."""
+
+import numpy as np
+import pytest
+
+from flexfloor.config import PlacementPolicy
+from flexfloor.rollout.consolidate import (
+    ConsolidationRules, ConsolidationState, MoveKind, MovePrices, RankState, Running, decide,
+    remaining_estimate,
+)
+from flexfloor.rollout.scheduler import (
+    LengthHistory, PromptGroup, Scheduler, replica_finish,
+)
+from flexfloor.rollout.types import Request
+
+CHEAP_KV = MovePrices(kv_bytes_per_token=1000, transfer_bytes_per_s=1e9, reprefill_s_per_token=1e-5)
+CHEAP_PREFILL = MovePrices(kv_bytes_per_token=1000, transfer_bytes_per_s=1e6,
+                           reprefill_s_per_token=1e-5)
+
+
+def flat(n, ctx):  # a step costs the same whatever the batch: moving in never slows the taker
+    return 0.01 + 0.0 * np.asarray(ctx, dtype=float)
+
+
+def per_request(n, ctx):  # a step costs 10 ms per running request
+    return 0.01 * np.asarray(n, dtype=float)
+
+
+def rank(rank, replica, *remaining, queued=0, free=None, cached=100):
+    return RankState(rank, replica, tuple(Running(f"r{rank}-{i}", cached, float(x))
+                                          for i, x in enumerate(remaining)), queued, free)
+
+
+def state(*ranks, max_batch=8, now=None):
+    """Replica 0's clock 1 s ahead of the others' by default (the simulator's replicas run on
+    their own clocks; a taker ahead of its giver has the moved KV before it steps again)."""
+    replicas = sorted({r.replica for r in ranks})
+    return ConsolidationState(tuple(ranks), now or {i: 1.0 if i == 0 else 0.0 for i in replicas},
+                              max_batch, 16)
+
+
+def test_a_short_tail_moves_across_replicas_and_its_replica_leaves():
+    # the taker's clock is ahead of the giver's (the simulator's replicas run on their own):
+    # the KV arrives before it steps again, so its end does not move
+    s = state(rank(0, 0, 1000), rank(1, 0, 1000, 900), rank(2, 1, 10), rank(3, 1))
+    d = decide(s, ConsolidationRules(), flat, CHEAP_KV)
+    assert d.leaving_replicas == [1]
+    assert [(m.request_id, m.src, m.dst, m.kind) for m in d.moves] == [
+        ("r2-0", 2, 0, MoveKind.KV_TRANSFER)]  # the least loaded rank of the staying replica
+    assert d.moves[0].seconds == pytest.approx(100 * 1000 / 1e9)
+    # on the replica that ends the rollout even a transfer's wait would lengthen it: refused
+    s0 = state(rank(0, 0, 1000), rank(1, 0, 1000, 900), rank(2, 1, 10), rank(3, 1),
+               now={0: 0.0, 1: 0.0})
+    assert decide(s0, ConsolidationRules(), flat, CHEAP_KV).moves == []
+    # where the link is slow, the request is re-prefilled on its taker instead: the prefill's
+    # second would delay replica 0, which ends the rollout, so it goes to replica 2 (slack)
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 100))
+    d = decide(s, ConsolidationRules(), flat, CHEAP_PREFILL)
+    assert [(m.src, m.dst, m.kind) for m in d.moves] == [(2, 4, MoveKind.REPREFILL)]
+    assert d.moves[0].seconds == pytest.approx(100 * 1e-5)
+
+
+def test_nothing_moves_when_it_does_not_fit():
+    # the takers' batches are full
+    s = state(rank(0, 0, 1000, 900), rank(1, 0, 1000, 900), rank(2, 1, 10, 5), max_batch=2)
+    assert decide(s, ConsolidationRules(), flat, CHEAP_KV).moves == []
+    # a replica with queued requests does not give; only part of a replica would free nothing
+    s = state(rank(0, 0, 1000), rank(1, 0, 1000), rank(2, 1, 10, queued=1))
+    assert decide(s, ConsolidationRules(), flat, CHEAP_KV).moves == []
+    s = state(rank(0, 0, 1000, 900), rank(1, 0, 1000), rank(2, 1, 10, 5), max_batch=2)
+    assert decide(s, ConsolidationRules(), flat, CHEAP_KV).moves == []  # one slot for two
+    # the floor of staying replicas
+    s = state(rank(0, 0, 1000), rank(2, 1, 10))
+    assert decide(s, ConsolidationRules(min_replicas=2), flat, CHEAP_KV).moves == []
+
+
+def test_the_memory_floor_keeps_the_takers_reserve():
+    # the request needs blocks for its 100 cached + 10 remaining tokens (+1): 7 blocks of 16
+    def two(free):
+        return state(rank(0, 0, 1000, free=free), rank(2, 1, 10, free=50))
+
+    assert decide(two(7), ConsolidationRules(), flat, CHEAP_KV).leaving_replicas == [1]
+    assert decide(two(6), ConsolidationRules(), flat, CHEAP_KV).moves == []
+    assert decide(two(9), ConsolidationRules(reserve_blocks=3), flat, CHEAP_KV).moves == []
+    assert decide(two(10), ConsolidationRules(reserve_blocks=3), flat, CHEAP_KV).moves != []
+
+
+def test_the_step_cost_bound_never_lengthens_the_rollout():
+    # one more request on the long replica doubles its step: 1000 steps at 20 ms > its 11 s end
+    s = state(rank(0, 0, 1000), rank(2, 1, 10))
+    assert decide(s, ConsolidationRules(), per_request, CHEAP_KV).moves == []
+    # the same move onto a replica with slack (it ends long before the rollout does) is taken
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 100))
+    d = decide(s, ConsolidationRules(), per_request, CHEAP_KV)
+    assert d.leaving_replicas == [1]
+    assert [(m.src, m.dst) for m in d.moves] == [(2, 4)]
+    # its end with the move (100 steps at 10 ms, 10 of them at 20 ms) within the rollout's
+    # 11 s; a later clock counts: from 9.95 s replica 2 would end at 11.05 s
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 100), now={0: 1.0, 1: 0.0, 2: 9.95})
+    assert decide(s, ConsolidationRules(), per_request, CHEAP_KV).moves == []
+
+
+def test_a_request_moved_twice():
+    # first: replica 0's batch is full, so replica 2's last request goes to replica 1
+    s1 = state(rank(0, 0, 1000, 1000), rank(2, 1, 200), rank(4, 2, 10), max_batch=2)
+    d1 = decide(s1, ConsolidationRules(), flat, CHEAP_KV)
+    assert [(m.request_id, m.src, m.dst) for m in d1.moves] == [("r4-0", 4, 2)]
+    # later: replica 0 has room; replica 1 holds its own request and the moved one, both leave
+    moved = Running("r4-0", 150, 5.0)
+    s2 = state(rank(0, 0, 900), RankState(2, 1, (Running("r2-0", 150, 150.0), moved), 0, None),
+               max_batch=4)
+    d2 = decide(s2, ConsolidationRules(), flat, CHEAP_KV)
+    assert d2.leaving_replicas == [1]
+    assert sorted((m.request_id, m.src, m.dst) for m in d2.moves) == [
+        ("r2-0", 2, 0), ("r4-0", 2, 0)]
+
+
+def test_remaining_estimate_corrects_an_outlived_prediction():
+    assert remaining_estimate(100, 30, 1000) == 70
+    assert remaining_estimate(100, 200, 1000) == 100  # outlived: half as much again
+    assert remaining_estimate(100, 900, 1000) == 100  # never past the cap
+    assert remaining_estimate(100, 999, 1000) == 1
+
+
+def test_replica_finish_steps_at_the_fullest_ranks_pace():
+    cost = lambda n, ctx: 1.0 + 0.0 * np.asarray(ctx, dtype=float) + 0.5 * (np.asarray(n) > 1)
+    # rank 0: one request of 10 steps; rank 1: two of 4: 4 steps at 1.5, then 6 at 1.0
+    assert replica_finish([([10], [0]), ([4, 4], [0, 0])], cost) == [pytest.approx(12.0),
+                                                                     pytest.approx(6.0)]
+    assert replica_finish([([10], [0]), ([], [])], cost) == [pytest.approx(10.0), 0.0]
+
+
+def test_placement_across_replicas_puts_long_work_on_the_staying_replica_within_the_bound():
+    lengths = {u: n for u, n in enumerate([400, 380, 60, 50, 40, 40, 30, 30, 20, 20, 10, 10])}
+    h = LengthHistory()
+    for uid, n in lengths.items():
+        h.record(uid, [n] * 4)
+    gs = [PromptGroup(u, tuple(Request(prompt_uid=u, sample_index=s, prompt_ids=(1,) * 4,
+                                       max_new_tokens=500) for s in range(4))) for u in lengths]
+
+    def cost(n, ctx):  # a step's fixed part plus its KV read
+        return 1.0 + 0.002 * np.asarray(ctx, dtype=float)
+
+    sched = Scheduler(PlacementPolicy.FLEXFLOOR, h, max_batch_size=64, pace_margin=1.0)
+    replicas = [[0, 1], [2, 3], [4, 5]]
+    plan = sched.plan(gs, range(6), replicas=replicas, step_cost=cost)
+    placed = sorted(q.request_id for v in plan.assignment.values() for q in v)
+    assert placed == sorted(q.request_id for g in gs for q in g.requests)
+    where = {q.prompt_uid: r for r, v in plan.assignment.items() for q in v}
+    # the longest prompt on replica 0; the next does not fit beside it within the bound (a step
+    # there would read twice the KV), so it leads replica 1
+    assert where[0] in (0, 1) and where[1] in (2, 3)
+    # every rank within the bound (the static baseline's predicted end), and the plan's order:
+    # replica 0 stays longest, the short work's replicas leave first
+    assert max(plan.expected_finish.values()) <= plan.finish_bound + 1e-9
+    order = plan.leaving_order(replicas)
+    assert order[-1] == 0
+    ends = [max(plan.expected_finish[r] for r in g) for g in replicas]
+    assert ends[0] == max(ends) and min(ends) < ends[0] / 2
+
+
+def test_the_simulator_with_consolidation_counts_the_same_tokens():
+    """Three replicas of 8 H800 ranks: replica 1's short requests fit on replica 2, which has
+    slack before replica 0 ends the rollout, so they move and replica 1 leaves early; every
+    response has the length it has without consolidation, and the tokens are the same."""
+    from flexfloor.rollout.release import RankLimits, ReleaseRules
+    from flexfloor.sim.cost import RooflineCost
+    from flexfloor.sim.hardware import ACCELERATORS, ModelShape
+    from flexfloor.sim.rollout import (
+        SimRequest, TailConsolidation, replica_state, simulate_replicas, simulate_rollout,
+    )
+    from flexfloor.sim.scenarios import rank_step_cost
+
+    shape = ModelShape.from_preset("qwen3-30b-a3b")
+    cost = RooflineCost(ACCELERATORS["H800"], shape)
+    limits = RankLimits(kv_bytes_per_token=shape.kv_bytes_per_token, max_seq_len=9000,
+                        max_batch_size=64, kv_budget_bytes=None, expert_nbytes=shape.expert_bytes)
+    groups = []
+    for i, ranks in enumerate([tuple(range(8)), tuple(range(8, 16)), tuple(range(16, 24))]):
+        placement, holding = replica_state(shape.num_experts, ranks)
+        # replica 0: the longest requests (it ends the rollout); replica 1: short ones; replica
+        # 2: medium ones (it has slack to take replica 1's tail)
+        lengths = [[[4000 + 100 * r, 3000], [200 + 50 * r, 300 + 50 * r], [1500, 1200]][i]
+                   for r in range(8)]
+        assignment = {rank: [SimRequest(f"{rank}-{k}", rank * 10 + k, 200, n)
+                             for k, n in enumerate(lengths[j])] for j, rank in enumerate(ranks)}
+        groups.append({"assignment": assignment, "placement": placement,
+                       "rules": ReleaseRules(min_active_ranks=8, holding=holding)})
+    placement = groups[0]["placement"]
+    tails = TailConsolidation(
+        ConsolidationRules(), rank_step_cost(cost, placement, tuple(range(8)), 64),
+        MovePrices(shape.kv_bytes_per_token, 35e9, 1e-4),
+        lambda req, produced, finished: float(req.length - produced), 16)
+    on = simulate_replicas(groups, cost, limits=limits, kv_block_tokens=16, consolidation=tails)
+    off = [simulate_rollout(g["assignment"], g["rules"], cost, limits=limits,
+                            placement=g["placement"], kv_block_tokens=16) for g in groups]
+    moved = [t for t in on[1].timeline if "consolidated" in t]
+    assert moved and 1 not in moved[0]["to_replicas"], on[1].timeline
+    assert sum(o.total_tokens for o in on) == sum(o.total_tokens for o in off) == sum(
+        q.length for g in groups for v in g["assignment"].values() for q in v)
+    lengths_on, lengths_off = {}, {}
+    for outs, into in ((on, lengths_on), (off, lengths_off)):
+        for o in outs:
+            for uid, ls in o.lengths.items():
+                into.setdefault(uid, []).extend(ls)
+    assert {u: sorted(v) for u, v in lengths_on.items()} == {u: sorted(v) for u, v in lengths_off.items()}
+    # replica 1 leaves when it hands over, before its own requests would have ended; the
+    # rollout is no longer for it
+    release = lambda outs, i: max(r["release_s"] for r in outs[i].records)
+    assert release(on, 1) < release(off, 1)
+    assert max(release(on, i) for i in range(3)) <= max(release(off, i) for i in range(3))
