@@ -41,7 +41,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.rollout.metrics import json_safe  # noqa: E402
+from flexfloor.rollout.metrics import cpu_seconds_warning, json_safe  # noqa: E402
+from flexfloor.sim.cost import cost_model  # noqa: E402
 from flexfloor.rollout.workload import (  # noqa: E402
     DEFAULT_PARAMS, DISTRIBUTIONS, MIX_PARAMS, NOISE_PARAMS, dataset_batches, make_lengths,
     make_prompts, tail_stats,
@@ -115,8 +116,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("--repeats", type=int, default=3, help="runs of each mode per epoch")
     b.add_argument("--modes", default="static,elastic",
                    help="comma-separated subset of static,elastic")
+    c = p.add_argument_group("modelled seconds: every real step priced by the simulator's cost model")
+    c.add_argument("--accelerator", default="H800", help="H100, H800, H200, A100 or unit (1 a step)")
+    c.add_argument("--model-shape", default="qwen3-30b-a3b", help="a model preset or deepseek-v3")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        args.cost = cost_model(args.accelerator, args.model_shape)
+    except ValueError as e:
+        p.error(f"--accelerator/--model-shape: {e}")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES] or ([] if args.modes else ["(none)"])
     if bad:
@@ -259,6 +267,9 @@ def format_report(report: dict) -> str:
         ("rollout_wall_seconds", "rollout_wall_seconds"),
         ("rollout_wall_steps", "rollout_wall_steps"),
         ("tail_fraction", None),
+        ("modelled_occupied_gpu_seconds", None),
+        ("tokens_per_modelled_occupied_gpu_second", "tokens_per_modelled_occupied_gpu_second"),
+        ("modelled_rollout_seconds", "modelled_rollout_seconds"),
     ]
     epochs = report["summary_epochs"]
     head = f"epochs {epochs[0]}..{epochs[-1]}" if len(epochs) > 1 else f"epoch {epochs[0]}"
@@ -271,6 +282,8 @@ def format_report(report: dict) -> str:
         lines.append(line)
     repeats = report.get("setup", {}).get("repeats", 1)
     lines.append(f"(seconds: per-rank medians over {repeats} repeats; steps, tokens: exact)")
+    if report.get("setup", {}).get("cpu_seconds_warning"):
+        lines.append(f"warning: {report['setup']['cpu_seconds_warning']}")
     for e in report["per_epoch"]:
         parts = [f"{m} {e[m]['occupied_worker_steps']} steps" for m in modes]
         if "ratios" in e:
@@ -403,7 +416,7 @@ class Bench:
         entry = {"epoch": epoch, "history": epoch > 1, "seconds": time.perf_counter() - t0}
         kept = {}
         for mode in args.modes:
-            entry[mode], kept[mode] = mode_report(runs[mode], plans[mode], self.world)
+            entry[mode], kept[mode] = mode_report(runs[mode], plans[mode], self.world, args)
         if epoch > 1 or args.epochs == 1:
             self.kept.append(kept)
         if "elastic" in args.modes:
@@ -465,20 +478,19 @@ class Bench:
         out = self.engine.generate(plan.assignment[self.rank], membership)
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
         if mode == "elastic":
-            out.record.extra.update(membership.group_record())
-        out.record.extra.update(groups_created_during_rollout=live_process_groups() - groups,
-                                resident_bytes_before_release=held,
-                                resident_bytes_after_release=held)
-        out.record.extra["resync_s"] = resync(self.moe, self.layout, self.par, membership,
-                                              on_event=listener)
+            out.record.note(**membership.group_record())
+        out.record.note(groups_created_during_rollout=live_process_groups() - groups,
+                        resident_bytes_before_release=held, resident_bytes_after_release=held)
+        out.record.resync_s = resync(self.moe, self.layout, self.par, membership,
+                                     on_event=listener)
         if listener is not None:
-            out.record.extra.update(listener.take_stats())
+            out.record.note(**listener.take_stats())
         records, results = [None] * self.world, [None] * self.world
         dist.all_gather_object(records, out.record.as_dict(), group=self.par.world_group)
         dist.all_gather_object(results, out.results, group=self.par.world_group)
         results = [r for part in results for r in part]
         return {"records": records, "results": results,
-                "metrics": rollout_metrics(records, results)}
+                "metrics": rollout_metrics(records, results, self.args.cost)}
 
     def workload_report(self) -> dict:
         args, lengths = self.args, drawn_lengths(self.args, self.lengths)
@@ -505,17 +517,19 @@ class Bench:
         return {"nproc": self.world, "backend": self.par.backend,
                 "num_experts": self.args.num_experts, "training_ep_size": self.par.ep_size,
                 "max_seq_len": self.model_cfg.max_seq_len, "repeats": self.args.repeats,
-                "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start}
+                "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start,
+                "accelerator": self.args.accelerator, "model_shape": self.args.model_shape,
+                "cpu_seconds_warning": cpu_seconds_warning(self.world)}
 
 
-def mode_report(runs: list[dict], plan, world: int) -> tuple[dict, tuple]:
+def mode_report(runs: list[dict], plan, world: int, args) -> tuple[dict, tuple]:
     """One mode's figures for one epoch: `rollout_metrics` of the per-rank median records over
     the repeats; returns (figures, (median records, results)) for the summary."""
     from flexfloor.rollout.metrics import rollout_metrics
 
     records = median_records([run["records"] for run in runs])
     results = runs[0]["results"]
-    m = rollout_metrics(records, results)
+    m = rollout_metrics(records, results, args.cost)
     m["repeats"] = {k: [run["metrics"][k] for run in runs] for k in (
         "occupied_worker_seconds", "rollout_wall_seconds", "occupied_worker_steps",
         "responses_sha256")}
@@ -576,7 +590,7 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
     for mode in args.modes:
         summed = summed_records([k[mode][0] for k in kept])
         results = [r for k in kept for r in k[mode][1]]
-        m = rollout_metrics(summed, results)
+        m = rollout_metrics(summed, results, args.cost)
         m.pop("released_ranks")  # per epoch only
         for key in ("rollout_wall_seconds", "rollout_wall_steps"):
             m[key] = sum(e[mode][key] for e in chosen)

@@ -33,7 +33,9 @@ import numpy as np
 
 from flexfloor.config import MODEL_PRESETS, PlacementPolicy
 from flexfloor.rollout.release import RankLimits, ReleaseRules
-from flexfloor.rollout.metrics import metrics_from_counts, ratios, summed_records
+from flexfloor.rollout.metrics import (
+    MODELLED_FIGURES, metrics_from_counts, modelled_figures, ratios, summed_records,
+)
 from flexfloor.rollout.scheduler import (
     LengthHistory, MemoryModel, PromptGroup, Scheduler, least_outstanding,
 )
@@ -354,9 +356,8 @@ def mode_metrics(out, sc: Scenario) -> dict:
     m = metrics_from_counts(out.records, total_tokens=out.total_tokens,
                             num_responses=out.num_responses)
     m["groups_created_during_rollout"] = out.groups_created
-    modelled = sc.accelerator is not None
-    m["modelled_occupied_gpu_seconds"] = m["occupied_worker_seconds"] if modelled else None
-    m["modelled_rollout_seconds"] = m["rollout_wall_seconds"] if modelled else None
+    m.update(modelled_figures(m["occupied_worker_seconds"], m["rollout_wall_seconds"],
+                              out.total_tokens) if sc.accelerator else dict.fromkeys(MODELLED_FIGURES))
     return m
 
 
