@@ -138,3 +138,23 @@ def test_rollout_metrics_prices_records_and_summed_records():
         2 * one["modelled_occupied_gpu_seconds"])
     assert two["modelled_rollout_seconds"] == pytest.approx(2 * one["modelled_rollout_seconds"])
     assert "modelled_occupied_gpu_seconds" not in rollout_metrics(records, [])
+
+
+def test_experts_touched_are_used_when_the_trace_is_of_the_cost_models_shape():
+    """A trace of the cost model's own expert and layer counts (a real run of that model) is
+    priced with the experts that really received rows; another model's, with the estimate."""
+    shape = H800.model
+
+    def priced(num_experts: int, touched_per_layer: int) -> float:
+        owner = tuple(r for r in RANKS for _ in range(num_experts // len(RANKS)))
+        tr = {}
+        for r in RANKS:
+            t = tr[r] = StepTrace(num_experts=num_experts, num_layers=shape.num_layers,
+                                  expert_bytes=1000)
+            t.enter_group(RANKS, owner)
+            t.add_step(decoding(2, 100), touched_per_layer * shape.num_layers)
+        return price_trace(tr, H800).rollout_s
+
+    e = shape.num_experts
+    assert priced(e, 2) < priced(e, e // len(RANKS))  # the weights of more experts read
+    assert priced(8, 1) == priced(8, 2)  # the tiny model's routing does not carry over
