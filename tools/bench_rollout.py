@@ -116,8 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("--repeats", type=int, default=3, help="runs of each mode per epoch")
     b.add_argument("--modes", default="static,elastic",
                    help="comma-separated subset of static,elastic")
-    c = p.add_argument_group("modelled seconds: every real step priced by the simulator's cost model")
-    c.add_argument("--accelerator", default="H800", help="H100, H800, H200, A100 or unit (1 a step)")
+    c = p.add_argument_group("modelled seconds (every real step priced by the cost model)")
+    c.add_argument("--accelerator", default="H800", help="H100, H800, H200, A100 or unit")
     c.add_argument("--model-shape", default="qwen3-30b-a3b", help="a model preset or deepseek-v3")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

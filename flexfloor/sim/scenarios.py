@@ -356,8 +356,8 @@ def mode_metrics(out, sc: Scenario) -> dict:
     m = metrics_from_counts(out.records, total_tokens=out.total_tokens,
                             num_responses=out.num_responses)
     m["groups_created_during_rollout"] = out.groups_created
-    m.update(modelled_figures(m["occupied_worker_seconds"], m["rollout_wall_seconds"],
-                              out.total_tokens) if sc.accelerator else dict.fromkeys(MODELLED_FIGURES))
+    m.update(dict.fromkeys(MODELLED_FIGURES) if sc.accelerator is None else modelled_figures(
+        m["occupied_worker_seconds"], m["rollout_wall_seconds"], out.total_tokens))
     return m
 
 
