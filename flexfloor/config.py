@@ -254,10 +254,13 @@ class RolloutConfig:
     kv_block_tokens: int = 16  # tokens per KV block (the pool holds kv_budget_tokens // this)
     seed: int = 0  # base of the per-request RNG streams
     progress: bool = True  # show a progress line while generating
+    # engine replicas: R EP groups of world / R ranks, each holding every expert, each decoding
+    # its own requests (flexfloor/rollout/replicas.py); 1 = one world-wide group
+    replicas: int = 1
 
     def validate(self) -> None:
         _positive("rollout", self, "samples_per_prompt", "max_new_tokens", "max_batch_size",
-                  "kv_budget_tokens", "kv_block_tokens")
+                  "kv_budget_tokens", "kv_block_tokens", "replicas")
         _non_negative("rollout", self, "temperature", "top_k", "seed")
         _in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
         for i, t in enumerate(self.stop_token_ids):
@@ -473,6 +476,17 @@ class Config:
             _require(world % ep == 0, "parallel.expert_parallel_size",
                      f"parallel.world_size={world} is not a multiple of {ep}; set "
                      f"parallel.expert_parallel_size to one of {divisors}")
+        if world is not None:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            _require(world % r.replicas == 0, "rollout.replicas",
+                     f"{r.replicas} replicas do not divide parallel.world_size={world} (each "
+                     f"replica is an EP group of world / replicas ranks); set rollout.replicas "
+                     f"to one of {divisors}")
+            per_replica = world // r.replicas
+            _require(self.elastic.min_active_ranks <= per_replica, "elastic.min_active_ranks",
+                     f"{self.elastic.min_active_ranks} is more than the {per_replica} ranks of a "
+                     f"replica (parallel.world_size / rollout.replicas); set "
+                     f"elastic.min_active_ranks <= {per_replica} or rollout.replicas lower")
         if ep is not None:
             _require(m.num_experts >= ep, "model.num_experts",
                      f"{m.num_experts} experts are fewer than the {ep} EP ranks "

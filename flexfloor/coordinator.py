@@ -172,7 +172,8 @@ class Job:
         self.reference = None  # the frozen policy the KL is measured to (after the warm start)
         self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.model,
                                              total_steps=cfg.trainer.steps)
-        self.layout = RolloutLayout.gather(self.model, self.parallel)
+        self.layout = RolloutLayout.gather(self.model, self.parallel,
+                                           replicas=cfg.rollout.replicas)
         self.moe = self.layout.moe(self.model, self.parallel)
         memory = MemoryModel.of_model(self.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens,
                                       block_tokens=cfg.rollout.kv_block_tokens)
@@ -239,6 +240,7 @@ class Job:
         with self.phase("plan", k):
             plan = self.scheduler.plan(groups, range(self.parallel.world_size))
             listener = self._release_listener()
+            self.layout.start(self.moe)  # replicas: their borrowed experts, their groups
             membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
                                         self.layout, self.cfg.elastic,
                                         scheduler_cfg=self.cfg.scheduler, step=k,

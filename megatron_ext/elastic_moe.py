@@ -56,6 +56,53 @@ class Routed:
 
 
 @dataclass
+class ExpertStack:
+    """A layer's own experts `first .. first + count - 1` as stacked weights: projection name ->
+    [count, out, in], views of the experts' own parameters."""
+
+    first: int
+    count: int
+    weights: dict[str, torch.Tensor]
+
+
+def stacked_weights(weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[n, out, in] view of n equally shaped contiguous weights that lie one after another in
+    one storage (`flexfloor.model.stack_expert_weights` stores them so); None otherwise."""
+    w0 = weights[0]
+    if not w0.is_contiguous():
+        return None
+    step = w0.numel() * w0.element_size()
+    for i, w in enumerate(weights):
+        if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
+                or w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr()
+                or w.data_ptr() != w0.data_ptr() + i * step):
+            return None
+    return w0.detach().as_strided((len(weights),) + tuple(w0.shape),
+                                  (w0.numel(),) + tuple(w0.stride()))
+
+
+_GROUPED_MM: dict[tuple, bool] = {}
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs for this device and dtype (tried once on tiny inputs and
+    checked against `F.linear`; e.g. no float64 kernel, or a GPU generation without one)."""
+    key = (device.type, device.index, dtype)
+    if key not in _GROUPED_MM:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.ones(4, 16, dtype=dtype, device=device)
+                w = torch.ones(2, 16, 16, dtype=dtype, device=device)
+                offs = torch.tensor([1, 4], dtype=torch.int32, device=device)
+                ok = bool((torch._grouped_mm(a, w.transpose(1, 2), offs=offs) == 16).all())
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_MM[key] = ok
+    return _GROUPED_MM[key]
+
+
+@dataclass
 class Dispatched:
     """The handle a dispatch returns: what compute reads and what combine needs to undo it."""
 
@@ -97,6 +144,7 @@ class PlacedMoE:
         # hosted experts that received rows, every layer of every step (a host count: the
         # engine's per-step trace reads it)
         self.experts_touched = 0
+        self._stacks: dict[int, Optional[ExpertStack]] = {}  # layer -> own experts stacked
         self.rebind(group, placement)
 
     # ---------------------------------------------------------------- layout
@@ -222,12 +270,14 @@ class PlacedMoE:
                           recv_x[by_expert], recv_p[by_expert], by_expert, x)
 
     def compute(self, layer: int, handle: "Dispatched") -> torch.Tensor:
-        """Expert MLPs over the rows sorted by expert: raw GEMMs on each hosted expert's own
-        weights (no copies), only for experts that received rows; the activation and the
-        probability scaling run once over every row. Returns rows in received order."""
+        """Expert MLPs over the rows sorted by expert, only for experts that received rows; the
+        activation and the probability scaling run once over every row. The model's own experts
+        run as one grouped GEMM per projection over their stacked weights (`stacked_weights`,
+        views of the trainer's parameters) where torch has one for the dtype and device; other
+        experts (borrowed ones) as raw GEMMs on their own weights. Returns rows in received order."""
         rows, probs = handle.rows, handle.probs
         hosted = self.hosted[layer]
-        groups = []  # (module, first row, rows) of each expert that received rows
+        groups = []  # (expert, module, first row, rows) of each expert that received rows
         start = 0
         for e, n in enumerate(handle.per_expert):
             if n == 0:
@@ -236,20 +286,65 @@ class PlacedMoE:
             if module is None:
                 raise PlacementError(f"rank {self.rank} received tokens for expert {e} it does "
                                      f"not host (layer {layer})")
-            groups.append((module, start, n))
+            groups.append((e, module, start, n))
             start += n
         self.experts_touched += len(groups)
         if not groups:
             out = torch.empty_like(rows)
-        elif self._raw_experts(groups[0][0]):
-            h = torch.cat([F.linear(rows[s:s + n], m.linear_fc1.weight) for m, s, n in groups])
-            h = self._activation(groups[0][0].config, h, probs)  # [N, F]
-            out = torch.cat([F.linear(h[s:s + n], m.linear_fc2.weight) for m, s, n in groups])
+        elif self._raw_experts(groups[0][1]):
+            stack = self._stack(layer, rows)
+            h = self._project(rows, groups, handle.per_expert, stack, "linear_fc1")
+            h = self._activation(groups[0][1].config, h, probs)  # [N, F]
+            out = self._project(h, groups, handle.per_expert, stack, "linear_fc2")
         else:  # biases or fused kernels: Megatron's own forward per expert
-            out = torch.cat([m(rows[s:s + n], probs[s:s + n])[0] for m, s, n in groups])
+            out = torch.cat([m(rows[s:s + n], probs[s:s + n])[0] for _, m, s, n in groups])
         if handle.by_expert is not None:  # back to the order rows arrived in
             out = torch.empty_like(out).index_copy_(0, handle.by_expert, out)
         return out
+
+    def grouped_layers(self, dtype: torch.dtype) -> int:
+        """Layers whose own experts run as grouped GEMMs for rows of `dtype` (the rest: one GEMM
+        per expert). Benchmarks report it."""
+        probe = torch.empty(0, dtype=dtype, device=self.device)
+        return sum(self._stack(li, probe) is not None for li in range(len(self.layers)))
+
+    def _stack(self, layer: int, rows: torch.Tensor) -> Optional["ExpertStack"]:
+        """The layer's own experts as stacked weights, when they are stored stacked and a
+        grouped GEMM runs for these rows' dtype and device (else None: one GEMM per expert)."""
+        if not _grouped_mm_runs(rows.device, rows.dtype):
+            return None
+        if layer not in self._stacks:
+            mlp = self.layers[layer]
+            ids = list(mlp.local_expert_indices)
+            experts = list(mlp.experts.local_experts)
+            fc1 = stacked_weights([m.linear_fc1.weight for m in experts])
+            fc2 = stacked_weights([m.linear_fc2.weight for m in experts])
+            contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
+            self._stacks[layer] = (ExpertStack(ids[0], len(ids), {"linear_fc1": fc1, "linear_fc2": fc2})
+                                   if fc1 is not None and fc2 is not None and contiguous else None)
+        return self._stacks[layer]
+
+    @staticmethod
+    def _project(x: torch.Tensor, groups, per_expert: list[int], stack: Optional["ExpertStack"],
+                 name: str) -> torch.Tensor:
+        """One projection (`name`) of every expert's rows of x (sorted by expert): the stacked
+        experts' rows in one grouped GEMM, the others one raw GEMM each, in expert order."""
+        if stack is None:
+            return torch.cat([F.linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in groups])
+        first, count = stack.first, stack.count
+        inside = [g for g in groups if first <= g[0] < first + count]
+        before = [g for g in groups if g[0] < first]
+        after = [g for g in groups if g[0] >= first + count]
+        parts = [F.linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in before]
+        if inside:
+            lo = inside[0][2]
+            hi = inside[-1][2] + inside[-1][3]
+            counts = torch.tensor(per_expert[first:first + count], dtype=torch.int32)
+            offs = counts.cumsum(0, dtype=torch.int32).to(x.device)
+            w = stack.weights[name]  # [experts, out, in]
+            parts.append(torch._grouped_mm(x[lo:hi], w.transpose(1, 2), offs=offs))
+        parts += [F.linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in after]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _raw_experts(self, module) -> bool:
         """Whether Megatron's `MLP.forward` of these experts runs as raw ops (no biases, no

@@ -1,5 +1,6 @@
-"""The rollout benchmark end to end on 4 gloo workers, small: the JSON contract of the README, identical
-responses, fewer occupied worker-steps with release, and the timeline plot."""
+"""The rollout benchmark end to end on 4 gloo workers as 2 replicas, small: the JSON contract of the
+README for every mode, identical responses across the five modes, fewer occupied worker-steps with
+release, and the timeline plot."""
 
 import json
 import os
@@ -15,6 +16,7 @@ FIELDS = ("total_response_tokens", "occupied_worker_seconds", "occupied_worker_s
           "modelled_rollout_seconds", "tokens_per_modelled_occupied_gpu_second")
 RATIOS = ("tokens_per_occupied_worker_second", "tokens_per_occupied_worker_step",
           "rollout_wall_seconds")
+MODES = ["static", "static_chunks", "replica_release", "single_group", "elastic"]
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,8 @@ def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     out, png = d / "b.json", d / "b.png"
     proc = subprocess.run(
-        [sys.executable, "tools/bench_rollout.py", "--nproc", "4", "--num-prompts", "8",
+        [sys.executable, "tools/bench_rollout.py", "--nproc", "4", "--replicas", "2",
+         "--num-prompts", "8",
          "--samples-per-prompt", "2", "--epochs", "2", "--repeats", "1", "--length-median", "6",
          "--out", str(out), "--plot", str(png)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -34,12 +37,17 @@ def run(tmp_path_factory):
 
 def test_json_has_the_design_contract(run):
     report, _, _ = run
-    for mode in ("static", "elastic"):
+    assert report["modes"] == MODES  # every mode by default
+    assert report["setup"]["replica_ranks"] == [[0, 1], [2, 3]]
+    for mode in MODES:
         assert all(k in report[mode] for k in FIELDS), sorted(report[mode])
         per_rank = report[mode]["per_rank"]
         assert [r["rank"] for r in per_rank] == [0, 1, 2, 3]
         assert all(set(r) >= {"rank", "local_finish_s", "release_s", "steps"} for r in per_rank)
     assert set(report["ratios"]) >= set(RATIOS)
+    assert set(report["ratios_vs"]) == set(MODES) - {"elastic"}
+    assert all(set(r) >= set(RATIOS) for r in report["ratios_vs"].values())
+    assert report["ratios_vs"]["static"] == report["ratios"]
     assert report["summary_epochs"] == [2]
     assert [e["epoch"] for e in report["per_epoch"]] == [1, 2]
     assert report["caveat"] and "tail_stats" in report["workload"]
@@ -50,9 +58,16 @@ def test_identical_responses_and_fewer_occupied_steps(run):
     report, _, _ = run
     assert report["identical_responses"] is True
     assert all(e["sha_match"] for e in report["per_epoch"])
-    assert report["static"]["responses_sha256"] == report["elastic"]["responses_sha256"]
-    assert report["static"]["total_response_tokens"] == report["elastic"]["total_response_tokens"]
+    for mode in MODES:
+        assert report[mode]["responses_sha256"] == report["elastic"]["responses_sha256"], mode
+        assert report[mode]["total_response_tokens"] == report["elastic"]["total_response_tokens"]
     assert report["elastic"]["occupied_worker_steps"] <= report["static"]["occupied_worker_steps"]
+    # held modes: every rank occupied to the end of the slowest replica
+    for mode in ("static", "static_chunks", "single_group"):
+        assert len({r["steps"] for r in report[mode]["per_rank"]}) == 1, mode
+    # replica_release lets a replica go at its own end: never more than static
+    assert (report["replica_release"]["occupied_worker_steps"]
+            <= report["static"]["occupied_worker_steps"])
     # epoch 2 places from history: its predictor saw every prompt before
     assert report["per_epoch"][1]["predictor"]["sources"]["history"] == 8
 
@@ -92,6 +107,9 @@ def test_table_and_plot(run, tmp_path):
     report, png, stdout = run
     assert "epoch 2/2" in stdout and "tokens_per_occupied_worker_step" in stdout
     assert "tokens_per_modelled_occupied_gpu_second" in stdout
+    header = next(line for line in stdout.splitlines() if line.startswith("epoch 2 "))
+    assert header.split()[2:] == MODES + ["elastic/static"]  # a column per mode
+    assert all(f"elastic / {b}" in stdout for b in MODES[:-1])
     assert png.exists() and png.stat().st_size > 0
     # the timeline tool reads the benchmark's JSON too
     src, out = tmp_path / "b.json", tmp_path / "t.png"
@@ -109,6 +127,7 @@ def test_table_and_plot(run, tmp_path):
     (["--modes", "static,fast"], "unknown"),
     (["--kv-budget-tokens", "50"], "cannot hold the longest request"),
     (["--accelerator", "TPU"], "--accelerator/--model-shape: accelerator 'TPU' unknown"),
+    (["--replicas", "3"], "--replicas 3 must divide --nproc 4"),
 ])
 def test_bad_options_fail_before_launching(tmp_path, flags, message):
     proc = subprocess.run([sys.executable, "tools/bench_rollout.py", "--out",

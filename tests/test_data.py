@@ -391,6 +391,18 @@ def test_held_out_synthetic_split_is_never_a_training_prompt(tmp_path):
     assert 60 not in {e.uid for e in files.val} and "repeat a training prompt" in files.note
 
 
+def test_main_job_validates_on_its_whole_held_out_split():
+    """The main job's config: every one of its data.val_size prompts is held out (none dropped
+    for lack of candidates), and none is a training prompt."""
+    from flexfloor.config import load_config
+    from flexfloor.data import load_data
+
+    cfg = load_config(str(REPO / "examples" / "configs" / "grpo_tiny.yaml"), []).data
+    data = load_data(cfg)
+    assert len(data.train) == cfg.synthetic_num_prompts and len(data.val) == cfg.val_size >= 256
+    assert not {e.prompt for e in data.train} & {e.prompt for e in data.val}
+
+
 def test_custom_reward_fn_from_a_file_and_errors_naming_file_and_function(tmp_path):
     fn = tmp_path / "my_reward.py"
     fn.write_text(

@@ -113,7 +113,8 @@ def test_rank_record_json_names_and_typed_fields():
     # the names the benchmark's JSON and the tools read (unset optional figures are left out)
     assert {"rank", "start_s", "local_finish_s", "release_s", "steps", "busy_steps", "tokens",
             "requests", "kv_peak_bytes", "preempted", "floor_hits", "migrated_out", "adopted",
-            "plan_s", "transfer_s", "switch_s", "sent_bytes", "groups_created_during_rollout",
+            "plan_s", "transfer_s", "switch_s", "sent_bytes", "start_sent_bytes",
+            "groups_created_during_rollout",
             "switch_s_per_shrink", "trace"} == set(d)
     rec.note(release_step=4, resident_bytes_before_release=10, resident_bytes_after_release=2,
              groups_created_during_rollout=1)

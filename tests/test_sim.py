@@ -1,6 +1,6 @@
 """The cluster simulator: with every step costing 1 it must count exactly the steps the real
-engine takes (per rank, per epoch, both modes, release order included) for the same lengths and
-policies; and the paper-like scenario must meet the paper's targets."""
+engine takes (per rank, per epoch, every mode, with 1 and 2 replicas, release order included) for
+the same lengths and policies; and the paper-like scenario must meet the paper's targets."""
 
 import json
 import os
@@ -21,15 +21,18 @@ PER_RANK = ("steps", "busy_steps", "tokens", "requests", "release_step", "local_
 
 # the benchmark's flags -> the same workload and policies as scenario overrides
 CASES = {
+    # two replicas of 2 ranks, the five modes
     "lognormal": (["--num-prompts", "12", "--samples-per-prompt", "4", "--length-median", "8",
-                   "--max-len", "60"],
+                   "--max-len", "60", "--replicas", "2"],
                   dict(num_prompts=12, samples_per_prompt=4, length_params={"median": 8.0},
-                       max_len=60)),
+                       max_len=60, replicas=2)),
     # KV budget and batch limit: admission waves, borrowed experts against the budget, the
     # memory floor; and migration of a rank's last requests
     "tight+migrate": (["--num-prompts", "12", "--samples-per-prompt", "4", "--length-median", "8",
                        "--max-len", "60", "--kv-budget-tokens", "600", "--max-batch-size", "8",
-                       "--migrate-max-requests", "2"],
+                       "--migrate-max-requests", "2",
+                       # one world-wide group: static_chunks would repeat single_group
+                       "--modes", "static,replica_release,single_group,elastic"],
                       dict(num_prompts=12, samples_per_prompt=4, length_params={"median": 8.0},
                            max_len=60, kv_budget_tokens=600, max_batch_size=8,
                            migrate_max_requests=2)),
@@ -53,11 +56,11 @@ def engine_and_sim(request, tmp_path_factory):
 
 def test_unit_cost_simulation_equals_the_real_engine_step_for_step(engine_and_sim):
     case, bench, sim = engine_and_sim
-    # the benchmark's static baseline is one world-wide group in contiguous chunks: the
-    # simulator's single_group (and, with one replica, static_chunks)
-    pairs = (("static", "single_group"), ("static", "static_chunks"), ("elastic", "elastic"))
+    # every mode the benchmark ran, under the same name (the same placement and hold rule)
+    assert len(bench["modes"]) >= 4
     for real, simulated in zip(bench["per_epoch"], sim["per_epoch"]):
-        for mode, sim_mode in pairs:
+        for mode in bench["modes"]:
+            sim_mode = mode
             got = [{k: r.get(k) for k in PER_RANK} for r in simulated[sim_mode]["per_rank"]]
             want = [{k: r.get(k) for k in PER_RANK} for r in real[mode]["per_rank"]]
             assert got == want, (case, real["epoch"], mode)
@@ -75,8 +78,9 @@ def test_unit_cost_simulation_equals_the_real_engine_step_for_step(engine_and_si
     order = sorted(range(4), key=lambda r: (last[r]["release_step"], r))
     real_last = bench["per_epoch"][-1]["elastic"]["per_rank"]
     assert order == sorted(range(4), key=lambda r: (real_last[r]["release_step"], r))
-    assert sim["ratios_vs"]["single_group"]["tokens_per_occupied_worker_step"] == pytest.approx(
-        bench["ratios"]["tokens_per_occupied_worker_step"])
+    for base in bench["ratios_vs"]:
+        assert sim["ratios_vs"][base]["tokens_per_occupied_worker_step"] == pytest.approx(
+            bench["ratios_vs"][base]["tokens_per_occupied_worker_step"])
 
 
 def test_the_validation_cases_exercise_release_waves_floor_and_migration(engine_and_sim):

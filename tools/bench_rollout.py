@@ -1,24 +1,32 @@
-"""Rollout benchmark: static EP (the verl-like baseline) vs FlexFloor on the same long-tailed
-workload, in one run.
+"""Rollout benchmark: FlexFloor against the baselines users run, on the same long-tailed workload,
+in one run.
 
-    python tools/bench_rollout.py --nproc 4 --out b.json [--plot b.png]
+    python tools/bench_rollout.py --nproc 4 [--replicas R] --out b.json [--plot b.png]
 
 The parent launches itself under torchrun (`--worker`); every worker builds the tiny MoE model and
-runs, per epoch, both modes on the same prompts with the same per-request seeds:
-- static:  `PlacementPolicy.BASELINE` (equal contiguous chunks) + `ReleasePolicy.STATIC`;
-- elastic: `PlacementPolicy.FLEXFLOOR` (length history -> placement) + `ReleasePolicy.ELASTIC`.
-Requests carry the workload's length as `target_len` (the model is random: EOS is ignored until
-then), so both modes decode exactly the same tokens, and the response digests must match.
+runs, per epoch, every mode (`--modes`, default all five; `flexfloor.rollout.replicas.Mode`) on
+the same prompts with the same per-request seeds, on R engine replicas of nproc / R ranks:
+- static: each sample routed to the replica, then the rank, with the fewest outstanding requests
+  (verl's agent loop), every rank held to the end of the rollout;
+- static_chunks: `PlacementPolicy.BASELINE` (equal contiguous chunks over the ranks), all held;
+- replica_release: as static, a replica released when its own requests are done;
+- single_group: one world-wide EP group, contiguous chunks, static (the paper's setting);
+- elastic: `PlacementPolicy.FLEXFLOOR` (length history -> placement) + `ReleasePolicy.ELASTIC`
+  inside each replica.
+The placements are the simulator's (`flexfloor.rollout.replicas.mode_assignments`). Requests
+carry the workload's length as `target_len` (the model is random: EOS is ignored until then), so
+every mode decodes exactly the same tokens, and the response digests must match.
 After each epoch the FlexFloor scheduler observes every result, so from epoch 2 on it predicts
 from history; the headline figures sum epochs 2..E (`summary_epochs`). Each epoch runs
 `--repeats` times, alternating which mode goes first; timing figures are per-rank medians over
 repeats (tokens, steps and digests are deterministic and checked equal across repeats).
 Beyond the contract, each mode reports `rollout_wall_steps` (steps of the rank that stays
-longest) and `ratios` its elastic/static: the wall where each rank has its own accelerator.
+longest): the wall where each rank has its own accelerator. `ratios` is elastic / static,
+`ratios_vs` elastic / each baseline run.
 
 Rank 0 writes the JSON (its fields are a contract users and checks rely on); the parent prints a table, draws
 the optional timeline plot, and exits non-zero when the workers fail (their exit code) or when any
-epoch's static and elastic responses differ (3).
+epoch's responses differ between modes (3).
 """
 
 from __future__ import annotations
@@ -42,13 +50,13 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from flexfloor.rollout.metrics import cpu_seconds_warning, json_safe  # noqa: E402
+from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
 from flexfloor.sim.cost import cost_model  # noqa: E402
 from flexfloor.rollout.workload import (  # noqa: E402
     DEFAULT_PARAMS, DISTRIBUTIONS, MIX_PARAMS, NOISE_PARAMS, dataset_batches, make_lengths,
     make_prompts, tail_stats,
 )
 
-MODES = ("static", "elastic")
 EXIT_MISMATCH = 3
 CAVEAT = (
     "On CPU the workers are processes sharing the machine's cores (4 workers on 2 cores in CI), "
@@ -75,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="workers (ranks) to launch")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas: EP groups of nproc / replicas ranks, each holding "
+                        "every expert (single_group always runs one world-wide group)")
     p.add_argument("--out", required=True, help="JSON file the results go to")
     p.add_argument("--plot", default=None, help="PNG of the last epoch's per-rank timeline")
     w = p.add_argument_group("workload")
@@ -114,8 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "queued) hands them to a staying rank and leaves (0 = off)")
     b = p.add_argument_group("measurement")
     b.add_argument("--repeats", type=int, default=3, help="runs of each mode per epoch")
-    b.add_argument("--modes", default="static,elastic",
-                   help="comma-separated subset of static,elastic")
+    b.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated subset of {','.join(MODES)}")
     c = p.add_argument_group("modelled seconds (every real step priced by the cost model)")
     c.add_argument("--accelerator", default="H800", help="H100, H800, H200, A100 or unit")
     c.add_argument("--model-shape", default="qwen3-30b-a3b", help="a model preset or deepseek-v3")
@@ -130,6 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"--modes {bad} unknown; use a comma-separated subset of {list(MODES)}")
     args.modes = [m for m in MODES if m in args.modes]  # static first, no duplicates
+    if args.replicas < 1 or args.nproc % args.replicas:
+        p.error(f"--replicas {args.replicas} must divide --nproc {args.nproc} (each replica is "
+                f"an EP group of nproc / replicas ranks)")
     try:
         lo, _, hi = args.prompt_len.partition("-")
         args.prompt_len = (int(lo), int(hi or lo))
@@ -214,7 +228,8 @@ def main(argv=None) -> int:
            # prefix of its --nproc-per-node)
            os.path.abspath(__file__), "--", "--worker", *worker_argv]
     tail = tail_stats(lengths)
-    print(f"bench_rollout: {args.nproc} workers, {args.num_prompts} prompts x "
+    print(f"bench_rollout: {args.nproc} workers as {args.replicas} replicas, modes "
+          f"{','.join(args.modes)}, {args.num_prompts} prompts x "
           f"{args.samples_per_prompt} samples, {args.epochs} epochs x {args.repeats} repeats; "
           f"{args.length_dist} lengths: p50 {tail['p50']:g}, p99 {tail['p99']:.0f}, "
           f"p99/p50 {tail['p99_over_p50']:.1f}, max {tail['max']}", flush=True)
@@ -234,8 +249,7 @@ def main(argv=None) -> int:
         print(f"timeline plot in {os.path.abspath(args.plot)}")
     if report.get("identical_responses") is False:
         bad = [e["epoch"] for e in report["per_epoch"] if not e.get("sha_match", True)]
-        print(f"bench_rollout: static and elastic responses DIFFER in epochs {bad}",
-              file=sys.stderr)
+        print(f"bench_rollout: the modes' responses DIFFER in epochs {bad}", file=sys.stderr)
         return EXIT_MISMATCH
     return 0
 
@@ -255,7 +269,8 @@ def _fmt(x, digits=3) -> str:
 
 
 def format_report(report: dict) -> str:
-    """The summary a person reads: static, elastic and ratio columns."""
+    """The summary a person reads: a column per mode, elastic/static, and elastic against each
+    baseline."""
     modes = [m for m in MODES if m in report]
     rat = report.get("ratios", {})
     rows = [
@@ -273,10 +288,10 @@ def format_report(report: dict) -> str:
     ]
     epochs = report["summary_epochs"]
     head = f"epochs {epochs[0]}..{epochs[-1]}" if len(epochs) > 1 else f"epoch {epochs[0]}"
-    lines = [f"\n{head:<36}" + "".join(f"{m:>14}" for m in modes)
+    lines = [f"\n{head:<36}" + "".join(f"{m:>16}" for m in modes)
              + (f"{'elastic/static':>16}" if rat else "")]
     for key, rkey in rows:
-        line = f"{key:<36}" + "".join(f"{_fmt(report[m][key]):>14}" for m in modes)
+        line = f"{key:<36}" + "".join(f"{_fmt(report[m][key]):>16}" for m in modes)
         if rat:
             line += f"{_fmt(rat[rkey]) if rkey else '':>16}"
         lines.append(line)
@@ -284,6 +299,11 @@ def format_report(report: dict) -> str:
     lines.append(f"(seconds: per-rank medians over {repeats} repeats; steps, tokens: exact)")
     if report.get("setup", {}).get("cpu_seconds_warning"):
         lines.append(f"warning: {report['setup']['cpu_seconds_warning']}")
+    for base, r in report.get("ratios_vs", {}).items():
+        lines.append(f"elastic / {base:<16} tokens per occupied step x"
+                     f"{_fmt(r['tokens_per_occupied_worker_step'])}, per occupied second x"
+                     f"{_fmt(r['tokens_per_occupied_worker_second'])}, wall x"
+                     f"{_fmt(r['rollout_wall_seconds'])} (in steps x{_fmt(r['rollout_wall_steps'])})")
     for e in report["per_epoch"]:
         parts = [f"{m} {e[m]['occupied_worker_steps']} steps" for m in modes]
         if "ratios" in e:
@@ -357,7 +377,8 @@ def worker(args) -> None:
 
 
 class Bench:
-    """The model, engine and both schedulers of one rank, and the epochs they run."""
+    """The model, its rollout layouts and engines (R replicas, and one world-wide group for
+    single_group), both schedulers of one rank, and the epochs they run."""
 
     def __init__(self, args):
         from flexfloor.config import ModelConfig, PlacementPolicy
@@ -380,21 +401,24 @@ class Bench:
         self.par = Parallel.build(expert_parallel_size=math.gcd(self.world, args.num_experts))
         self.rank = self.par.rank
         self.model = build_model(self.model_cfg, self.par)
-        self.layout = RolloutLayout.gather(self.model, self.par)
-        self.moe = self.layout.moe(self.model, self.par)
         self.max_batch = args.max_batch_size or args.num_prompts * args.samples_per_prompt
         memory = MemoryModel.of_model(self.model, kv_budget_tokens=args.kv_budget_tokens,
                                       block_tokens=DEFAULT_BLOCK_TOKENS)
-        self.engine = RolloutEngine(self.model, self.moe, rank=self.rank,
-                                    max_batch_size=self.max_batch,
-                                    kv_budget_bytes=memory.kv_budget_bytes,
-                                    block_tokens=memory.block_tokens)
-        self.resident = ResidentSet(self.model, moe=self.moe, engine=self.engine)
+        # replicas -> (layout, engine): R replicas, and R = 1 for single_group (the same at R = 1)
+        self.stacks = {}
+        for r in sorted({1, args.replicas}):
+            layout = RolloutLayout.gather(self.model, self.par, replicas=r)
+            self.stacks[r] = (layout, RolloutEngine(
+                self.model, layout.moe(self.model, self.par), rank=self.rank,
+                max_batch_size=self.max_batch, kv_budget_bytes=memory.kv_budget_bytes,
+                block_tokens=memory.block_tokens))
+        self.layout, self.engine = self.stacks[args.replicas]
+        self.resident = ResidentSet(self.model, moe=self.engine.moe, engine=self.engine)
         self.schedulers = {
-            "static": Scheduler(PlacementPolicy.BASELINE, memory=memory,
+            "chunks": Scheduler(PlacementPolicy.BASELINE, memory=memory,
                                 max_batch_size=self.max_batch),
-            "elastic": Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), memory=memory,
-                                 max_batch_size=self.max_batch),
+            "flexfloor": Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), memory=memory,
+                                   max_batch_size=self.max_batch),
         }
         self.prompts = make_prompts(dataset_size(args), args.prompt_len,
                                     self.model_cfg.vocab_size, args.seed)
@@ -402,21 +426,29 @@ class Bench:
         self.kept = []  # per summary epoch: mode -> (median records, results)
 
     def epoch(self, epoch: int) -> dict:
-        """Plan both modes, run them alternately, report; the FlexFloor scheduler then learns."""
+        """Place every mode, run them alternately, report; the FlexFloor scheduler then learns."""
         from flexfloor.rollout.metrics import ratios
+        from flexfloor.rollout.replicas import mode_assignments
         from flexfloor.rollout.scheduler import prediction_accuracy
 
         args, t0 = self.args, time.perf_counter()
         groups = self.prompt_groups(epoch)
-        plans = {m: self.schedulers[m].plan(groups, range(self.world)) for m in args.modes}
+        chunks, plan = (self.schedulers[s].plan(groups, range(self.world))
+                        for s in ("chunks", "flexfloor"))
+        assignment = mode_assignments(groups, self.layout.topology.replicas, chunks=chunks,
+                                      flexfloor=plan)
+        expected = {Mode.STATIC_CHUNKS: chunks.expected_finish,
+                    Mode.SINGLE_GROUP: chunks.expected_finish, Mode.ELASTIC: plan.expected_finish}
         runs = {m: [] for m in args.modes}
         for rep in range(args.repeats):
             for mode in (args.modes if rep % 2 == 0 else args.modes[::-1]):
-                runs[mode].append(self.rollout(mode, plans[mode]))
+                runs[mode].append(self.rollout(Mode(mode), assignment[Mode(mode)],
+                                               plan.expected_finish))
         entry = {"epoch": epoch, "history": epoch > 1, "seconds": time.perf_counter() - t0}
         kept = {}
         for mode in args.modes:
-            entry[mode], kept[mode] = mode_report(runs[mode], plans[mode], self.world, args)
+            entry[mode], kept[mode] = mode_report(runs[mode], assignment[Mode(mode)],
+                                                  expected.get(Mode(mode)), self.world, args)
         if epoch > 1 or args.epochs == 1:
             self.kept.append(kept)
         if "elastic" in args.modes:
@@ -424,16 +456,14 @@ class Bench:
             realised = {}
             for r in results:
                 realised[r.prompt_uid] = max(realised.get(r.prompt_uid, 0), len(r.token_ids))
-            plan = plans["elastic"]
             entry["predictor"] = {**prediction_accuracy(plan.predicted, realised),
                                   "sources": plan.sources}
             # history for the next epoch: every rank observes the same (gathered) results
-            self.schedulers["elastic"].observe(results)
-        if len(args.modes) == 2:
-            st, el = entry["static"], entry["elastic"]
-            entry["ratios"] = ratios(el, st)
-            entry["sha_match"] = (st["responses_sha256"] == el["responses_sha256"]
-                                  and st["repeats_consistent"] and el["repeats_consistent"])
+            self.schedulers["flexfloor"].observe(results)
+        add_ratios(entry, args.modes)
+        if len(args.modes) > 1:
+            entry["sha_match"] = (len({entry[m]["responses_sha256"] for m in args.modes}) == 1
+                                  and all(entry[m]["repeats_consistent"] for m in args.modes))
         if self.rank == 0:
             print(progress_line(entry, args), flush=True)
         return entry
@@ -454,34 +484,40 @@ class Bench:
                     target_len=int(self.lengths[epoch - 1, uid, s]))
             for s in range(args.samples_per_prompt))) for uid in order]
 
-    def rollout(self, mode: str, plan) -> dict:
-        """One rollout of this rank's requests in `plan`; every rank's records and results,
-        gathered. Elastic: the survivor groups the plan implies are built before decoding."""
+    def rollout(self, mode: Mode, requests_of: dict, expected_finish: dict) -> dict:
+        """One rollout of this rank's requests (`requests_of`: rank -> requests) in `mode`;
+        every rank's records and results, gathered. single_group runs on one world-wide group,
+        the others on the replicas; elastic builds the survivor groups its plan
+        (`expected_finish`) implies before decoding. A held mode's ranks are occupied to the
+        end of the slowest replica."""
         import torch.distributed as dist
 
         from flexfloor.config import ReleasePolicy
         from flexfloor.rollout.elastic import membership_for, resync
         from flexfloor.rollout.metrics import rollout_metrics
-
         from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, resident_bytes
+        from flexfloor.rollout.replicas import held_to_end
         from flexfloor.rollout.survivors import live_process_groups
 
-        policy = ReleasePolicy.ELASTIC if mode == "elastic" else ReleasePolicy.STATIC
+        layout, engine = self.stacks[1] if mode == Mode.SINGLE_GROUP else (self.layout, self.engine)
+        elastic = mode == Mode.ELASTIC
+        policy = ReleasePolicy.ELASTIC if elastic else ReleasePolicy.STATIC
         # a released rank parks its weights in host memory until resync (what it frees: below)
-        listener = (OffloadOnRelease(HostOffload(self.resident, self.par.device))
-                    if mode == "elastic" else None)
-        membership = membership_for(policy, self.par, self.layout, on_event=listener,
-                                    expected_finish=plan.expected_finish)
-        if mode == "elastic":
+        listener = OffloadOnRelease(HostOffload(self.resident, self.par.device)) if elastic else None
+        start = layout.start(engine.moe)  # replicas: the experts their placement borrows
+        membership = membership_for(policy, self.par, layout, on_event=listener,
+                                    expected_finish=expected_finish)
+        if elastic:
             membership.migrate_max_requests = self.args.migrate_max_requests
         groups = live_process_groups()  # after the groups built ahead: counts any made later
-        out = self.engine.generate(plan.assignment[self.rank], membership)
+        out = engine.generate(requests_of[self.rank], membership)
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
-        if mode == "elastic":
+        if elastic:
             out.record.note(**membership.group_record())
         out.record.note(groups_created_during_rollout=live_process_groups() - groups,
-                        resident_bytes_before_release=held, resident_bytes_after_release=held)
-        out.record.resync_s = resync(self.moe, self.layout, self.par, membership,
+                        resident_bytes_before_release=held, resident_bytes_after_release=held,
+                        start_s=start["start_s"], start_sent_bytes=start["sent_bytes"])
+        out.record.resync_s = resync(engine.moe, layout, self.par, membership,
                                      on_event=listener)
         if listener is not None:
             out.record.note(**listener.take_stats())
@@ -489,6 +525,8 @@ class Bench:
         dist.all_gather_object(records, out.record.as_dict(), group=self.par.world_group)
         dist.all_gather_object(results, out.results, group=self.par.world_group)
         results = [r for part in results for r in part]
+        if mode in HELD and layout.replicated:
+            records = held_to_end(records)
         return {"records": records, "results": results,
                 "metrics": rollout_metrics(records, results, self.args.cost)}
 
@@ -516,15 +554,19 @@ class Bench:
     def setup_report(self) -> dict:
         return {"nproc": self.world, "backend": self.par.backend,
                 "num_experts": self.args.num_experts, "training_ep_size": self.par.ep_size,
+                "replicas": self.args.replicas, "replica_ranks": [
+                    list(r) for r in self.layout.topology.replicas],
                 "max_seq_len": self.model_cfg.max_seq_len, "repeats": self.args.repeats,
                 "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start,
                 "accelerator": self.args.accelerator, "model_shape": self.args.model_shape,
                 "cpu_seconds_warning": cpu_seconds_warning(self.world)}
 
 
-def mode_report(runs: list[dict], plan, world: int, args) -> tuple[dict, tuple]:
+def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int, args
+                ) -> tuple[dict, tuple]:
     """One mode's figures for one epoch: `rollout_metrics` of the per-rank median records over
-    the repeats; returns (figures, (median records, results)) for the summary."""
+    the repeats; returns (figures, (median records, results)) for the summary.
+    `expected_finish` (rank -> predicted steps) where the mode's placement predicts one."""
     from flexfloor.rollout.metrics import rollout_metrics
 
     records = median_records([run["records"] for run in runs])
@@ -536,10 +578,9 @@ def mode_report(runs: list[dict], plan, world: int, args) -> tuple[dict, tuple]:
     m["repeats_consistent"] = all(len(set(m["repeats"][k])) == 1
                                   for k in ("occupied_worker_steps", "responses_sha256"))
     m["reconfiguration"] = reconfiguration(records, m["occupied_worker_seconds"])
-    m["placement"] = {
-        "requests_per_rank": [len(plan.assignment[r]) for r in range(world)],
-        "expected_finish_steps": [plan.expected_finish[r] for r in range(world)],
-    }
+    m["placement"] = {"requests_per_rank": [len(assignment[r]) for r in range(world)]}
+    if expected_finish is not None:
+        m["placement"]["expected_finish_steps"] = [expected_finish[r] for r in range(world)]
     return m, (records, results)
 
 
@@ -560,8 +601,11 @@ def median_records(repeats: list[list[dict]]) -> list[dict]:
 
 def reconfiguration(records: list[dict], occupied_s: float) -> dict:
     """Seconds the release protocol spent (summed over ranks) and bytes the experts moved."""
-    out = {k: sum(r.get(k, 0.0) for r in records) for k in ("plan_s", "transfer_s", "switch_s")}
+    out = {k: sum(r.get(k, 0.0) for r in records)
+           for k in ("plan_s", "transfer_s", "switch_s", "start_s")}
     out["sent_bytes"] = int(sum(r.get("sent_bytes", 0) for r in records))
+    # replicas: the experts each rollout start borrows (not a release cost: every mode pays it)
+    out["start_sent_bytes"] = int(sum(r.get("start_sent_bytes", 0) for r in records))
     # each shrink's group switch: the slowest rank that took part (survivor groups built ahead)
     shrinks = [r.get("switch_s_per_shrink", []) for r in records]
     out["switch_s_per_shrink"] = [max(s[k] for s in shrinks if len(s) > k)
@@ -578,7 +622,7 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
     `rollout_metrics` of per-rank records summed over epochs; the rollout wall time is the sum of
     the epochs' walls and the digest is one over the epochs' digests.
     """
-    from flexfloor.rollout.metrics import ratios, rollout_metrics, summed_records
+    from flexfloor.rollout.metrics import rollout_metrics, summed_records
 
     first = 2 if args.epochs > 1 else 1
     chosen = [e for e in epochs if e["epoch"] >= first]
@@ -597,14 +641,27 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
         m["responses_sha256"] = hashlib.sha256(
             ",".join(e[mode]["responses_sha256"] for e in chosen).encode()).hexdigest()
         report[mode] = m
-    if len(args.modes) == 2:
-        report["ratios"] = ratios(report["elastic"], report["static"])
+    report["modes"] = list(args.modes)
+    add_ratios(report, args.modes)
+    if len(args.modes) > 1:
         report["identical_responses"] = all(e["sha_match"] for e in epochs)
     if "elastic" in args.modes:
         recs = [rec for k in kept for rec in k["elastic"][0]]
         report["reconfiguration"] = reconfiguration(
             recs, report["elastic"]["occupied_worker_seconds"])
     return report
+
+
+def add_ratios(rep: dict, modes: list[str]) -> None:
+    """`ratios` (elastic / static) and `ratios_vs` (elastic / each baseline run) into a report
+    or a per-epoch entry, where elastic and the baseline ran."""
+    from flexfloor.rollout.metrics import ratios
+
+    if "elastic" not in modes:
+        return
+    if "static" in modes:
+        rep["ratios"] = ratios(rep["elastic"], rep["static"])
+    rep["ratios_vs"] = {b: ratios(rep["elastic"], rep[b]) for b in BASELINES if b in modes}
 
 
 def progress_line(entry: dict, args) -> str:
@@ -614,6 +671,7 @@ def progress_line(entry: dict, args) -> str:
         parts.append(f"step ratio {r['tokens_per_occupied_worker_step']:.2f}, second ratio "
                      f"{r['tokens_per_occupied_worker_second']:.2f}, wall ratio "
                      f"{r['rollout_wall_seconds']:.2f} (in steps {r['rollout_wall_steps']:.2f})")
+    if "sha_match" in entry:
         parts.append("same tokens" if entry["sha_match"] else "TOKENS DIFFER")
     if "predictor" in entry:
         p = entry["predictor"]

@@ -27,6 +27,8 @@ layer (uniform top-k routing: E * (1 - (1 - k/E)^b)) + b * c tokens of KV; FLOPs
 weights one token uses + the attention's 4 * b * c * heads * head_dim per layer. The bandwidth
 (a streaming sum over 256 MiB) and the matmul rate (a square sgemm) are measured in the same
 run, on the same threads; the step's time is the larger of bytes / bandwidth and FLOPs / rate.
+`grouped_expert_layers` says in how many layers the experts ran as grouped GEMMs
+(`torch._grouped_mm` over the stacked expert weights) rather than one GEMM per expert.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
         "ratio_flexfloor_over_hf": ff_rate / hf_rate,
         "hf_generate_s": hf_s, "flexfloor_generate_s": ff_s,
         "identical_responses": same, "responses": len(prompts),
+        "grouped_expert_layers": moe.grouped_layers(next(model.parameters()).dtype),
         "roofline_tokens_per_s": bound, "roofline_fraction": ff_rate / bound, **rates,
     }
 

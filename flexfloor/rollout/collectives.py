@@ -47,7 +47,10 @@ def group_device(group) -> torch.device:
 
 
 def share_rows(group, row: list[int]) -> list[list[int]]:
-    """All-gather one int64 row per rank of `group` (the step state): [ranks][fields] on the host."""
+    """All-gather one int64 row per rank of `group` (the step state): [ranks][fields] on the host.
+    A group of one rank has nothing to gather."""
+    if dist.get_world_size(group) == 1:
+        return [[int(v) for v in row]]
     device = group_device(group)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]

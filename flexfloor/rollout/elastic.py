@@ -15,6 +15,12 @@ back to the training layout.
 The release policy is a value: `ReleasePolicy.STATIC` (the verl-like baseline, `StaticMembership`)
 or `ReleasePolicy.ELASTIC` (`ElasticMembership`).
 
+With R replicas (`rollout.replicas`, `flexfloor.rollout.replicas`), all of this happens inside
+each replica's EP group: `RolloutLayout.start` borrows the experts of the replica placement that
+a training shard lacks and binds the replica's group, the survivor groups are planned per
+replica, a replica whose requests are done leaves whole (its ranks wait at resync), and resync
+drops the borrowed experts and binds the world-wide training view again.
+
 Released ranks wait at resync on the job's store, not in a collective: the wait lasts as long as
 the survivors keep making progress (they post a heartbeat), and fails with an error naming the
 rank, the phase and the step only when nothing moves for `parallel.timeout_s`.
@@ -42,6 +48,7 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
     choose_leavers,
     decide,
 )
+from flexfloor.rollout.replicas import ReplicaTopology, replica_ranks
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import initial_placement, plan_shrink
@@ -92,7 +99,7 @@ class ElasticMembership:
         """Share the step state and decide; the engine applies the decision (migration,
         `shrink`, its own record)."""
         inject(FaultPhase.ROLLOUT, engine.rank, self.step, engine.record.steps)
-        self._heartbeat()
+        self._last_beat = _heartbeat(self.heartbeat_key, self._last_beat)
         report = share_step_state(engine.moe.group, has_work, engine)
         if not any(report.has_work):
             return Boundary(report)
@@ -102,13 +109,6 @@ class ElasticMembership:
             self.timeline.append({"step": engine.record.steps, "migrated": dict(decision.migrate)})
         return Boundary(report, decision, plan_s=time.perf_counter() - t0)
 
-    def _heartbeat(self) -> None:
-        """Tell the released ranks waiting at resync that the rollout still moves (at most
-        every HEARTBEAT_S: one store round trip)."""
-        now = time.monotonic()
-        if self.heartbeat_key and now - self._last_beat >= HEARTBEAT_S:
-            self._last_beat = now
-            _store().add(self.heartbeat_key, 1)
 
     @property
     def rules(self) -> ReleaseRules:
@@ -174,26 +174,42 @@ class ElasticMembership:
 
 @dataclass
 class RolloutLayout:
-    """The rollout's starting point: every rank in one EP group (data-parallel attention over
-    all ranks), each expert served by one rank that holds it in its training shard."""
+    """The rollout's starting point and its topology.
+
+    `group` / `placement`: the training layout's view, every rank in one EP group (data-parallel
+    attention over all ranks), each expert served by one rank that holds it in its training
+    shard; resync comes back to it. `topology` (`flexfloor.rollout.replicas`): the R replicas a
+    rollout runs on; R = 1 is that same world-wide group. Lifecycle per rollout: `start(moe)`
+    (R > 1: fetch the borrowed experts, bind each replica's group) -> `membership_for` ->
+    generate -> `resync`.
+    """
 
     group: dist.ProcessGroup
     placement: object  # megatron_ext.placement.Placement
     holding: dict[int, list[int]]
     survivors: SurvivorGroups  # the survivors' groups built ahead, kept across rollouts
+    topology: ReplicaTopology = None  # None only for values built by hand: gather sets it
     layout_id: int = 0  # unique in the job
     rollouts: int = 0  # elastic rollouts started (every rank counts the same)
     resyncs: int = 0  # resyncs done (every rank counts the same): names the arrival counter
+    started: bool = False  # `start` ran and no resync since (R > 1)
 
     @property
     def heartbeat_key(self) -> str:
         return f"flexfloor/heartbeat/{self.layout_id}"
 
+    @property
+    def replicated(self) -> bool:
+        return self.topology is not None and self.topology.count > 1
+
     @classmethod
-    def gather(cls, model, parallel) -> "RolloutLayout":
-        """One all-gather of which experts each rank holds; same result on every rank."""
+    def gather(cls, model, parallel, *, replicas: int = 1) -> "RolloutLayout":
+        """One all-gather of which experts each rank holds; same result on every rank. With
+        `replicas` > 1 (rollout.replicas), the replica groups are created here too (collective
+        over the world)."""
         from torch.distributed import distributed_c10d as c10d
 
+        replica_ranks(parallel.world_size, replicas)  # a bad R fails before any collective
         mine = list(model.decoder.layers[0].mlp.local_expert_indices)
         # a job-unique id (the store outlives every group): names this layout's survivor groups
         layout_id = c10d._get_default_store().add("flexfloor/layouts", 1) if parallel.rank == 0 else None
@@ -202,15 +218,48 @@ class RolloutLayout:
         placement = initial_placement(model.config.num_moe_experts, holding)
         survivors = SurvivorGroups(rank=parallel.rank, world_size=parallel.world_size,
                                    timeout=parallel.timeout, name_prefix=str(everyone[0][1]))
+        topology = ReplicaTopology.build(
+            rank=parallel.rank, world_size=parallel.world_size, replicas=replicas,
+            num_experts=model.config.num_moe_experts, holding=holding,
+            world_group=parallel.world_group, timeout=parallel.timeout, world_placement=placement)
         return cls(group=parallel.world_group, placement=placement, holding=holding,
-                   survivors=survivors, layout_id=everyone[0][1])
+                   survivors=survivors, topology=topology, layout_id=everyone[0][1])
 
     def moe(self, model, parallel) -> PlacedMoE:
         return PlacedMoE(model, rank=parallel.rank, group=self.group, placement=self.placement)
 
+    def start(self, moe: PlacedMoE) -> dict:
+        """The rollout's start (every rank of the world, before `membership_for`): with
+        replicas, each rank borrows the experts of its replica placement that its training shard
+        lacks (one batch of transfers over the world) and binds the MoE layers to its replica
+        group. R = 1: nothing to do. Returns the transfer's stats and seconds."""
+        if not self.replicated:
+            return {"sent_bytes": 0, "received": 0, "start_s": 0.0}
+        t0 = time.perf_counter()
+        stats = transfer_experts(moe, list(self.topology.transfers), self.group)
+        moe.rebind(self.topology.group, self.topology.placement)
+        self.started = True
+        return {**stats, "start_s": time.perf_counter() - t0}
+
     def close(self) -> None:
-        """Destroy the survivors' groups (at job end; destroying the world does it too)."""
+        """Destroy the survivors' and the replicas' groups (at job end; destroying the world
+        does it too)."""
         self.survivors.destroy()
+        if self.topology is not None:
+            self.topology.destroy()
+
+
+@dataclass
+class ReplicaStaticMembership(StaticMembership):
+    """Static EP inside one replica of several: as `StaticMembership`, and the ranks still
+    decoding post the heartbeat that the replicas already done wait on at resync."""
+
+    heartbeat_key: str = ""
+    _last_beat: float = 0.0
+
+    def step_boundary(self, engine, has_work) -> Boundary:
+        self._last_beat = _heartbeat(self.heartbeat_key, self._last_beat)
+        return super().step_boundary(engine, has_work)
 
 
 def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elastic_cfg=None,
@@ -221,20 +270,35 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     training step, names errors and faults; `on_event` is told when this rank is released
     (a static membership releases nobody).
 
+    With replicas (`layout.topology`), after `layout.start(moe)`: the membership of this rank's
+    replica (static: held by its own replica only; the floor is per replica).
+
     Elastic: collective over the world, before decoding. Every survivor group the plan implies
     (`expected_finish`, rank -> predicted steps to its finish, the same on every rank: the
-    scheduler's `RolloutPlan.expected_finish`) down to the floor is created now, unless an
+    scheduler's `RolloutPlan.expected_finish`; each replica's ranks leave in their own order)
+    down to the floor is created now, unless an
     earlier rollout of the layout built it. Without a plan nothing is built ahead: each shrink's
     group is then created during the rollout (counted)."""
+    if layout.replicated and not layout.started:
+        raise RuntimeError(f"rank {parallel.rank}: rollout.replicas={layout.topology.count} needs "
+                           "layout.start(moe) before membership_for (it fetches the replicas' "
+                           "experts)")
     if policy == ReleasePolicy.STATIC:
+        if layout.replicated:
+            return ReplicaStaticMembership(heartbeat_key=layout.heartbeat_key)
         return StaticMembership()
     layout.rollouts += 1
+    topo = layout.topology
     floor = elastic_cfg.min_active_ranks if elastic_cfg else 1
+    if topo is not None:
+        floor = min(floor, topo.ranks_per_replica)  # the floor is per replica
     if expected_finish is not None:
         if sorted(expected_finish) != list(range(parallel.world_size)):
             raise ValueError(f"expected_finish names ranks {sorted(expected_finish)}; the plan "
                              f"must give one finish per rank 0..{parallel.world_size - 1}")
-        layout.survivors.prepare(planned_survivor_sets(expected_finish, floor=floor))
+        replicas = topo.replicas if topo is not None else (tuple(range(parallel.world_size)),)
+        layout.survivors.prepare([s for ranks in replicas for s in planned_survivor_sets(
+            {r: expected_finish[r] for r in ranks}, floor=floor)])
     else:
         layout.survivors.prepare([])  # resets the rollout's late-group count
     return ElasticMembership(
@@ -244,7 +308,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
         min_active_ranks=floor,
         check_interval_steps=elastic_cfg.check_interval_steps if elastic_cfg else 1,
         capacity=capacity,
-        holding=layout.holding,
+        holding=topo.holding if topo is not None else layout.holding,
         migrate_max_requests=(scheduler_cfg.migrate_max_requests
                               if scheduler_cfg is not None and scheduler_cfg.migrate else 0),
         step=step,
@@ -254,6 +318,16 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
 
 
 HEARTBEAT_S = 0.5  # how often the active ranks of an elastic rollout post progress
+
+
+def _heartbeat(key: str, last: float) -> float:
+    """Tell the released ranks waiting at resync that the rollout still moves (at most every
+    HEARTBEAT_S: one store round trip). Returns the time of the last beat."""
+    now = time.monotonic()
+    if key and now - last >= HEARTBEAT_S:
+        _store().add(key, 1)
+        return now
+    return last
 
 
 def _store():
@@ -272,8 +346,9 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
     itself to this resync's arrival counter on the job's store and waits until every rank has.
     The wait has no fixed bound: it fails only when nothing moves (no heartbeat from the ranks
     still decoding, no new arrival) for `timeout_s` (default: `parallel.timeout_s`), so survivors
-    may decode for as long as their responses need. Survivors drop borrowed experts and re-bind
-    the MoE layers to the full group and the starting placement; the model's own expert weights
+    may decode for as long as their responses need. Every rank drops its borrowed experts (a
+    shrink's, and with replicas those `start` fetched) and re-binds the MoE layers to the full
+    group and the starting placement; the model's own expert weights
     (the training shards) never left any rank. `step` (the training step) names errors;
     `on_event` is told "rejoined" once this rank is back (released or not).
     """
@@ -290,6 +365,7 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
     _wait_for_every_rank(f"flexfloor/resync/{layout.layout_id}.{layout.resyncs}",
                          layout.heartbeat_key, parallel.world_size, timeout_s, where)
     moe.rebind(layout.group, layout.placement)
+    layout.started = False
     membership.close()
     if on_event is not None:
         on_event("rejoined", parallel.rank, time.perf_counter() - t0, -1)

@@ -230,16 +230,16 @@ class RolloutOutput:
 @dataclass
 class _Batch:
     """Index tensors of one forward, shared by every layer. T new tokens of B requests, Q the
-    most new tokens of one request, L the longest context after this step."""
+    most new tokens of one request, L = blocks * block_tokens the longest block table's span."""
 
     tokens: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [1, T]
     new_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
-    key_slots: torch.Tensor  # [B, L] pool slot of each context position (padding: slot 0)
-    query_index: torch.Tensor  # [B, Q] new token of each query row (padding: token 0)
+    tables: torch.Tensor  # [B * blocks] block table of each request, padded with block 0
     mask: torch.Tensor  # [B, 1, Q, L] causal over each request's own context
-    out_index: torch.Tensor  # [T] row of each new token in the flattened [B*Q] output
-    last: torch.Tensor  # [B] index of each request's last new token
+    query_index: Optional[torch.Tensor]  # [B, Q] new token of each query row; None: T == B
+    out_index: Optional[torch.Tensor]  # [T] row of each new token in [B*Q]; None: T == B
+    last: Optional[torch.Tensor]  # [B] index of each request's last new token; None: T == B
 
 
 class RolloutEngine:
@@ -361,41 +361,42 @@ class RolloutEngine:
         return self._freqs[positions]
 
     def _batch(self, running: list[_Running], pool: BlockPool) -> _Batch:
-        """Index tensors of one step, built once on the host and copied to the device once each."""
+        """Index tensors of one step, built once on the host and copied to the device once each.
+        A decode-only step (one new token per request, T == B) needs no query/output gathers."""
         bt = self.block_tokens
-        ids, pos, new_slots, out_index, last = [], [], [], [], []
         lens = [len(r.pending) for r in running]
         q_max = max(lens)
-        ctx = [r.length + n for r, n in zip(running, lens)]
-        for b, (r, n) in enumerate(zip(running, lens)):
+        ids, pos, new_slots = [], [], []
+        for r, n in zip(running, lens):
             ids.extend(r.pending)
             pos.extend(range(r.length, r.length + n))
             new_slots.extend(pool.slots(r.blocks, r.length, r.length + n))
-            out_index.extend(range(b * q_max, b * q_max + n))
-            last.append(len(ids) - 1)
         dev = self.device
         width = max(len(r.blocks) for r in running)
-        tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in running],
-                              dtype=torch.long, device=dev)  # [B, blocks]
-        L = max(ctx)
-        j = torch.arange(L, device=dev)
-        key_slots = tables[:, j // bt] * bt + j % bt  # [B, L]
-        starts = torch.tensor([t - n + 1 for t, n in zip(last, lens)], device=dev)  # [B]
-        i = torch.arange(q_max, device=dev)
-        n_new = torch.tensor(lens, device=dev)
-        valid_q = i.unsqueeze(0) < n_new.unsqueeze(1)  # [B, Q]
-        query_index = torch.where(valid_q, starts.unsqueeze(1) + i, 0)
-        p0 = torch.tensor([r.length for r in running], device=dev)
-        qpos = torch.where(valid_q, p0.unsqueeze(1) + i, 0)  # padding rows see position 0 only
-        mask = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (
-            j.view(1, 1, -1) < torch.tensor(ctx, device=dev).view(-1, 1, 1))
+        tables = [b for r in running for b in r.blocks + [0] * (width - len(r.blocks))]
+        j = torch.arange(width * bt, device=dev)  # [L]
+        p0 = torch.tensor([r.length for r in running], device=dev)  # [B] stored before this step
+        ctx = torch.tensor([r.length + n for r, n in zip(running, lens)], device=dev)  # [B]
         as_long = dict(dtype=torch.long, device=dev)
+        query_index = out_index = last = None
+        if q_max == 1:  # decode only: query b is token b
+            qpos = p0.unsqueeze(1)  # [B, 1]
+        else:
+            i = torch.arange(q_max, device=dev)
+            n_new = torch.tensor(lens, device=dev)
+            valid_q = i.unsqueeze(0) < n_new.unsqueeze(1)  # [B, Q]
+            ends = torch.cumsum(n_new, 0)  # [B] one past each request's last new token
+            query_index = torch.where(valid_q, (ends - n_new).unsqueeze(1) + i, 0)
+            qpos = torch.where(valid_q, p0.unsqueeze(1) + i, 0)  # padding rows see position 0
+            out_index = torch.tensor([b * q_max + t for b, n in enumerate(lens) for t in range(n)],
+                                     **as_long)
+            last = ends - 1
+        mask = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (j.view(1, 1, -1) < ctx.view(-1, 1, 1))
         return _Batch(tokens=torch.tensor(ids, **as_long).view(1, -1),
                       positions=torch.tensor(pos, **as_long).view(1, -1),
-                      new_slots=torch.tensor(new_slots, **as_long), key_slots=key_slots,
-                      query_index=query_index, mask=mask.unsqueeze(1),
-                      out_index=torch.tensor(out_index, **as_long),
-                      last=torch.tensor(last, **as_long))
+                      new_slots=torch.tensor(new_slots, **as_long),
+                      tables=torch.tensor(tables, **as_long), mask=mask.unsqueeze(1),
+                      query_index=query_index, out_index=out_index, last=last)
 
     @torch.no_grad()
     def forward(self, running: list[_Running], pool: BlockPool) -> torch.Tensor:
@@ -409,7 +410,8 @@ class RolloutEngine:
         if not running:
             return self._empty_step()
         batch = self._batch(running, pool)
-        B, Q = batch.query_index.shape
+        B, Q, L = batch.mask.shape[0], batch.mask.shape[2], batch.mask.shape[3]
+        blocks = pool.k.shape[1] // self.block_tokens
         x = self.model.embedding(input_ids=batch.tokens, position_ids=batch.positions)  # [T, 1, H]
         freqs = self._rotary(batch.positions[0])  # [T, 1, 1, D]
         # Megatron's RoPE terms, once per step for every layer (same ops, same bits)
@@ -421,18 +423,24 @@ class RolloutEngine:
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             pool.k[li].index_copy_(0, batch.new_slots, k[:, 0])
             pool.v[li].index_copy_(0, batch.new_slots, v[:, 0])
-            keys = pool.k[li][batch.key_slots].transpose(1, 2)  # [B, groups, L, D]
-            values = pool.v[li][batch.key_slots].transpose(1, 2)
-            queries = q[:, 0][batch.query_index].transpose(1, 2)  # [B, heads, Q, D]
+            # whole blocks through the block tables: [B, L, groups, D] -> [B, groups, L, D]
+            keys = pool.k[li].view(blocks, -1, self.groups, self.head_dim).index_select(
+                0, batch.tables).view(B, L, self.groups, self.head_dim).transpose(1, 2)
+            values = pool.v[li].view(blocks, -1, self.groups, self.head_dim).index_select(
+                0, batch.tables).view(B, L, self.groups, self.head_dim).transpose(1, 2)
+            q = q[:, 0] if batch.query_index is None else q[:, 0][batch.query_index]
+            queries = q.view(B, Q, self.heads, self.head_dim).transpose(1, 2)  # [B, heads, Q, D]
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
                                                scale=attn.core_attention.softmax_scale,
                                                enable_gqa=True)  # [B, heads, Q, D]
-            o = o.transpose(1, 2).reshape(B * Q, self.heads * self.head_dim)[batch.out_index]
+            o = o.transpose(1, 2).reshape(B * Q, self.heads * self.head_dim)
+            if batch.out_index is not None:
+                o = o[batch.out_index]
             x = x + _linear(attn.linear_proj, o.unsqueeze(1))
             x = x + self.moe.forward(li, layer.pre_mlp_layernorm(x))
         for r in running:
             r.length += len(r.pending)
-        h = self.model.decoder.final_layernorm(x[batch.last])  # [B, 1, H]
+        h = self.model.decoder.final_layernorm(x if batch.last is None else x[batch.last])  # [B, 1, H]
         logits = F.linear(h[:, 0], self._output_weight())[:, : self.valid_vocab]  # [B, V]
         return logits.float() if logits.dtype != torch.float64 else logits
 

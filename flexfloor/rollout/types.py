@@ -218,6 +218,7 @@ class RankRecord:
     transfer_s: float = 0.0  # expert transfers at shrinks
     switch_s: float = 0.0  # switches to the survivors' groups
     sent_bytes: int = 0  # expert weights sent at shrinks
+    start_sent_bytes: int = 0  # expert weights sent before the first step (replica layouts)
     groups_created_during_rollout: int = 0  # process groups built after decoding started
     switch_s_per_shrink: list[float] = field(default_factory=list)
     resync_s: Optional[float] = None  # seconds of the resync after the rollout

@@ -23,7 +23,6 @@ steps 2..E (as `tools/bench_rollout.py` does) under the same metric names, plus:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import types
 from dataclasses import dataclass, field
@@ -36,27 +35,15 @@ from flexfloor.rollout.release import RankLimits, ReleaseRules
 from flexfloor.rollout.metrics import (
     MODELLED_FIGURES, metrics_from_counts, modelled_figures, ratios, summed_records,
 )
-from flexfloor.rollout.scheduler import (
-    LengthHistory, MemoryModel, PromptGroup, Scheduler, least_outstanding,
+from flexfloor.rollout.replicas import (  # noqa: F401  (Mode, MODES, ...: re-exported)
+    BASELINES, HELD, MODES, Mode, route_least_outstanding,
 )
+from flexfloor.rollout.scheduler import LengthHistory, MemoryModel, PromptGroup, Scheduler
 from flexfloor.rollout.types import Request
 from flexfloor.rollout.workload import dataset_batches, make_lengths, make_prompts, tail_stats
 from flexfloor.sim.cost import CostParams, RooflineCost, UnitCost, kv_budget_bytes
 from flexfloor.sim.hardware import ACCELERATORS, ModelShape
 from flexfloor.sim.rollout import SimRequest, replica_state, simulate_rollout
-
-
-class Mode(enum.Enum):
-    STATIC = "static"
-    STATIC_CHUNKS = "static_chunks"
-    REPLICA_RELEASE = "replica_release"
-    SINGLE_GROUP = "single_group"
-    ELASTIC = "elastic"
-
-
-MODES = [m.value for m in Mode]
-BASELINES = [m for m in MODES if m != Mode.ELASTIC.value]
-HELD = {Mode.STATIC, Mode.STATIC_CHUNKS, Mode.SINGLE_GROUP}  # every rank to the rollout's end
 
 
 @dataclass(frozen=True)
@@ -300,21 +287,6 @@ def _mix_params(sc: Scenario) -> dict:
         out["history_correlation"] = sc.history_correlation
     if sc.cap_fraction:
         out["cap_fraction"] = sc.cap_fraction
-    return out
-
-
-def route_least_outstanding(groups, replicas: list[tuple[int, ...]]) -> dict[int, list[Request]]:
-    """verl's agent loop: the whole batch submitted at once, each sample to the replica with the
-    fewest outstanding requests, and inside it to the rank with the fewest (data-parallel
-    attention's balancing). rank -> its requests in submission order."""
-    reqs = [r for g in groups for r in g.requests]
-    to_replica = least_outstanding([("submit", r.request_id) for r in reqs], len(replicas))
-    out: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
-    for i, ranks in enumerate(replicas):
-        mine = [r for r in reqs if to_replica[r.request_id] == i]
-        to_rank = least_outstanding([("submit", r.request_id) for r in mine], len(ranks))
-        for r in mine:
-            out[ranks[to_rank[r.request_id]]].append(r)
     return out
 
 

@@ -1,0 +1,93 @@
+"""The rollout's expert GEMMs: grouped over the stacked own experts, per expert for the others.
+
+Pure tensor tests (no process group): `stacked_weights` finds the stack `stack_expert_weights`
+stores, and `PlacedMoE._project` gives the same rows grouped as one raw GEMM per expert, with
+borrowed experts before and after the stacked range and experts that received no rows.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.elastic_moe import ExpertStack, PlacedMoE, _grouped_mm_runs, stacked_weights
+
+
+class _Expert(torch.nn.Module):
+    """An expert's two projections as torch linears (the attributes `_project` reads)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+        self.linear_fc2 = torch.nn.Linear(ffn, hidden, bias=False)
+
+
+def _stack_in_place(experts):
+    """What flexfloor.model.stack_expert_weights does to a layer's local experts."""
+    for name in ("linear_fc1", "linear_fc2"):
+        params = [getattr(e, name).weight for e in experts]
+        stacked = torch.stack([p.detach() for p in params])
+        for p, view in zip(params, stacked):
+            p.data = view
+
+
+def _groups(experts_by_id, counts):
+    groups, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            groups.append((e, experts_by_id[e], start, n))
+            start += n
+    return groups
+
+
+def test_stacked_weights_is_a_view_of_the_parameters_only_when_they_are_stacked():
+    torch.manual_seed(0)
+    experts = [_Expert(16, 8) for _ in range(3)]
+    loose = [e.linear_fc1.weight for e in experts]
+    assert stacked_weights(loose) is None  # three separate storages
+    _stack_in_place(experts)
+    w = stacked_weights([e.linear_fc1.weight for e in experts])
+    assert w is not None and w.shape == (3, 16, 16)
+    for i, e in enumerate(experts):
+        assert w[i].data_ptr() == e.linear_fc1.weight.data_ptr()  # a view: no copy
+        assert torch.equal(w[i], e.linear_fc1.weight)
+    with torch.no_grad():  # the trainer's update is what the rollout reads
+        experts[1].linear_fc1.weight.add_(1.0)
+    assert torch.equal(w[1], experts[1].linear_fc1.weight)
+    # out of order: not one stack in expert order
+    assert stacked_weights([experts[1].linear_fc1.weight, experts[0].linear_fc1.weight]) is None
+
+
+@pytest.mark.skipif(not _grouped_mm_runs(torch.device("cpu"), torch.float32),
+                    reason="this torch has no CPU grouped GEMM")
+@pytest.mark.parametrize("counts", [
+    [3, 0, 5, 2, 0, 4, 1, 6],  # own experts 2..5 with an empty one; borrowed 0, 1, 6, 7 around
+    [0, 0, 4, 7, 1, 2, 0, 0],  # only own experts received rows
+    [2, 1, 0, 0, 0, 0, 3, 0],  # no own expert received rows
+])
+def test_grouped_projection_equals_one_gemm_per_expert(counts):
+    torch.manual_seed(1)
+    hidden, ffn = 32, 24
+    experts = {e: _Expert(hidden, ffn) for e in range(8)}
+    own = [experts[e] for e in range(2, 6)]
+    _stack_in_place(own)
+    stack = ExpertStack(2, 4, {n: stacked_weights([getattr(m, n).weight for m in own])
+                               for n in ("linear_fc1", "linear_fc2")})
+    assert all(w is not None for w in stack.weights.values())
+    x = torch.randn(sum(counts), hidden)
+    groups = _groups(experts, counts)
+    with torch.no_grad():
+        for name, inp in (("linear_fc1", x), ("linear_fc2", torch.randn(sum(counts), ffn))):
+            grouped = PlacedMoE._project(inp, groups, counts, stack, name)
+            loop = PlacedMoE._project(inp, groups, counts, None, name)
+            assert grouped.shape == loop.shape
+            torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
+            # and each row is its own expert's projection
+            s = 0
+            for e, n in enumerate(counts):
+                ref = torch.nn.functional.linear(inp[s:s + n], getattr(experts[e], name).weight)
+                torch.testing.assert_close(grouped[s:s + n], ref, rtol=1e-6, atol=1e-6)
+                s += n
+
+
+def test_float64_runs_one_gemm_per_expert():
+    """No grouped kernel for float64 on CPU: the probe says so and the loop runs instead."""
+    assert not _grouped_mm_runs(torch.device("cpu"), torch.float64)
