@@ -248,12 +248,12 @@ class Job:
         with self.phase("rollout", k):
             out = self.engine.generate(plan.assignment[self.rank], membership)
             if isinstance(membership, ElasticMembership):
-                out.record.extra.update(membership.group_record())
+                out.record.note(**membership.group_record())
         with self.phase("resync", k):
             resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k,
                               on_event=listener)
             if isinstance(listener, OffloadOnRelease):
-                out.record.extra.update(listener.take_stats())
+                out.record.note(**listener.take_stats())
             results = gather_all(self.parallel, out.results)
             records = gather_all(self.parallel, [out.record.as_dict()])
         return Rollout(results, records, plan, membership, resync_s)

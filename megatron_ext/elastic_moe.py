@@ -141,6 +141,9 @@ class PlacedMoE:
         ]
         self.group: Optional[dist.ProcessGroup] = None
         self.placement: Optional[Placement] = None
+        # hosted experts that received rows, every layer of every step (a host count: the
+        # engine's per-step trace reads it)
+        self.experts_touched = 0
         self._stacks: dict[int, Optional[ExpertStack]] = {}  # layer -> own experts stacked
         self.rebind(group, placement)
 
@@ -285,6 +288,7 @@ class PlacedMoE:
                                      f"not host (layer {layer})")
             groups.append((e, module, start, n))
             start += n
+        self.experts_touched += len(groups)
         if not groups:
             out = torch.empty_like(rows)
         elif self._raw_experts(groups[0][1]):

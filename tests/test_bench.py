@@ -12,7 +12,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = ("total_response_tokens", "occupied_worker_seconds", "occupied_worker_steps",
           "tail_fraction", "rollout_wall_seconds", "tokens_per_occupied_worker_second",
-          "responses_sha256", "per_rank")
+          "responses_sha256", "per_rank", "modelled_occupied_gpu_seconds",
+          "modelled_rollout_seconds", "tokens_per_modelled_occupied_gpu_second")
 RATIOS = ("tokens_per_occupied_worker_second", "tokens_per_occupied_worker_step",
           "rollout_wall_seconds")
 MODES = ["static", "static_chunks", "replica_release", "single_group", "elastic"]
@@ -71,9 +72,41 @@ def test_identical_responses_and_fewer_occupied_steps(run):
     assert report["per_epoch"][1]["predictor"]["sources"]["history"] == 8
 
 
+def test_modelled_seconds_price_every_traced_step(run):
+    """The JSON's per-rank step traces priced again: with every step at 1 they give each rank's
+    occupied steps; with the default cost model, the JSON's modelled seconds."""
+    from flexfloor.rollout.types import StepTrace
+    from flexfloor.sim.cost import UnitCost, cost_model, price_trace
+
+    report, _, _ = run
+    assert (report["setup"]["accelerator"], report["setup"]["model_shape"]) == ("H800",
+                                                                              "qwen3-30b-a3b")
+    assert report["setup"]["cpu_seconds_warning"] is None or "CPU cores" in report["setup"][
+        "cpu_seconds_warning"]
+    for mode in ("static", "elastic"):
+        epoch = report["per_epoch"][-1][mode]  # the summary's one epoch
+        traces = {r["rank"]: StepTrace.from_dict(r["trace"]) for r in epoch["per_rank"]}
+        steps = {r["rank"]: r["steps"] for r in epoch["per_rank"]}
+        unit = price_trace(traces, UnitCost(), held_steps=steps)
+        assert unit.occupied_s == {r: float(n) for r, n in steps.items()}
+        priced = price_trace(traces, cost_model("H800", "qwen3-30b-a3b"), held_steps=steps)
+        assert sum(priced.occupied_s.values()) == pytest.approx(
+            report[mode]["modelled_occupied_gpu_seconds"])
+        assert priced.rollout_s == pytest.approx(report[mode]["modelled_rollout_seconds"])
+        assert [r["modelled_occupied_s"] for r in epoch["per_rank"]] == pytest.approx(
+            [priced.occupied_s[r] for r in sorted(steps)])
+        # a step samples one token per running request: one per decoding one, one per prefill
+        decode = sum(sum(t.decode_tokens) for t in traces.values())
+        prefill = sum(sum(t.prefill_tokens) for t in traces.values())
+        assert decode < epoch["total_response_tokens"] <= decode + prefill
+    assert set(report["ratios"]) >= {"tokens_per_modelled_occupied_gpu_second",
+                                     "modelled_rollout_seconds"}
+
+
 def test_table_and_plot(run, tmp_path):
     report, png, stdout = run
     assert "epoch 2/2" in stdout and "tokens_per_occupied_worker_step" in stdout
+    assert "tokens_per_modelled_occupied_gpu_second" in stdout
     header = next(line for line in stdout.splitlines() if line.startswith("epoch 2 "))
     assert header.split()[2:] == MODES + ["elastic/static"]  # a column per mode
     assert all(f"elastic / {b}" in stdout for b in MODES[:-1])
@@ -93,6 +126,7 @@ def test_table_and_plot(run, tmp_path):
     (["--length-dist", "uniform", "--length-median", "6"], "--length-median do not apply"),
     (["--modes", "static,fast"], "unknown"),
     (["--kv-budget-tokens", "50"], "cannot hold the longest request"),
+    (["--accelerator", "TPU"], "--accelerator/--model-shape: accelerator 'TPU' unknown"),
     (["--replicas", "3"], "--replicas 3 must divide --nproc 4"),
 ])
 def test_bad_options_fail_before_launching(tmp_path, flags, message):

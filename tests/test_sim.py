@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-from flexfloor.sim.cost import CostParams, RankLoad, RooflineCost, kv_budget_bytes
+from flexfloor.rollout.types import StepTrace
+from flexfloor.sim.cost import (
+    CostParams, RankLoad, RooflineCost, UnitCost, kv_budget_bytes, price_trace,
+)
 from flexfloor.sim.hardware import ACCELERATORS, ModelShape
 from flexfloor.sim.scenarios import SCENARIOS, run
 
@@ -63,6 +66,13 @@ def test_unit_cost_simulation_equals_the_real_engine_step_for_step(engine_and_si
             assert got == want, (case, real["epoch"], mode)
             assert simulated[sim_mode]["occupied_worker_steps"] == real[mode]["occupied_worker_steps"]
             assert simulated[sim_mode]["total_response_tokens"] == real[mode]["total_response_tokens"]
+            # the engine's step traces priced at 1 a step: the simulator's unit-cost seconds
+            traces = {r["rank"]: StepTrace.from_dict(r["trace"]) for r in real[mode]["per_rank"]}
+            unit = price_trace(traces, UnitCost(),
+                               held_steps={r["rank"]: r["steps"] for r in real[mode]["per_rank"]})
+            assert [unit.occupied_s[r] for r in sorted(traces)] == [
+                r["release_s"] for r in simulated[sim_mode]["per_rank"]], (case, mode)
+            assert unit.rollout_s == simulated[sim_mode]["rollout_wall_seconds"]
     # release order: ranks sorted by the step they left at
     last = sim["per_epoch"][-1]["elastic"]["per_rank"]
     order = sorted(range(4), key=lambda r: (last[r]["release_step"], r))

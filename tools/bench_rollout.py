@@ -49,8 +49,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.rollout.metrics import json_safe  # noqa: E402
+from flexfloor.rollout.metrics import cpu_seconds_warning, json_safe  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
+from flexfloor.sim.cost import cost_model  # noqa: E402
 from flexfloor.rollout.workload import (  # noqa: E402
     DEFAULT_PARAMS, DISTRIBUTIONS, MIX_PARAMS, NOISE_PARAMS, dataset_batches, make_lengths,
     make_prompts, tail_stats,
@@ -126,8 +127,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("--repeats", type=int, default=3, help="runs of each mode per epoch")
     b.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated subset of {','.join(MODES)}")
+    c = p.add_argument_group("modelled seconds (every real step priced by the cost model)")
+    c.add_argument("--accelerator", default="H800", help="H100, H800, H200, A100 or unit")
+    c.add_argument("--model-shape", default="qwen3-30b-a3b", help="a model preset or deepseek-v3")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        args.cost = cost_model(args.accelerator, args.model_shape)
+    except ValueError as e:
+        p.error(f"--accelerator/--model-shape: {e}")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES] or ([] if args.modes else ["(none)"])
     if bad:
@@ -274,6 +282,9 @@ def format_report(report: dict) -> str:
         ("rollout_wall_seconds", "rollout_wall_seconds"),
         ("rollout_wall_steps", "rollout_wall_steps"),
         ("tail_fraction", None),
+        ("modelled_occupied_gpu_seconds", None),
+        ("tokens_per_modelled_occupied_gpu_second", "tokens_per_modelled_occupied_gpu_second"),
+        ("modelled_rollout_seconds", "modelled_rollout_seconds"),
     ]
     epochs = report["summary_epochs"]
     head = f"epochs {epochs[0]}..{epochs[-1]}" if len(epochs) > 1 else f"epoch {epochs[0]}"
@@ -286,6 +297,8 @@ def format_report(report: dict) -> str:
         lines.append(line)
     repeats = report.get("setup", {}).get("repeats", 1)
     lines.append(f"(seconds: per-rank medians over {repeats} repeats; steps, tokens: exact)")
+    if report.get("setup", {}).get("cpu_seconds_warning"):
+        lines.append(f"warning: {report['setup']['cpu_seconds_warning']}")
     for base, r in report.get("ratios_vs", {}).items():
         lines.append(f"elastic / {base:<16} tokens per occupied step x"
                      f"{_fmt(r['tokens_per_occupied_worker_step'])}, per occupied second x"
@@ -435,7 +448,7 @@ class Bench:
         kept = {}
         for mode in args.modes:
             entry[mode], kept[mode] = mode_report(runs[mode], assignment[Mode(mode)],
-                                                  expected.get(Mode(mode)), self.world)
+                                                  expected.get(Mode(mode)), self.world, args)
         if epoch > 1 or args.epochs == 1:
             self.kept.append(kept)
         if "elastic" in args.modes:
@@ -500,15 +513,14 @@ class Bench:
         out = engine.generate(requests_of[self.rank], membership)
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
         if elastic:
-            out.record.extra.update(membership.group_record())
-        out.record.extra.update(groups_created_during_rollout=live_process_groups() - groups,
-                                resident_bytes_before_release=held,
-                                resident_bytes_after_release=held,
-                                start_s=start["start_s"], start_sent_bytes=start["sent_bytes"])
-        out.record.extra["resync_s"] = resync(engine.moe, layout, self.par, membership,
-                                              on_event=listener)
+            out.record.note(**membership.group_record())
+        out.record.note(groups_created_during_rollout=live_process_groups() - groups,
+                        resident_bytes_before_release=held, resident_bytes_after_release=held,
+                        start_s=start["start_s"], start_sent_bytes=start["sent_bytes"])
+        out.record.resync_s = resync(engine.moe, layout, self.par, membership,
+                                     on_event=listener)
         if listener is not None:
-            out.record.extra.update(listener.take_stats())
+            out.record.note(**listener.take_stats())
         records, results = [None] * self.world, [None] * self.world
         dist.all_gather_object(records, out.record.as_dict(), group=self.par.world_group)
         dist.all_gather_object(results, out.results, group=self.par.world_group)
@@ -516,7 +528,7 @@ class Bench:
         if mode in HELD and layout.replicated:
             records = held_to_end(records)
         return {"records": records, "results": results,
-                "metrics": rollout_metrics(records, results)}
+                "metrics": rollout_metrics(records, results, self.args.cost)}
 
     def workload_report(self) -> dict:
         args, lengths = self.args, drawn_lengths(self.args, self.lengths)
@@ -545,10 +557,12 @@ class Bench:
                 "replicas": self.args.replicas, "replica_ranks": [
                     list(r) for r in self.layout.topology.replicas],
                 "max_seq_len": self.model_cfg.max_seq_len, "repeats": self.args.repeats,
-                "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start}
+                "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start,
+                "accelerator": self.args.accelerator, "model_shape": self.args.model_shape,
+                "cpu_seconds_warning": cpu_seconds_warning(self.world)}
 
 
-def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int
+def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int, args
                 ) -> tuple[dict, tuple]:
     """One mode's figures for one epoch: `rollout_metrics` of the per-rank median records over
     the repeats; returns (figures, (median records, results)) for the summary.
@@ -557,7 +571,7 @@ def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int
 
     records = median_records([run["records"] for run in runs])
     results = runs[0]["results"]
-    m = rollout_metrics(records, results)
+    m = rollout_metrics(records, results, args.cost)
     m["repeats"] = {k: [run["metrics"][k] for run in runs] for k in (
         "occupied_worker_seconds", "rollout_wall_seconds", "occupied_worker_steps",
         "responses_sha256")}
@@ -620,7 +634,7 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
     for mode in args.modes:
         summed = summed_records([k[mode][0] for k in kept])
         results = [r for k in kept for r in k[mode][1]]
-        m = rollout_metrics(summed, results)
+        m = rollout_metrics(summed, results, args.cost)
         m.pop("released_ranks")  # per epoch only
         for key in ("rollout_wall_seconds", "rollout_wall_steps"):
             m[key] = sum(e[mode][key] for e in chosen)

@@ -46,7 +46,10 @@ from flexfloor.rollout.collectives import (  # noqa: F401  (re-exported: the eng
 from flexfloor.rollout.kv import BlockPool, blocks_for, watermark_blocks
 from flexfloor.rollout.release import ReleaseDecision
 from flexfloor.rollout.sampling import sample
-from flexfloor.rollout.types import FinishReason, RankRecord, Request, Result, RolloutError
+from flexfloor.rollout.survivors import live_process_groups
+from flexfloor.rollout.types import (
+    FinishReason, RankRecord, Request, Result, RolloutError, ShrinkTrace, StepTrace,
+)
 
 __all__ = ["RolloutEngine", "RolloutError", "CollectiveError", "collective_phase",
            "StaticMembership", "StepReport", "kv_bytes_per_token"]
@@ -486,7 +489,11 @@ class RolloutEngine:
         pool = BlockPool(num_layers=len(self.model.decoder.layers), groups=self.groups,
                          head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                          block_tokens=self.block_tokens, capacity=self.capacity_blocks)
-        st = self.rollout = Rollout(record=RankRecord(rank=self.rank, requests=len(requests)),
+        trace = StepTrace(num_experts=self.moe.num_experts, num_layers=len(self.moe.layers),
+                          expert_bytes=self.moe.expert_nbytes)
+        trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
+        st = self.rollout = Rollout(record=RankRecord(rank=self.rank, requests=len(requests),
+                                                      trace=trace),
                                     pool=pool, t0=time.perf_counter(), requests=len(requests))
         st.queue.extend(_Running(r, pending=list(r.prompt_ids)) for r in requests)
         record = st.record
@@ -499,8 +506,13 @@ class RolloutEngine:
                 self._take_blocks(st)
                 record.kv_peak_bytes = max(record.kv_peak_bytes, pool.peak * pool.block_bytes)
                 running = st.running
+                # the step's trace from host counts: contexts before the forward stores them
+                contexts = [(r.length, len(r.pending)) for r in running]
+                touched = self.moe.experts_touched
+                trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
                 with collective_phase(self.rank, "decode (MoE all-to-all)", record.steps):
                     logits = self.forward(running, pool)
+                trace.add_step(contexts, self.moe.experts_touched - touched)
                 record.steps += 1
                 if running:
                     record.busy_steps += 1
@@ -513,9 +525,9 @@ class RolloutEngine:
                     bar.set_postfix(tok_s=f"{report.tokens / max(now, 1e-9):.0f}",
                                     active=len(report.has_work), refresh=False)
                     bar.update(report.finished - bar.n)
-            if "release_step" not in record.extra:  # not released early: occupied to the end
+            if record.release_step is None:  # not released early: occupied to the end
                 record.release_s = st.elapsed()
-                record.extra["release_step"] = record.steps
+                record.release_step = record.steps
             if bar is not None:
                 bar.close()
             if st.has_work:
@@ -544,21 +556,24 @@ class RolloutEngine:
         if d.migrate:
             self._migrate(st, d.migrate)
         if d.floor_hit:
-            record.extra["floor_hits"] = record.extra.get("floor_hits", 0) + 1
+            record.floor_hits += 1
         if not d.leaving:
             return True, b.report
         now = st.elapsed()
+        before, groups = self.moe.placement.ranks, live_process_groups()
         shrink = membership.shrink(self.moe, d, now=now, step=record.steps)
+        record.trace.shrinks.append(ShrinkTrace(
+            record.steps, before, shrink.sent_bytes, shrink.borrowed_bytes,
+            live_process_groups() - groups))
         if self.rank in d.leaving:
             record.release_s = now
-            record.extra["release_step"] = record.steps
+            record.release_step = record.steps
         else:
             st.pool.withhold(shrink.borrowed_bytes)  # borrowed weights take KV room
-        extra = record.extra
-        extra["plan_s"] = extra.get("plan_s", 0.0) + b.plan_s
-        extra["transfer_s"] = extra.get("transfer_s", 0.0) + shrink.transfer_s
-        extra["switch_s"] = extra.get("switch_s", 0.0) + shrink.switch_s
-        extra["sent_bytes"] = extra.get("sent_bytes", 0) + shrink.sent_bytes
+        record.plan_s += b.plan_s
+        record.transfer_s += shrink.transfer_s
+        record.switch_s += shrink.switch_s
+        record.sent_bytes += shrink.sent_bytes
         return self.rank not in d.leaving, b.report
 
     def _migrate(self, st: Rollout, plan: dict[int, int]) -> None:
@@ -614,7 +629,7 @@ class RolloutEngine:
             pool.free(victim.blocks)
             victim.restart()
             st.queue.appendleft(victim)
-            st.record.extra["preempted"] = st.record.extra.get("preempted", 0) + 1
+            st.record.preempted += 1
 
     def _sample(self, st: Rollout, logits: torch.Tensor) -> None:
         """One batched draw for every running request; one device-to-host copy of the results."""
@@ -642,7 +657,7 @@ class RolloutEngine:
             st.pool.free(r.blocks)
             r.blocks = []
             st.record.local_finish_s = now
-            st.record.extra["local_finish_step"] = st.record.steps
+            st.record.local_finish_step = st.record.steps
             st.finished += 1
         st.tokens += len(running)
         st.record.tokens += len(running)
@@ -663,7 +678,7 @@ class RolloutEngine:
             st.pool.free(r.blocks)
             st.migrated_out.append(r.request.request_id)
         st.running = []
-        st.record.extra["migrated_out"] = st.record.extra.get("migrated_out", 0) + len(out)
+        st.record.migrated_out += len(out)
         return out
 
     def adopt(self, payloads: list[dict]) -> None:
@@ -677,7 +692,7 @@ class RolloutEngine:
             r.restart()
             st.queue.appendleft(r)
         st.adopted.extend(p["request"] for p in payloads)
-        st.record.extra["adopted"] = st.record.extra.get("adopted", 0) + len(payloads)
+        st.record.adopted += len(payloads)
 
     def kv_free_bytes(self) -> int:
         return self.rollout.pool.free_bytes()

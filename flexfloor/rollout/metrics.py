@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from typing import Iterable, Sequence
 
 
@@ -18,10 +19,63 @@ def responses_sha256(results: Iterable) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
-def rollout_metrics(records: Sequence[dict], results: Sequence) -> dict:
-    """records: per-rank `RankRecord.as_dict()`; results: every `Result` of the rollout."""
-    return metrics_from_counts(records, total_tokens=sum(len(r.token_ids) for r in results),
-                               num_responses=len(results), digest=responses_sha256(results))
+# the modelled figures: a cost model's seconds of the real steps (flexfloor.sim.cost); the
+# simulator's seconds are all modelled and carry the same names
+MODELLED_FIGURES = ("modelled_occupied_gpu_seconds", "modelled_rollout_seconds",
+                    "tokens_per_modelled_occupied_gpu_second")
+
+
+def rollout_metrics(records: Sequence[dict], results: Sequence, cost=None) -> dict:
+    """records: per-rank `RankRecord.as_dict()` (or `summed_records`); results: every `Result`
+    of the rollout; cost: a cost model (`flexfloor.sim.cost.cost_model`) to price every traced
+    step with, adding `MODELLED_FIGURES` (per rank: `modelled_occupied_s`)."""
+    tokens = sum(len(r.token_ids) for r in results)
+    m = metrics_from_counts(records, total_tokens=tokens, num_responses=len(results),
+                            digest=responses_sha256(results))
+    if cost is not None:
+        occupied, wall = modelled_seconds(records, cost)
+        m.update(modelled_figures(sum(occupied.values()), wall, tokens))
+        for row in m["per_rank"]:
+            row["modelled_occupied_s"] = occupied[row["rank"]]
+    return m
+
+
+def cpu_seconds_warning(workers: int) -> str | None:
+    """Why CPU seconds do not measure occupied time when the workers outnumber the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if workers <= (cores or 1):
+        return None
+    return (f"{workers} workers share {cores} CPU cores: occupied_worker_seconds count time "
+            "the workers waited for a core; the worker-steps and modelled seconds do not")
+
+
+def modelled_figures(occupied_s: float, rollout_s: float, total_tokens: int) -> dict:
+    """`MODELLED_FIGURES` from modelled occupied and rollout seconds."""
+    return dict(zip(MODELLED_FIGURES, (
+        occupied_s, rollout_s, total_tokens / occupied_s if occupied_s > 0 else 0.0)))
+
+
+def modelled_seconds(records: Sequence[dict], cost) -> tuple[dict, float]:
+    """(rank -> modelled occupied seconds, modelled rollout seconds) of the rollouts the
+    records hold (summed records: each rollout priced on its own, then added up)."""
+    from flexfloor.rollout.types import StepTrace
+    from flexfloor.sim.cost import price_trace
+
+    rollouts = [r.get("per_rollout", [r]) for r in records]
+    occupied = {r["rank"]: 0.0 for r in records}
+    wall = 0.0
+    for i in range(max(map(len, rollouts), default=0)):
+        recs = [rs[i] for rs in rollouts if i < len(rs)]
+        missing = [r["rank"] for r in recs if "trace" not in r]
+        if missing:
+            raise ValueError(f"records of ranks {missing} have no step trace: modelled seconds "
+                             "price the engine's traced steps (RankRecord.trace)")
+        priced = price_trace({r["rank"]: StepTrace.from_dict(r["trace"]) for r in recs}, cost,
+                             held_steps={r["rank"]: r["steps"] for r in recs})
+        for rank, t in priced.occupied_s.items():
+            occupied[rank] += t
+        wall += priced.rollout_s
+    return occupied, wall
 
 
 def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_responses: int,
@@ -61,6 +115,8 @@ def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_respo
                 **{k: r[k] for k in ("release_step", "local_finish_step",
                                      "resident_bytes_before_release",
                                      "resident_bytes_after_release") if k in r},
+                # the engine's per-step trace (one rollout; the simulator has none)
+                **({"trace": r["trace"]} if r.get("trace", {}).get("groups") else {}),
             }
             for r in sorted(records, key=lambda r: r["rank"])
         ],
@@ -84,6 +140,7 @@ def summed_records(epochs: list[list[dict]]) -> list[dict]:
             for key in ("resident_bytes_before_release", "resident_bytes_after_release"):
                 if key in rec:  # the fullest rollout's
                     s[key] = max(s.get(key, 0), rec[key])
+            s.setdefault("per_rollout", []).append(rec)  # each priced on its own (modelled)
     return [summed[r] for r in sorted(summed)]
 
 
@@ -96,9 +153,12 @@ def ratios(elastic: dict, static: dict) -> dict:
     # rollout_wall_steps: where a released rank's step costs the survivors nothing (one
     # accelerator per rank), the wall follows this ratio; on shared CPU cores the survivors'
     # steps get cheaper as ranks leave, and the seconds ratio flatters
-    return {key: ratio(key) for key in (
-        "tokens_per_occupied_worker_second", "tokens_per_occupied_worker_step",
-        "rollout_wall_seconds", "rollout_wall_steps")}
+    keys = ["tokens_per_occupied_worker_second", "tokens_per_occupied_worker_step",
+            "rollout_wall_seconds", "rollout_wall_steps"]
+    # the modelled figures where both sides have them (a cost model was given)
+    keys += [k for k in MODELLED_FIGURES[1:] if elastic.get(k) is not None
+             and static.get(k) is not None]
+    return {key: ratio(key) for key in keys}
 
 
 def json_safe(obj):

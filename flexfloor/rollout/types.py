@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import zlib
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional, Sequence
 
 import torch
 
@@ -91,8 +91,113 @@ class Result:
 
 
 @dataclass
+class GroupSpan:
+    """The EP group a rank stepped in from `from_step` on: its ranks and the expert -> rank map."""
+
+    from_step: int
+    ranks: tuple[int, ...]  # sorted global ranks
+    owner: tuple[int, ...]  # owner[e] = rank running expert e
+
+
+@dataclass
+class ShrinkTrace:
+    """One shrink this rank took part in, at the boundary after `step` steps (0: before the
+    first), in the group it had then."""
+
+    step: int
+    ranks: tuple[int, ...]  # the group before the shrink
+    sent_bytes: int  # expert weights this rank sent
+    received_bytes: int  # expert weights it received (borrowed)
+    groups_created: int  # process groups the shrink created on this rank (0: one built ahead)
+
+
+@dataclass
+class StepTrace:
+    """What every engine step of one rank did, one entry per step from the host counts the
+    engine holds at the step (no device read): the input a cost model prices
+    (`flexfloor.sim.cost.price_trace`).
+
+    Per step: decode tokens (one per decoding request), prefill tokens (prompts, re-prefills
+    after preemption or adoption), KV tokens read (every running request's context after the
+    step's tokens), attention pairs (new token, context token), hosted experts that received
+    rows (summed over the MoE layers). The group and placement only where they change, shrinks
+    where they happen. `num_experts` and `expert_bytes` are the traced model's.
+    """
+
+    num_experts: int = 0
+    num_layers: int = 0
+    expert_bytes: int = 0  # one expert over all layers
+    decode_tokens: list[int] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)
+    kv_tokens: list[int] = field(default_factory=list)
+    attention_pairs: list[int] = field(default_factory=list)
+    experts_touched: list[int] = field(default_factory=list)
+    groups: list[GroupSpan] = field(default_factory=list)
+    shrinks: list[ShrinkTrace] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.decode_tokens)
+
+    def enter_group(self, ranks: Sequence[int], owner: Sequence[int]) -> None:
+        """Note the group the next step runs in (nothing when it is the current one)."""
+        ranks, owner = tuple(ranks), tuple(owner)
+        if not self.groups or (self.groups[-1].ranks, self.groups[-1].owner) != (ranks, owner):
+            if self.groups and self.groups[-1].from_step == self.steps:
+                self.groups.pop()  # replaced before any step ran in it
+            self.groups.append(GroupSpan(self.steps, ranks, owner))
+
+    def add_step(self, contexts: Sequence[tuple[int, int]], experts_touched: int) -> None:
+        """contexts: (tokens already stored, new tokens) of every running request this step."""
+        decode = prefill = kv = pairs = 0
+        for stored, new in contexts:
+            if stored:
+                decode += new
+            else:
+                prefill += new
+            kv += stored + new
+            pairs += new * stored + new * (new + 1) // 2
+        self.decode_tokens.append(decode)
+        self.prefill_tokens.append(prefill)
+        self.kv_tokens.append(kv)
+        self.attention_pairs.append(pairs)
+        self.experts_touched.append(experts_touched)
+
+    def group_at(self, step: int) -> GroupSpan:
+        """The group step `step` (0-based) ran in, or the boundary after `step` steps saw."""
+        for g in reversed(self.groups):
+            if g.from_step <= step:
+                return g
+        raise ValueError(f"trace has no group for step {step}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepTrace":
+        d = dict(d)
+        d["groups"] = [GroupSpan(g["from_step"], tuple(g["ranks"]), tuple(g["owner"]))
+                       for g in d.get("groups", ())]
+        d["shrinks"] = [ShrinkTrace(**{**x, "ranks": tuple(x["ranks"])})
+                        for x in d.get("shrinks", ())]
+        return cls(**d)
+
+
+# fields of a record left out of its JSON while unknown (None): a rank never released has no
+# offload figures, the simulator no resident bytes
+_OPTIONAL = ("release_step", "local_finish_step", "resync_s", "resident_bytes_before_release",
+             "resident_bytes_after_release", "resident_bytes_after_resync", "offloaded_bytes",
+             "rss_bytes_before_release", "rss_bytes_after_release", "offload_s", "restore_s")
+
+
+@dataclass
 class RankRecord:
-    """What one rank did in one rollout; times in seconds from the rollout start."""
+    """What one rank did in one rollout; times in seconds from the rollout start.
+
+    `as_dict()` is the JSON the tools gather and write (a contract: the names stay); fields in
+    `_OPTIONAL` appear there once known. `note(**figures)` sets fields by name (what a membership,
+    an offload listener or a tool reports) and refuses a name the record does not have.
+    """
 
     rank: int
     start_s: float = 0.0
@@ -103,11 +208,45 @@ class RankRecord:
     tokens: int = 0  # response tokens it produced
     requests: int = 0
     kv_peak_bytes: int = 0
-    extra: dict = field(default_factory=dict)
+    release_step: Optional[int] = None  # steps done when it left (or at the end)
+    local_finish_step: Optional[int] = None  # steps done when its last own response ended
+    preempted: int = 0  # requests preempted for KV blocks (re-queued, re-prefilled)
+    floor_hits: int = 0  # boundaries where the memory floor kept it stepping
+    migrated_out: int = 0  # running requests handed to another rank
+    adopted: int = 0  # requests taken over from another rank
+    plan_s: float = 0.0  # release decisions
+    transfer_s: float = 0.0  # expert transfers at shrinks
+    switch_s: float = 0.0  # switches to the survivors' groups
+    sent_bytes: int = 0  # expert weights sent at shrinks
+    start_sent_bytes: int = 0  # expert weights sent before the first step (replica layouts)
+    groups_created_during_rollout: int = 0  # process groups built after decoding started
+    switch_s_per_shrink: list[float] = field(default_factory=list)
+    resync_s: Optional[float] = None  # seconds of the resync after the rollout
+    # memory of the rank (bytes on its device) around its release, and the offload's figures
+    resident_bytes_before_release: Optional[int] = None
+    resident_bytes_after_release: Optional[int] = None
+    resident_bytes_after_resync: Optional[int] = None
+    offloaded_bytes: Optional[int] = None
+    rss_bytes_before_release: Optional[int] = None
+    rss_bytes_after_release: Optional[int] = None
+    offload_s: Optional[float] = None
+    restore_s: Optional[float] = None
+    trace: StepTrace = field(default_factory=StepTrace)
+
+    def note(self, **figures) -> None:
+        names = {f.name for f in fields(self)} - {"rank", "trace"}
+        unknown = sorted(set(figures) - names)
+        if unknown:
+            raise TypeError(f"RankRecord has no field {unknown}; add it to "
+                            "flexfloor/rollout/types.py (RankRecord) to record it")
+        for name, value in figures.items():
+            setattr(self, name, value)
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in (
-            "rank", "start_s", "local_finish_s", "release_s", "steps", "busy_steps", "tokens",
-            "requests", "kv_peak_bytes")}
-        d.update(self.extra)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+        for name in _OPTIONAL:
+            if d[name] is None:
+                del d[name]
+        d["switch_s_per_shrink"] = list(self.switch_s_per_shrink)
+        d["trace"] = self.trace.as_dict()
         return d

@@ -33,11 +33,12 @@ import bisect
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from flexfloor.sim.hardware import Accelerator, ModelShape
+from flexfloor.rollout.types import StepTrace
+from flexfloor.sim.hardware import ACCELERATORS, Accelerator, ModelShape
 
 # DeepEP's published low-latency kernels (deepseek-ai/DeepEP README, H800, CX7 400 Gb/s RDMA per
 # GPU, 128 tokens per rank, hidden 7168, top-8, FP8 dispatch and BF16 combine): EP size ->
@@ -136,6 +137,9 @@ class RankLoad:
     context_tokens: int  # cached tokens its requests attend over
     hosted_experts: int
     attention_pairs: float = 0.0  # (new token, cached token) pairs: its context when decoding
+    # hosted experts that receive tokens (per layer), when measured; None: expected from the
+    # step's tokens and the routing popularity
+    touched_experts: Optional[float] = None
 
 
 class UnitCost:
@@ -147,6 +151,10 @@ class UnitCost:
         return 1.0
 
     def shrink_seconds(self, transfers, owner: Sequence[int]) -> float:
+        return 0.0
+
+    def measured_shrink_seconds(self, moved: Mapping[int, float], ranks: Sequence[int],
+                                groups_created: int) -> float:
         return 0.0
 
 
@@ -201,8 +209,10 @@ class RooflineCost:
             i = position.get(x.rank)
             mine = float(share[i]) if i is not None else 0.0
             pairs = total * k * mine  # token-expert pairs this rank computes
+            busy = (x.touched_experts if x.touched_experts is not None else
+                    float(touched[i]) if i is not None else 0.0)
             t += max(pairs * 2 * m.expert_params * m.num_layers / flops,
-                     (float(touched[i]) if i is not None else 0.0) * m.expert_bytes / hbm)
+                     busy * m.expert_bytes / hbm)
             if len(loads) > 1:
                 # its tokens out to the owners and back: the pairs that leave the rank, the larger
                 # of what it sends and what it receives
@@ -216,15 +226,29 @@ class RooflineCost:
     def shrink_seconds(self, transfers, owner: Sequence[int]) -> float:
         """Experts of the leavers to the survivors, all transfers at once (each rank's link
         carries what it sends and receives), then the survivors' group."""
-        a, p = self.accel, self.params
         load: dict[int, float] = {}
         for t in transfers:
-            same = self.node(t.src) == self.node(t.dst)
-            bw = (a.nvlink_bytes_per_s if same else a.network_bytes_per_s) * p.link_efficiency
-            secs = self.model.expert_bytes / bw
+            secs = self._expert_link_seconds(self.node(t.src) == self.node(t.dst))
             load[t.src] = load.get(t.src, 0.0) + secs
             load[t.dst] = load.get(t.dst, 0.0) + secs
-        return max(load.values(), default=0.0) + p.group_seconds()
+        return max(load.values(), default=0.0) + self.params.group_seconds()
+
+    def measured_shrink_seconds(self, moved: Mapping[int, float], ranks: Sequence[int],
+                                groups_created: int) -> float:
+        """A shrink the engine carried out: `moved` rank -> experts (of this model) it sent
+        plus received, all at once, over NVLink when the group `ranks` sits on one node, else
+        the network; then the group the code switched to: `groups_created` new communicators
+        (`group_create_s` each) or, with none, one built ahead (`switch_s`)."""
+        p = self.params
+        same = len({self.node(r) for r in ranks}) == 1
+        link = max(moved.values(), default=0.0) * self._expert_link_seconds(same)
+        return link + (groups_created * p.group_create_s if groups_created else p.switch_s)
+
+    def _expert_link_seconds(self, same_node: bool) -> float:
+        """One expert (all layers) over one link."""
+        a = self.accel
+        bw = (a.nvlink_bytes_per_s if same_node else a.network_bytes_per_s)
+        return self.model.expert_bytes / (bw * self.params.link_efficiency)
 
 
 def kv_budget_bytes(accel: Accelerator, model: ModelShape, hosted_experts: int,
@@ -242,3 +266,106 @@ def kv_budget_bytes(accel: Accelerator, model: ModelShape, hosted_experts: int,
             f"{accel.hbm_bytes * params.hbm_usable_fraction / (1 << 30):.1f} GiB usable; use more "
             "accelerators (fewer experts per rank) or larger ones")
     return int(room)
+
+
+# --------------------------------------------------------------------------------------------
+# modelled seconds of the real engine's steps
+
+UNIT_ACCELERATOR = "unit"  # `cost_model`'s name for UnitCost: every step 1, a shrink 0
+
+
+def cost_model(accelerator: str, model_shape: str,
+               params: CostParams = CostParams()) -> Union[RooflineCost, UnitCost]:
+    """The cost model a tool names: an accelerator of `ACCELERATORS` and a model shape
+    (`ModelShape.from_preset`), or `unit` (every step costs 1). Raises ValueError naming the
+    choices."""
+    if accelerator == UNIT_ACCELERATOR:
+        return UnitCost()
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator {accelerator!r} unknown; choose one of "
+                         f"{[*sorted(ACCELERATORS), UNIT_ACCELERATOR]}")
+    return RooflineCost(ACCELERATORS[accelerator], ModelShape.from_preset(model_shape), params)
+
+
+@dataclass(frozen=True)
+class ModelledRollout:
+    """One rollout's real steps priced by a cost model."""
+
+    occupied_s: dict[int, float]  # rank -> modelled seconds until its release
+    rollout_s: float  # the rank that stayed longest
+
+
+def price_trace(traces: Mapping[int, StepTrace], cost, *,
+                held_steps: Optional[Mapping[int, int]] = None) -> ModelledRollout:
+    """Apply `cost` to every real step of one rollout. traces: rank -> its `StepTrace`;
+    held_steps: rank -> the occupied steps its record counts (a rank held after its group
+    ended, e.g. a static replica done early, counts more steps than it traced: it is occupied
+    to the rollout's end).
+
+    A step of a group prices the loads of all its ranks at that step (lockstep: every rank of
+    the group traced it): new tokens, KV tokens read, attention pairs, hosted experts (the
+    traced expert -> rank map stretched to the cost's model: its expert j runs where traced
+    expert j * E_traced // E_model ran) and, when the traced model has the cost's expert and
+    layer counts, the experts that really received rows. A shrink prices the expert bytes each
+    rank sent and received (in the cost model's experts) and the groups the code created. A
+    rank's occupied time: its steps and shrinks until it left (the leaver pays its shrink)."""
+    steps: dict[tuple, list] = {}  # (group ranks, step) -> [(rank, trace, k)]
+    shrinks: dict[tuple, list] = {}  # (group ranks, boundary) -> [(rank, trace, ShrinkTrace)]
+    for rank, tr in traces.items():
+        for k in range(tr.steps):
+            steps.setdefault((tr.group_at(k).ranks, k), []).append((rank, tr, k))
+        for sh in tr.shrinks:
+            shrinks.setdefault((sh.ranks, sh.step), []).append((rank, tr, sh))
+    step_s = {key: _step_seconds(key, rows, cost) for key, rows in steps.items()}
+    shrink_s = {key: _shrink_seconds(key, rows, cost) for key, rows in shrinks.items()}
+    own = {}
+    for rank, tr in traces.items():
+        at = {sh.step: sh for sh in tr.shrinks}
+        t = 0.0
+        for k in range(tr.steps + 1):  # boundary k (after k steps), then step k
+            if k in at:
+                t += shrink_s[(at[k].ranks, k)]
+            if k < tr.steps:
+                t += step_s[(tr.group_at(k).ranks, k)]
+        own[rank] = t
+    end = max(own.values(), default=0.0)
+    held = {r for r, n in (held_steps or {}).items() if r in traces and n > traces[r].steps}
+    return ModelledRollout({r: end if r in held else t for r, t in sorted(own.items())}, end)
+
+
+def _step_seconds(key, rows, cost) -> float:
+    ranks, k = key
+    got = sorted(r for r, _, _ in rows)
+    if got != list(ranks):
+        raise ValueError(f"step {k} of the group {list(ranks)} was traced by ranks {got} only: "
+                         "a lockstep step needs the trace of every rank of its group (gather "
+                         "every rank's record)")
+    _, tr, _ = rows[0]
+    owner = _model_owner(tr.group_at(k).owner, cost)
+    hosted = {r: owner.count(r) for r in ranks}
+    measured = isinstance(cost, RooflineCost) and (
+        tr.num_experts, tr.num_layers) == (cost.model.num_experts, cost.model.num_layers)
+    loads = [RankLoad(r, t.decode_tokens[i] + t.prefill_tokens[i], t.kv_tokens[i], hosted[r],
+                      t.attention_pairs[i],
+                      t.experts_touched[i] / t.num_layers if measured else None)
+             for r, t, i in rows]
+    return cost.step_seconds(loads, owner)
+
+
+def _shrink_seconds(key, rows, cost) -> float:
+    ranks, _ = key
+    _, tr, _ = rows[0]
+    per_expert = tr.expert_bytes or 1
+    # one traced expert stands for E_model / E_traced of the cost model's experts
+    scale = (cost.model.num_experts / tr.num_experts
+             if isinstance(cost, RooflineCost) and tr.num_experts else 1.0)
+    moved = {r: (sh.sent_bytes + sh.received_bytes) / per_expert * scale for r, _, sh in rows}
+    return cost.measured_shrink_seconds(moved, ranks, max(sh.groups_created for _, _, sh in rows))
+
+
+def _model_owner(traced: Sequence[int], cost) -> list[int]:
+    """A traced expert -> rank map stretched to the cost's model (UnitCost: as traced)."""
+    if not isinstance(cost, RooflineCost):
+        return list(traced)
+    n, e = len(traced), cost.model.num_experts
+    return [traced[j * n // e] for j in range(e)]

@@ -310,7 +310,7 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
         else:
             x.pending -= 1
         x.queue.appendleft(_Preempted(last.req, step - last.start))
-        x.record.extra["preempted"] = x.record.extra.get("preempted", 0) + 1
+        x.record.preempted += 1
 
     def loads(at_step: int) -> list[RankLoad]:
         out = []
@@ -334,8 +334,7 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
         floor_hit = decision.floor_hit
         if floor_hit:
             for r in active:
-                ex = ranks[r].record.extra
-                ex["floor_hits"] = ex.get("floor_hits", 0) + 1
+                ranks[r].record.floor_hits += 1
         quiet = not decision.migrate and not decision.leaving
         if exact:  # the engine's export/adopt: the taker queues them first, re-prefilled later
             adopted: dict[int, list] = {}
@@ -344,13 +343,13 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
                 runs = sorted(g.running, key=lambda r: r.seq)
                 adopted.setdefault(taker, []).extend(_Preempted(r.req, step - r.start) for r in runs)
                 g.used_blocks -= sum(r.blocks for r in runs)
-                g.record.extra["migrated_out"] = g.record.extra.get("migrated_out", 0) + len(runs)
+                g.record.migrated_out += len(runs)
                 g.running, g.ctx_base, g.pending, g.extra_pairs = [], 0, 0, 0.0
                 timeline.append({"step": step, "migrated": {giver: taker}})
             for taker, items in adopted.items():
                 t = ranks[taker]
                 t.queue.extendleft(reversed(items))
-                t.record.extra["adopted"] = t.record.extra.get("adopted", 0) + len(items)
+                t.record.adopted += len(items)
         for giver, taker in sorted(decision.migrate.items()) if not exact else ():
             g, t = ranks[giver], ranks[taker]
             for run in g.running:
@@ -358,8 +357,8 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
                 g.kv_used -= reserve(run.req)
                 t.kv_used += reserve(run.req)
                 t.add(run)
-            g.record.extra["migrated_out"] = g.record.extra.get("migrated_out", 0) + len(g.running)
-            t.record.extra["adopted"] = t.record.extra.get("adopted", 0) + len(g.running)
+            g.record.migrated_out += len(g.running)
+            t.record.adopted += len(g.running)
             g.running, g.ctx_base, g.pending, g.extra_pairs = [], 0, 0, 0.0
             timeline.append({"step": step, "migrated": {giver: taker}})
         if decision.leaving:
@@ -375,7 +374,7 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             for r in decision.leaving:
                 rec = ranks[r].record
                 rec.release_s = now
-                rec.extra["release_step"] = rec.steps
+                rec.release_step = rec.steps
             placement = decision.placement
             hosted = Counter(placement.owner)
             active = list(placement.ranks)
@@ -456,7 +455,7 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
                 x.ctx_base -= run.req.prompt_len - run.start
                 x.kv_used -= reserve(run.req)
                 x.record.local_finish_s = now
-                x.record.extra["local_finish_step"] = x.record.steps
+                x.record.local_finish_step = x.record.steps
                 lengths.setdefault(run.req.prompt_uid, []).append(run.req.length)
                 finished_total += 1
             x.pending = len(x.running)
@@ -494,12 +493,11 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
         boundaries += skip  # the skipped boundaries decide nothing new (every one is checked)
         if floor_hit:  # the engine counts the floor at every boundary it meets it
             for r in active:
-                ex = ranks[r].record.extra
-                ex["floor_hits"] = ex.get("floor_hits", 0) + skip
+                ranks[r].record.floor_hits += skip
     for r in active:  # not released early: occupied to the end
         rec = ranks[r].record
         rec.release_s = now
-        rec.extra["release_step"] = rec.steps
+        rec.release_step = rec.steps
     for x in ranks.values():
         if x.running or x.queue:
             raise SimError(f"rank {x.rank} left with {len(x.running)} running and "

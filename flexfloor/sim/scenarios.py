@@ -33,7 +33,9 @@ import numpy as np
 from flexfloor.config import MODEL_PRESETS, PlacementPolicy
 from flexfloor.rollout.consolidate import ConsolidationRules, MovePrices, remaining_estimate
 from flexfloor.rollout.release import RankLimits, ReleaseRules
-from flexfloor.rollout.metrics import metrics_from_counts, ratios, summed_records
+from flexfloor.rollout.metrics import (
+    MODELLED_FIGURES, metrics_from_counts, modelled_figures, ratios, summed_records,
+)
 from flexfloor.rollout.replicas import (  # noqa: F401  (Mode, MODES, ...: re-exported)
     BASELINES, HELD, MODES, Mode, route_least_outstanding,
 )
@@ -429,9 +431,8 @@ def mode_metrics(out, sc: Scenario) -> dict:
     m = metrics_from_counts(out.records, total_tokens=out.total_tokens,
                             num_responses=out.num_responses)
     m["groups_created_during_rollout"] = out.groups_created
-    modelled = sc.accelerator is not None
-    m["modelled_occupied_gpu_seconds"] = m["occupied_worker_seconds"] if modelled else None
-    m["modelled_rollout_seconds"] = m["rollout_wall_seconds"] if modelled else None
+    m.update(dict.fromkeys(MODELLED_FIGURES) if sc.accelerator is None else modelled_figures(
+        m["occupied_worker_seconds"], m["rollout_wall_seconds"], out.total_tokens))
     return m
 
 

@@ -147,7 +147,7 @@ def offload_case(par, rank):
     res["restored_bit_identical"] = (len(before_state) == len(after_state) and all(
         torch.equal(a, b) for a, b in zip(before_state, after_state)))
     res["stats"] = stats
-    res["released"] = "release_step" in out_elastic.record.extra and bool(stats)
+    res["released"] = out_elastic.record.release_step is not None and bool(stats)
     res["survivor_bytes_at_end"] = survivor_bytes
     res["tokens_static"] = {r.request_id: r.token_ids for r in out_static.results}
     res["tokens_elastic"] = {r.request_id: r.token_ids for r in out_elastic.results}

@@ -58,7 +58,7 @@ def main(out_dir):
     engine = RolloutEngine(model, layout.moe(model, par), rank=rank)
     res = {}
     out, wait = rollout(engine, layout, par, step=1)
-    res["long"] = {"resync_wait_s": wait, "release_step": out.record.extra["release_step"],
+    res["long"] = {"resync_wait_s": wait, "release_step": out.record.release_step,
                    "steps": out.record.steps, "tokens": sum(len(r.token_ids) for r in out.results)}
     t0 = time.perf_counter()
     try:

@@ -103,7 +103,7 @@ def main(out, rollouts):
             "prompts": prompts, "knobs": knobs,
             "static": {r.request_id: r.token_ids for r in static.results},
             "elastic": {r.request_id: r.token_ids for r in elastic.results},
-            "release_step": elastic.record.extra.get("release_step"),
+            "release_step": elastic.record.release_step,
             "shrinks": [t.get("active") for t in m.timeline if "active" in t],
             "placement_restored": moe.placement.as_dict() == start_placement,
             "group_restored": moe.group is layout.group,
