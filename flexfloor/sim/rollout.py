@@ -403,7 +403,7 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
         requests_total -= len(out)
         for run in x.running:
             x.kv_used -= reserve(run.req)
-        x.record.extra["migrated_out"] = x.record.extra.get("migrated_out", 0) + len(out)
+        x.record.migrated_out += len(out)
         x.running, x.ctx_base, x.pending, x.extra_pairs = [], 0, 0, 0.0
         return out
 
@@ -423,7 +423,7 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
                            pending=1, seq=seq))
         else:
             x.queue.extendleft(reversed([_Preempted(req, produced) for req, produced in items]))
-        x.record.extra["adopted"] = x.record.extra.get("adopted", 0) + len(items)
+        x.record.adopted += len(items)
 
     view = GroupView(now=lambda: now, finished=lambda: finished_total, ranks=ranks_now,
                      export=export, adopt=adopt, lengths=lengths)
