@@ -3,25 +3,21 @@ the same tokens at R = 1 and R = 2, greedy and sampled; a replica done is releas
 elastic policy shrinks inside each replica; the experts a replica placement borrows are fetched
 at start and dropped at resync. Plus the pure pieces: the replica placement and the config check."""
 
-import json
-
 import pytest
 
-from distributed import torchrun
+from distributed import Worker
 from flexfloor.config import Config
 from flexfloor.rollout.replicas import (
     MODES, held_to_end, replica_placement, replica_ranks,
 )
 
 R2 = [[0, 1], [2, 3]]
+WORKER = Worker("replicas.py", 4, timeout=500)  # shares the session's 4-worker launch
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    d = tmp_path_factory.mktemp("replicas")
-    torchrun("replicas.py", 4, str(d), timeout=500)
-    with open(d / "results.json") as f:
-        return json.load(f)
+def res(shared):
+    return shared.run(WORKER).results
 
 
 def tokens(parts, mode):

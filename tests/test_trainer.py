@@ -1,19 +1,15 @@
 """The GRPO step loop on 2 real gloo workers (one launch): updates, static == elastic, resume."""
 
-import json
 import math
 
 import pytest
 
-from distributed import torchrun
+from distributed import run_worker
 
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
-    d = tmp_path_factory.mktemp("trainer")
-    torchrun("trainer.py", 2, str(d), timeout=600)
-    with open(d / "results.json") as f:
-        return json.load(f)
+    return run_worker("trainer.py", 2, tmp_path_factory.mktemp("trainer")).results
 
 
 def test_two_grpo_steps_change_the_weights_with_finite_losses(res):

@@ -7,12 +7,11 @@ Usage: torchrun --nproc-per-node 4 tests/workers/replicas.py OUT_DIR
 """
 
 import dataclasses
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
+from _harness import gather, run
 
 from flexfloor.config import ModelConfig, PlacementPolicy, ReleasePolicy
 from flexfloor.model import build_model, forward_logits
@@ -23,7 +22,6 @@ from flexfloor.rollout.replicas import Mode, mode_assignments
 from flexfloor.rollout.scheduler import LengthHistory, PromptGroup, Scheduler
 from flexfloor.rollout.types import Request, SamplingParams
 
-OUT = sys.argv[1]
 SAMPLING = {"greedy": SamplingParams(greedy=True),
             "sampled": SamplingParams(temperature=1.0, top_p=0.95)}
 # the response lengths of each prompt's two samples: in submission order, least-outstanding
@@ -63,13 +61,7 @@ def rollout(engine, layout, par, policy, requests, expected_finish=None):
     return view
 
 
-def gathered(view):
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, view)
-    return parts
-
-
-def main():
+def main(out):
     rank = int(os.environ["RANK"])
     par = Parallel.build(expert_parallel_size=4, timeout_s=60)  # training shards of 2 experts
     model = build_model(dataclasses.replace(ModelConfig(), num_experts=8), par)
@@ -98,13 +90,13 @@ def main():
         # R = 1 elastic: FlexFloor's placement shrinking the world-wide group
         case["r1_elastic"] = rollout(engines[1], layouts[1], par, ReleasePolicy.ELASTIC,
                                      assign[Mode.ELASTIC][rank], plan.expected_finish)
-        results[kind] = gathered(case)
+        results[kind] = gather(case)
     # a shrink inside each replica: rank 1 leaves replica (0, 1), rank 3 leaves (2, 3)
     longest = [24, 6, 16, 4]
     reqs = [Request(prompt_uid=100 + rank, sample_index=0, seed=5, step=2,
                     prompt_ids=(3, 4, 5 + rank), max_new_tokens=32, target_len=longest[rank])]
     expected = {r: float(n) for r, n in enumerate(longest)}
-    results["shrink"] = gathered({
+    results["shrink"] = gather({
         "static": rollout(engines[1], layouts[1], par, ReleasePolicy.STATIC, reqs),
         "elastic": rollout(engines[2], layouts[2], par, ReleasePolicy.ELASTIC, reqs, expected)})
     # replicas need their start: membership_for refuses without it; a bad R fails up front
@@ -118,14 +110,11 @@ def main():
         results["bad_replicas"] = None
     except ValueError as e:
         results["bad_replicas"] = str(e)
-    results["logits_unchanged"] = gathered(bool(torch.equal(before, forward_logits(model, probe))))
-    if rank == 0:
-        with open(os.path.join(OUT, "results.json"), "w") as f:
-            json.dump(results, f)
+    results["logits_unchanged"] = gather(bool(torch.equal(before, forward_logits(model, probe))))
     for lay in layouts.values():
         lay.close()
-    par.destroy()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
