@@ -194,21 +194,25 @@ def build_model(model_cfg, parallel, *, params_dtype: Optional[str] = None, use_
 
 
 def stack_expert_weights(model) -> None:
-    """Store each layer's local expert weights as one stacked tensor per projection: every
-    expert's `linear_fc1.weight` [F', H] becomes a view of one [experts, F', H] tensor (likewise
-    fc2), so the rollout's expert GEMMs can run grouped over the stack
+    """Store each layer's local expert weights as one stacked tensor per projection
+    (`stack_experts`), so the rollout's expert GEMMs can run grouped over the stack
     (`megatron_ext.elastic_moe.stacked_weights`) on the trainer's own weights. Only the storage
     moves: the parameters stay the same objects, so call it before the optimizer and DDP wrap
     them (as `build_model` does); values are unchanged."""
     for layer in model.decoder.layers:
         experts = getattr(getattr(layer.mlp, "experts", None), "local_experts", None)
-        if not experts:
-            continue
-        for name in ("linear_fc1", "linear_fc2"):
-            params = [getattr(e, name).weight for e in experts]
-            stacked = torch.stack([p.detach() for p in params])  # [experts, out, in]
-            for p, view in zip(params, stacked):
-                p.data = view
+        if experts:
+            stack_experts(experts)
+
+
+def stack_experts(experts) -> None:
+    """Every expert's `linear_fc1.weight` [F', H] becomes a view of one [experts, F', H] tensor,
+    in the given order (likewise `linear_fc2`)."""
+    for name in ("linear_fc1", "linear_fc2"):
+        params = [getattr(e, name).weight for e in experts]
+        stacked = torch.stack([p.detach() for p in params])  # [experts, out, in]
+        for p, view in zip(params, stacked):
+            p.data = view
 
 
 def global_param_name(name: str, local_expert_ids: Sequence[int]) -> str:

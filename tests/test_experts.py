@@ -1,13 +1,15 @@
 """The rollout's expert GEMMs: grouped over the stacked own experts, per expert for the others.
 
-Pure tensor tests (no process group): `stacked_weights` finds the stack `stack_expert_weights`
-stores, and `PlacedMoE._project` gives the same rows grouped as one raw GEMM per expert, with
-borrowed experts before and after the stacked range and experts that received no rows.
+Pure tensor tests (no process group): `stacked_weights` finds the stack
+`flexfloor.model.stack_experts` stores, and `PlacedMoE._project` gives the same rows grouped as
+one raw GEMM per expert, with borrowed experts before and after the stacked range and experts
+that received no rows.
 """
 
 import pytest
 import torch
 
+from flexfloor.model import stack_experts
 from megatron_ext.elastic_moe import ExpertStack, PlacedMoE, _grouped_mm_runs, stacked_weights
 
 
@@ -18,15 +20,6 @@ class _Expert(torch.nn.Module):
         super().__init__()
         self.linear_fc1 = torch.nn.Linear(hidden, 2 * ffn, bias=False)
         self.linear_fc2 = torch.nn.Linear(ffn, hidden, bias=False)
-
-
-def _stack_in_place(experts):
-    """What flexfloor.model.stack_expert_weights does to a layer's local experts."""
-    for name in ("linear_fc1", "linear_fc2"):
-        params = [getattr(e, name).weight for e in experts]
-        stacked = torch.stack([p.detach() for p in params])
-        for p, view in zip(params, stacked):
-            p.data = view
 
 
 def _groups(experts_by_id, counts):
@@ -43,7 +36,7 @@ def test_stacked_weights_is_a_view_of_the_parameters_only_when_they_are_stacked(
     experts = [_Expert(16, 8) for _ in range(3)]
     loose = [e.linear_fc1.weight for e in experts]
     assert stacked_weights(loose) is None  # three separate storages
-    _stack_in_place(experts)
+    stack_experts(experts)
     w = stacked_weights([e.linear_fc1.weight for e in experts])
     assert w is not None and w.shape == (3, 16, 16)
     for i, e in enumerate(experts):
@@ -68,7 +61,7 @@ def test_grouped_projection_equals_one_gemm_per_expert(counts):
     hidden, ffn = 32, 24
     experts = {e: _Expert(hidden, ffn) for e in range(8)}
     own = [experts[e] for e in range(2, 6)]
-    _stack_in_place(own)
+    stack_experts(own)
     stack = ExpertStack(2, 4, {n: stacked_weights([getattr(m, n).weight for m in own])
                                for n in ("linear_fc1", "linear_fc2")})
     assert all(w is not None for w in stack.weights.values())
