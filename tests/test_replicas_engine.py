@@ -121,7 +121,5 @@ def test_config_checks_replicas_against_the_world():
 def test_the_stack_hands_its_config_sections_to_each_rollout(res):
     got = res["stack_configs"]
     assert got["elastic"] == {"membership": "ElasticMembership", "step": 7, "min_active_ranks": 3,
-                              "check_interval_steps": 4, "migrate_max_requests": 5,
-                              "record_has_groups": True}
+                              "check_interval_steps": 4, "migrate_max_requests": 5}
     assert got["static"]["membership"] == "StaticMembership"
-    assert got["static"]["record_has_groups"] is False
