@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from flexfloor.config import ElasticConfig, ReleasePolicy, RolloutConfig, SchedulerConfig
+from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import (
     ElasticMembership,
     ReleaseListener,
@@ -29,9 +30,10 @@ from flexfloor.rollout.elastic import (
     membership_for,
     resync,
 )
-from flexfloor.rollout.engine import RolloutEngine, RolloutOutput
+from flexfloor.rollout.engine import Membership, RolloutEngine, RolloutOutput
 from flexfloor.rollout.scheduler import MemoryModel
 from flexfloor.rollout.types import Request
+from megatron_ext.elastic_moe import PlacedMoE
 
 
 @dataclass
@@ -42,17 +44,17 @@ class RolloutStack:
     its membership) -> `StackRollout.generate` -> `StackRollout.resync` -> at the end `close`.
     """
 
-    parallel: object  # flexfloor.parallel.Parallel
+    parallel: Parallel
     model: object  # the Megatron-Core GPTModel (the trainer's own weights)
     layout: RolloutLayout
-    moe: object  # megatron_ext.elastic_moe.PlacedMoE over the layout
+    moe: PlacedMoE  # the model's MoE layers, bound to the layout
     engine: RolloutEngine
     memory: MemoryModel  # what the engine's KV budget is; the scheduler counts with it too
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @classmethod
-    def build(cls, parallel, model, *, rollout: RolloutConfig,
+    def build(cls, parallel: Parallel, model, *, rollout: RolloutConfig,
               elastic: Optional[ElasticConfig] = None,
               scheduler: Optional[SchedulerConfig] = None,
               valid_vocab: Optional[int] = None) -> "RolloutStack":
@@ -100,7 +102,7 @@ class StackRollout:
     """One rollout of a `RolloutStack`, from its `start` to its `resync`."""
 
     stack: RolloutStack
-    membership: object  # the release policy's membership of this rollout
+    membership: Membership  # the release policy's (StaticMembership, ElasticMembership, ...)
     started: dict  # `RolloutLayout.start`'s figures: sent_bytes, received, start_s
     step: Optional[int] = None
     on_event: ReleaseListener | None = None
