@@ -345,15 +345,21 @@ class PlacedMoE:
         if not _grouped_mm_runs(rows.device, rows.dtype):
             return None
         if layer not in self._stacks:
+            self._stacks[layer] = self._build_stack(layer)
+        return self._stacks[layer]
+
+    def _build_stack(self, layer: int) -> Optional["ExpertStack"]:
+        # views created outside inference mode: they outlive the rollout step that asks first
+        with torch.inference_mode(False), torch.no_grad():
             mlp = self.layers[layer]
             ids = list(mlp.local_expert_indices)
             experts = list(mlp.experts.local_experts)
             fc1 = stacked_weights([m.linear_fc1.weight for m in experts])
             fc2 = stacked_weights([m.linear_fc2.weight for m in experts])
             contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
-            self._stacks[layer] = (ExpertStack(ids[0], len(ids), {"linear_fc1": fc1, "linear_fc2": fc2})
-                                   if fc1 is not None and fc2 is not None and contiguous else None)
-        return self._stacks[layer]
+            if fc1 is None or fc2 is None or not contiguous:
+                return None
+            return ExpertStack(ids[0], len(ids), {"linear_fc1": fc1, "linear_fc2": fc2})
 
     @staticmethod
     def _project(x: torch.Tensor, groups, per_expert: list[int], stack: Optional["ExpertStack"],

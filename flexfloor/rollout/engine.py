@@ -247,7 +247,7 @@ class _Batch:
     positions: torch.Tensor  # [1, T]
     new_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
     tables: torch.Tensor  # [B * blocks] block table of each request, padded with block 0
-    mask: torch.Tensor  # [B, 1, Q, L] causal over each request's own context
+    mask: torch.Tensor  # [B, 1, Q, L] additive (0 / -inf), causal over each request's own context
     query_index: Optional[torch.Tensor]  # [B, Q] new token of each query row; None: T == B
     out_index: Optional[torch.Tensor]  # [T] row of each new token in [B*Q]; None: T == B
     last: Optional[torch.Tensor]  # [B] index of each request's last new token; None: T == B
@@ -370,10 +370,13 @@ class RolloutEngine:
         """RoPE terms of each position [T] -> cos, signed sin [T, 1, rot] (`_rope`): Megatron's
         frequencies, cos/sin taken once per engine for every position of the context."""
         if self._freqs is None:
-            freqs = self.model.rotary_pos_emb(self.max_seq_len)[:, 0]  # [S, 1, rot]
-            cos, sin = torch.cos(freqs).to(self.dtype), torch.sin(freqs).to(self.dtype)
-            half = sin.shape[-1] // 2
-            self._freqs = (cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+            # normal tensors, not inference ones: Megatron caches `rotary_pos_emb`'s result and
+            # the trainer's forward may ask it for the same length
+            with torch.inference_mode(False), torch.no_grad():
+                freqs = self.model.rotary_pos_emb(self.max_seq_len)[:, 0]  # [S, 1, rot]
+                cos, sin = torch.cos(freqs).to(self.dtype), torch.sin(freqs).to(self.dtype)
+                half = sin.shape[-1] // 2
+                self._freqs = (cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
         cos, sin = self._freqs
         return cos[positions], sin[positions]
 
@@ -408,18 +411,26 @@ class RolloutEngine:
             out_index = torch.tensor([b * q_max + t for b, n in enumerate(lens) for t in range(n)],
                                      **as_long)
             last = ends - 1
-        mask = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (j.view(1, 1, -1) < ctx.view(-1, 1, 1))
+        seen = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (j.view(1, 1, -1) < ctx.view(-1, 1, 1))
+        # additive, as SDPA turns a boolean mask into one in every layer: once per step here
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=dev).masked_fill_(
+            ~seen, float("-inf"))  # every row sees its position 0 at least: no row is all -inf
         return _Batch(tokens=torch.tensor(ids, **as_long).view(1, -1),
                       positions=torch.tensor(pos, **as_long).view(1, -1),
                       new_slots=torch.tensor(new_slots, **as_long),
                       tables=torch.tensor(tables, **as_long), mask=mask.unsqueeze(1),
                       query_index=query_index, out_index=out_index, last=last)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, running: list[_Running], pool: BlockPool) -> torch.Tensor:
         """One forward over the pending tokens of every running request (their blocks already
         taken); returns the logits of each request's last new token [B, V] and stores the new
         K/V in the pool.
+
+        In inference mode (less bookkeeping per op than no_grad): the pool, the weights and
+        everything else that outlives the step are created outside it (the RoPE table and the
+        expert stacks too); what it creates (the logits, the step's tensors) is only read
+        afterwards.
 
         Every rank of the EP group must call this once per step, even with no requests: the MoE
         all-to-all needs all of them.
