@@ -11,8 +11,10 @@ A layer's forward is Megatron's MoELayer shape: route (its own router) -> dispat
 combine. Per layer and step, over the EP group: one all-to-all of per-(rank, expert) counts (the
 split sizes, the layer's one host read), one of token rows with their routing probabilities
 (router dtype, bytes appended to each row), one of expert outputs back; none on a group of one
-rank. Rows are sorted by expert once; each expert that received rows runs as raw GEMMs on its own
-weights (no copies). Each token's output is the sum of its top-k expert outputs in ascending
+rank. Rows are sorted by (owner, expert) once (one stable sort); the experts run as raw GEMMs on
+their own weights (no copies): grouped over the layer's stacked own experts, and on a lone rank
+that hosts only those (EP=1) with the group offsets taken on the device, so the layer reads
+nothing on the host. Each token's output is the sum of its top-k expert outputs in ascending
 expert order, whatever rank computed them, so the result does not depend on the placement. The
 collectives live in `flexfloor.rollout.collectives` (buffers on the group's device).
 """

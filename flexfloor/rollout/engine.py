@@ -91,11 +91,18 @@ def _norm(module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def rope_terms(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's RoPE frequencies [..., rot] -> (cos, signed sin) in `dtype` for `_rope`: the
+    sine with the sign of its first half flipped."""
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Megatron's non-interleaved RoPE (`_apply_rotary_pos_emb_bshd`) with its cos/sin terms
-    computed once per step: t [T, n, D], cos/sin [T, 1, rot], `sin` with the sign of its first
-    half flipped (`_rotary`), so that rotate_half(t) * sin = roll(t, rot/2) * sin: the same
-    products, bit for bit."""
+    """Megatron's non-interleaved RoPE (`_apply_rotary_pos_emb_bshd`) on t [T, n, D] with the
+    terms of `rope_terms` (cos, signed sin [T, 1, rot]): rotate_half(t) * sin equals
+    roll(t, rot/2) * signed sin, the same products bit for bit, in one op instead of three."""
     rot = cos.shape[-1]
     if rot == t.shape[-1]:
         return t * cos + torch.roll(t, rot // 2, dims=-1) * sin
@@ -367,16 +374,14 @@ class RolloutEngine:
     # ---------------------------------------------------------------- forward
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE terms of each position [T] -> cos, signed sin [T, 1, rot] (`_rope`): Megatron's
-        frequencies, cos/sin taken once per engine for every position of the context."""
+        """RoPE terms of each position [T] -> cos, signed sin [T, 1, rot] (`rope_terms`) of
+        Megatron's frequencies, taken once per engine for every position of the context."""
         if self._freqs is None:
             # normal tensors, not inference ones: Megatron caches `rotary_pos_emb`'s result and
             # the trainer's forward may ask it for the same length
             with torch.inference_mode(False), torch.no_grad():
                 freqs = self.model.rotary_pos_emb(self.max_seq_len)[:, 0]  # [S, 1, rot]
-                cos, sin = torch.cos(freqs).to(self.dtype), torch.sin(freqs).to(self.dtype)
-                half = sin.shape[-1] // 2
-                self._freqs = (cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+                self._freqs = rope_terms(freqs, self.dtype)
         cos, sin = self._freqs
         return cos[positions], sin[positions]
 
