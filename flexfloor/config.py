@@ -283,6 +283,10 @@ class ElasticConfig:
     consolidate: bool = True
     consolidate_max_requests: int = 8  # most running requests a rank or replica hands over
     consolidate_reserve_blocks: int = 0  # KV blocks a taker keeps free beyond what it takes
+    # also across replicas (rollout.replicas > 1), through an inbox per replica on the job's
+    # store. Off by default: the replicas run on their own clocks, so which step a hand-over
+    # lands at (and so each rank's steps) depends on their timing; the tokens never do
+    consolidate_across: bool = False
 
     def validate(self) -> None:
         _positive("elastic", self, "min_active_ranks", "check_interval_steps",

@@ -51,10 +51,12 @@ def test_consolidated_tokens_identical_to_static(res, replicas, kind):
     # log-probs too, to fp32 rounding: a re-prefill computes a position in another batch shape
     got, ref = tokens(parts, "elastic", "logprobs"), tokens(parts, "static", "logprobs")
     assert {k: pytest.approx(v, abs=1e-5) for k, v in ref.items()} == got
-    # ranks gave their requests away: fewer occupied steps, the same rollout length
+    # ranks gave their requests away: fewer occupied steps; inside one group (one clock) the
+    # rollout is no longer (across replicas the step a hand-over lands at is the machine's)
     steps = lambda policy: [p[policy]["record"]["steps"] for p in parts]
     assert sum(steps("elastic")) < sum(steps("static"))
-    assert max(steps("elastic")) <= max(steps("static"))
+    if replicas == 1:
+        assert max(steps("elastic")) == max(steps("static"))
     recs = [p["elastic"]["record"] for p in parts]
     assert sum(r["migrated_out"] for r in recs) == sum(r["adopted"] for r in recs) > 0
 
@@ -169,3 +171,4 @@ def test_the_config_names_a_bad_consolidation_field():
     assert TailRules.of(ElasticConfig(consolidate=False), 1) is None
     assert TailRules.of(None, 1) is None
     assert TailRules.of(ElasticConfig(), 2) == TailRules(max_requests=8, reserve_blocks=0, floor=2)
+    assert TailRules.of(ElasticConfig(consolidate_across=True), 1).across

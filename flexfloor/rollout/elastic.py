@@ -388,9 +388,9 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     replica (static: held by its own replica only; the floor is per replica).
 
     Elastic: tail consolidation (flexfloor/rollout/tails.py) as `elastic_cfg.consolidate`
-    says: inside each replica, and across replicas through the job's store when R > 1; None
-    (no config given) leaves it off. Collective over the world, before decoding. Every survivor group the plan implies
-    (`expected_finish`, rank -> predicted steps to its finish, the same on every rank: the
+    says: inside each replica, and with `consolidate_across` across replicas through the job's
+    store when R > 1; None (no config given) leaves it off. Collective over the world, before
+    decoding. Every survivor group the plan implies (`expected_finish`, rank -> predicted steps to its finish, the same on every rank: the
     scheduler's `RolloutPlan.expected_finish`; each replica's ranks leave in their own order)
     down to the floor is created now, unless an
     earlier rollout of the layout built it. Without a plan nothing is built ahead: each shrink's
@@ -420,7 +420,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     rollout_id = f"{layout.layout_id}.{layout.rollouts}"
     tails = TailRules.of(elastic_cfg, floor)
     mailbox = None
-    if tails is not None and layout.replicated:
+    if tails is not None and tails.across and layout.replicated:
         mailbox = mailbox_for(_store(), rollout_id, topo, parallel.rank, parallel.timeout)
     return ElasticMembership(
         groups=layout.survivors,

@@ -10,7 +10,9 @@ module feeds it what the engine knows and carries its moves out:
   decision lets the givers go at the same boundary. Moves are kept only when every giver
   really leaves (memory floor, prebuilt survivor groups); otherwise nothing moves.
 - across replicas (independent EP groups on their own clocks, no world collective during a
-  rollout): `Mailbox`, a protocol on the job's key-value store. Each replica's leader (the
+  rollout; `elastic.consolidate_across`, off by default: which step of the taker a hand-over
+  lands at depends on the replicas' timing, so the ranks' steps vary from run to run, never the
+  tokens): `Mailbox`, a protocol on the job's key-value store. Each replica's leader (the
   lowest rank of its current group) posts its ranks' states and its clock at every boundary;
   a replica that may give (nothing queued, few running) closes its own inbox, reads the
   others' latest states, decides with itself as the only giver, claims each taker's inbox
@@ -77,6 +79,7 @@ class TailRules:
     max_requests: int = 8  # most running requests a rank or replica hands over to leave
     reserve_blocks: int = 0  # KV blocks a taker keeps free beyond what it takes
     floor: int = 1  # ranks of a replica that stay whatever fits (elastic.min_active_ranks)
+    across: bool = False  # also between replicas (the mailbox)
 
     @classmethod
     def of(cls, elastic_cfg, floor: int) -> Optional["TailRules"]:
@@ -84,7 +87,8 @@ class TailRules:
         if elastic_cfg is None or not elastic_cfg.consolidate:
             return None
         return cls(max_requests=elastic_cfg.consolidate_max_requests,
-                   reserve_blocks=elastic_cfg.consolidate_reserve_blocks, floor=floor)
+                   reserve_blocks=elastic_cfg.consolidate_reserve_blocks, floor=floor,
+                   across=elastic_cfg.consolidate_across)
 
     def decision_rules(self, min_replicas: int) -> ConsolidationRules:
         return ConsolidationRules(min_replicas=min_replicas, reserve_blocks=self.reserve_blocks,

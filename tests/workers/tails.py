@@ -34,7 +34,8 @@ REPLICAS = {0: [30, 28, 26], 1: [29, 27, 25], 2: [[2, 2, 12]], 3: [[2, 2, 10]]}
 CONSOLIDATE = {1: ElasticConfig(consolidate_max_requests=2),
                # two ranks per replica stay: replica 1 can only give to replica 0, whenever its
                # leader sees replica 0's state (the replicas run on their own clocks)
-               2: ElasticConfig(consolidate_max_requests=2, min_active_ranks=2)}
+               2: ElasticConfig(consolidate_max_requests=2, min_active_ranks=2,
+                                consolidate_across=True)}
 MAX_NEW = 40
 
 
