@@ -390,9 +390,9 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     Elastic: tail consolidation (flexfloor/rollout/tails.py) as `elastic_cfg.consolidate`
     says: inside each replica, and with `consolidate_across` across replicas through the job's
     store when R > 1; None (no config given) leaves it off. Collective over the world, before
-    decoding. Every survivor group the plan implies (`expected_finish`, rank -> predicted steps to its finish, the same on every rank: the
-    scheduler's `RolloutPlan.expected_finish`; each replica's ranks leave in their own order)
-    down to the floor is created now, unless an
+    decoding. Every survivor group the plan implies (`expected_finish`, rank -> predicted
+    steps to its finish, the same on every rank: the scheduler's `RolloutPlan.expected_finish`;
+    each replica's ranks leave in their own order) down to the floor is created now, unless an
     earlier rollout of the layout built it. Without a plan nothing is built ahead: each shrink's
     group is then created during the rollout (counted)."""
     if layout.replicated and not layout.started:
