@@ -276,9 +276,22 @@ class ElasticConfig:
     # a released rank parks its weights, gradient buffers and optimizer state in host memory
     # until resync, freeing its accelerator; None = on with CUDA, off on CPU
     offload_on_release: bool | None = None
+    # tail consolidation (flexfloor/rollout/tails.py): at a step boundary a rank (within its
+    # replica) or a whole replica (across replicas) with no queued request and at most
+    # consolidate_max_requests running hands them to ranks that stay, re-prefilled there with
+    # the same position-keyed randomness (the same tokens), and leaves now
+    consolidate: bool = True
+    consolidate_max_requests: int = 8  # most running requests a rank or replica hands over
+    consolidate_reserve_blocks: int = 0  # KV blocks a taker keeps free beyond what it takes
+    # also across replicas (rollout.replicas > 1), through an inbox per replica on the job's
+    # store. Off by default: the replicas run on their own clocks, so which step a hand-over
+    # lands at (and so each rank's steps) depends on their timing; the tokens never do
+    consolidate_across: bool = False
 
     def validate(self) -> None:
-        _positive("elastic", self, "min_active_ranks", "check_interval_steps")
+        _positive("elastic", self, "min_active_ranks", "check_interval_steps",
+                  "consolidate_max_requests")
+        _non_negative("elastic", self, "consolidate_reserve_blocks")
 
     def offloads(self, device) -> bool:
         """Whether a released rank offloads on `device` (`offload_on_release`, resolved)."""

@@ -113,6 +113,7 @@ def test_rank_record_json_names_and_typed_fields():
     # the names the benchmark's JSON and the tools read (unset optional figures are left out)
     assert {"rank", "start_s", "local_finish_s", "release_s", "steps", "busy_steps", "tokens",
             "requests", "kv_peak_bytes", "preempted", "floor_hits", "migrated_out", "adopted",
+            "migrated_across", "adopted_across",
             "plan_s", "transfer_s", "switch_s", "sent_bytes", "start_sent_bytes",
             "groups_created_during_rollout",
             "switch_s_per_shrink", "trace"} == set(d)

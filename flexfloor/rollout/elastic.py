@@ -28,6 +28,7 @@ rank, the phase and the step only when nothing moves for `parallel.timeout_s`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Callable
@@ -50,6 +51,9 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
 )
 from flexfloor.rollout.replicas import ReplicaTopology, replica_ranks
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
+from flexfloor.rollout.tails import (
+    Mailbox, TailRules, after_moves, mailbox_for, may_give_within, rank_state, within_replica,
+)
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import initial_placement, plan_shrink
 from megatron_ext.resharding import transfer_experts
@@ -82,6 +86,8 @@ class ElasticMembership:
     on_event: ReleaseListener | None = None  # told "released" when this rank leaves
     timeline: list[dict] = field(default_factory=list)  # one entry per shrink
     groups: Optional[SurvivorGroups] = None  # the layout's survivor groups (None: the simulator)
+    tails: Optional[TailRules] = None  # tail consolidation (flexfloor/rollout/tails.py); None: off
+    mailbox: Optional[Mailbox] = None  # across replicas (R > 1 with consolidation on)
     _boundaries: int = 0
     _last_beat: float = 0.0
 
@@ -101,13 +107,117 @@ class ElasticMembership:
         inject(FaultPhase.ROLLOUT, engine.rank, self.step, engine.record.steps)
         self._last_beat = _heartbeat(self.heartbeat_key, self._last_beat)
         report = share_step_state(engine.moe.group, has_work, engine)
-        if not any(report.has_work):
-            return Boundary(report)
         t0 = time.perf_counter()
-        decision = self.decide(engine.moe.placement, report, RankLimits.of(engine))
+        states, arrivals = None, []
+        if self.mailbox is not None:
+            early, report, states, arrivals = self._across(engine, report)
+            if early is not None:
+                return early
+        if not any(report.has_work):
+            return Boundary(report, arrivals=arrivals)
+        placement, limits = engine.moe.placement, RankLimits.of(engine)
+        self._boundaries += 1
+        decision = self._decide_at(placement, report, limits)
+        if (self.tails is not None and not arrivals and not decision.migrate
+                and may_give_within(report, self.tails)):
+            decision = self._within(engine, report, decision, states, placement, limits)
         if decision.migrate:
             self.timeline.append({"step": engine.record.steps, "migrated": dict(decision.migrate)})
-        return Boundary(report, decision, plan_s=time.perf_counter() - t0)
+        if decision.moves:
+            self.timeline.append({"step": engine.record.steps, "consolidated": {
+                m.request_id: m.dst for m in decision.moves}})
+        return Boundary(report, decision, plan_s=time.perf_counter() - t0, arrivals=arrivals)
+
+    # ---------------------------------------------------------------- tail consolidation
+
+    def _within(self, engine, report, decision: ReleaseDecision, states, placement,
+                limits: RankLimits) -> ReleaseDecision:
+        """Consolidation inside the group (tails.within_replica): the ranks' running requests
+        (gathered here unless the mailbox gather already brought them), the same moves on every
+        rank, and the release decision once they are done; kept only when every giver then
+        leaves, else `decision` as it was."""
+        if states is None:
+            states = gather_objects(engine.moe.group, rank_state(engine, self._replica(engine)))
+        cons = within_replica(states, self.tails, max_batch=engine.max_batch_size,
+                              block_tokens=engine.block_tokens)
+        if not cons.moves:
+            return decision
+        ranks = list(placement.ranks)
+        cached = {q.request_id: q.cached_tokens for s in states for q in s.running}
+        moved = after_moves(report, ranks, cons.moves, cached, engine.block_bytes,
+                            engine.block_tokens)
+        after = self._decide_at(placement, moved, limits)
+        if not set(cons.leaving_replicas) <= set(after.leaving):
+            return decision
+        after.moves = cons.moves
+        return after
+
+    def _replica(self, engine) -> int:
+        return self.mailbox.replica if self.mailbox is not None else 0
+
+    def _across(self, engine, report):
+        """The replica's side of the mailbox protocol at this boundary (tails.Mailbox): read the
+        inbox, close it when this replica is done or may give, share what the leader read and
+        every rank's state in one gather, post the state, and give when the decision says so.
+        Returns (a Boundary that settles this boundary, or None: decide as usual; the report
+        with the arrivals counted; the ranks' states; this rank's arrivals). The Boundary
+        steps on idle while a giver holds the inbox busy, or hands everything over."""
+        box, rules = self.mailbox, self.tails
+        ranks = list(engine.moe.placement.ranks)
+        leader = ranks[0]
+        done = not any(report.has_work)
+        can_give = not any(report.queued) and 0 < sum(report.running) <= rules.max_requests
+        mail, closed = [], False
+        if engine.rank == leader:
+            box.open()
+            mail = box.take_mail()
+            if done or (can_give and not mail):
+                closed = box.close()
+                if closed:
+                    mail += box.take_mail()  # committed before the close
+        everyone = gather_objects(engine.moe.group, (rank_state(engine, box.replica),
+                                                     (mail, closed, box.consumed)))
+        states = [s for s, _ in everyone]
+        mail, closed, box.consumed = everyone[0][1]
+        dst = [t if t in ranks else leader for t, _ in mail]  # a taker since released: leader
+        arrivals = [p for t, (_, p) in zip(dst, mail) if t == engine.rank]
+        if mail:
+            has = list(report.has_work)
+            queued = list(report.queued)
+            for t in dst:
+                has[ranks.index(t)] = True
+                queued[ranks.index(t)] += 1
+            report = dataclasses.replace(report, has_work=has, queued=queued)
+        if engine.rank == leader:
+            box.post(engine.record.steps, states)
+            if closed and (mail or not (done or can_give)):
+                box.reopen()  # work arrived: this replica stays
+        usual = (None, report, states, arrivals)
+        if mail:
+            return usual
+        if done and not closed:  # a giver holds the inbox: step on (idle) and retry
+            idle = dataclasses.replace(report, has_work=[r == leader for r in ranks])
+            return Boundary(idle), idle, states, []
+        if not (can_give and closed) or done:
+            return usual
+        moves = (box.plan(engine.record.steps, states, rules, max_batch=engine.max_batch_size,
+                          block_tokens=engine.block_tokens) if engine.rank == leader else None)
+        moves = gather_objects(engine.moe.group, moves)[0]
+        if not moves:
+            if engine.rank == leader:
+                box.reopen()
+            return usual
+        self.timeline.append({"step": engine.record.steps, "handed_over": {
+            m.request_id: m.dst for m in moves}})
+        return Boundary(report, ReleaseDecision(hand_over=moves)), report, states, []
+
+    def hand_over(self, engine, payloads: list[dict], moves) -> None:
+        """A giving replica's ranks pass their exported requests to the leader (one gather),
+        which writes them into the claimed inboxes and reopens them. This replica's inbox stays
+        closed: it leaves."""
+        everyone = gather_objects(engine.moe.group, payloads)
+        if engine.rank == engine.moe.placement.ranks[0]:
+            self.mailbox.send(moves, [p for part in everyone for p in part])
 
 
     @property
@@ -122,6 +232,10 @@ class ElasticMembership:
         pure: no collective, the same on every rank). The simulator (`flexfloor.sim`) calls it
         too."""
         self._boundaries += 1
+        return self._decide_at(placement, report, limits)
+
+    def _decide_at(self, placement, report, limits: RankLimits) -> ReleaseDecision:
+        """The release decision at the current boundary (counted by the caller)."""
         decision = decide(self.rules, placement, report, limits, self._boundaries)
         if self.groups is None or not decision.leaving:
             return decision
@@ -273,10 +387,12 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     With replicas (`layout.topology`), after `layout.start(moe)`: the membership of this rank's
     replica (static: held by its own replica only; the floor is per replica).
 
-    Elastic: collective over the world, before decoding. Every survivor group the plan implies
-    (`expected_finish`, rank -> predicted steps to its finish, the same on every rank: the
-    scheduler's `RolloutPlan.expected_finish`; each replica's ranks leave in their own order)
-    down to the floor is created now, unless an
+    Elastic: tail consolidation (flexfloor/rollout/tails.py) as `elastic_cfg.consolidate`
+    says: inside each replica, and with `consolidate_across` across replicas through the job's
+    store when R > 1; None (no config given) leaves it off. Collective over the world, before
+    decoding. Every survivor group the plan implies (`expected_finish`, rank -> predicted
+    steps to its finish, the same on every rank: the scheduler's `RolloutPlan.expected_finish`;
+    each replica's ranks leave in their own order) down to the floor is created now, unless an
     earlier rollout of the layout built it. Without a plan nothing is built ahead: each shrink's
     group is then created during the rollout (counted)."""
     if layout.replicated and not layout.started:
@@ -301,9 +417,16 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
             {r: expected_finish[r] for r in ranks}, floor=floor)])
     else:
         layout.survivors.prepare([])  # resets the rollout's late-group count
+    rollout_id = f"{layout.layout_id}.{layout.rollouts}"
+    tails = TailRules.of(elastic_cfg, floor)
+    mailbox = None
+    if tails is not None and tails.across and layout.replicated:
+        mailbox = mailbox_for(_store(), rollout_id, topo, parallel.rank, parallel.timeout)
     return ElasticMembership(
         groups=layout.survivors,
-        rollout_id=f"{layout.layout_id}.{layout.rollouts}",
+        rollout_id=rollout_id,
+        tails=tails,
+        mailbox=mailbox,
         parallel=parallel,
         min_active_ranks=floor,
         check_interval_steps=elastic_cfg.check_interval_steps if elastic_cfg else 1,

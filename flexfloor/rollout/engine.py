@@ -48,7 +48,7 @@ from flexfloor.rollout.release import ReleaseDecision
 from flexfloor.rollout.sampling import sample
 from flexfloor.rollout.survivors import live_process_groups
 from flexfloor.rollout.types import (
-    FinishReason, RankRecord, Request, Result, RolloutError, ShrinkTrace, StepTrace,
+    FinishReason, MoveTrace, RankRecord, Request, Result, RolloutError, ShrinkTrace, StepTrace,
 )
 
 __all__ = ["RolloutEngine", "RolloutError", "CollectiveError", "collective_phase",
@@ -137,6 +137,7 @@ class Boundary:
     report: StepReport
     decision: ReleaseDecision = field(default_factory=ReleaseDecision)
     plan_s: float = 0.0  # seconds the decision took
+    arrivals: list = field(default_factory=list)  # requests another replica handed this rank
 
 
 @dataclass
@@ -590,10 +591,18 @@ class RolloutEngine:
         leaver records its release). Returns (this rank keeps stepping, the report)."""
         b = membership.step_boundary(self, st.has_work)
         d, record = b.decision, st.record
+        if b.arrivals:
+            self.adopt(b.arrivals, across=True)
         if not any(b.report.has_work):
             return False, b.report
-        if d.migrate:
-            self._migrate(st, d.migrate)
+        if d.hand_over:  # every request of this replica goes to other replicas: it leaves whole
+            payloads = self.export_running(d.hand_over, across=True)
+            record.migrated_across += len(payloads)
+            membership.hand_over(self, payloads, d.hand_over)
+            record.release_s, record.release_step = st.elapsed(), record.steps
+            return False, b.report
+        if d.migrate or d.moves:
+            self._migrate(st, d.migrate, d.moves)
         if d.floor_hit:
             record.floor_hits += 1
         if not d.leaving:
@@ -615,14 +624,17 @@ class RolloutEngine:
         record.sent_bytes += shrink.sent_bytes
         return self.rank not in d.leaving, b.report
 
-    def _migrate(self, st: Rollout, plan: dict[int, int]) -> None:
-        """Carry out a migration plan: givers export their running requests, takers adopt
-        (one gather over the group)."""
+    def _migrate(self, st: Rollout, plan: dict[int, int], moves: Sequence = ()) -> None:
+        """Carry out a migration plan ({giver: taker}: all of a giver's running requests) and
+        per-request moves (consolidate.Move: request -> its taker): givers export their running
+        requests, takers adopt theirs (one gather over the group)."""
         ranks = list(self.moe.placement.ranks)
-        payload = self.export_running() if self.rank in plan else []
+        to = {m.request_id: m.dst for m in moves}
+        givers = sorted(set(plan) | {m.src for m in moves})
+        payload = self.export_running(moves) if self.rank in givers else []
         everyone = gather_objects(self.moe.group, payload)
-        mine = [p for giver, taker in sorted(plan.items()) if taker == self.rank
-                for p in everyone[ranks.index(giver)]]
+        mine = [p for giver in givers for p in everyone[ranks.index(giver)]
+                if to.get(p["request"].request_id, plan.get(giver)) == self.rank]
         if mine:
             self.adopt(mine)
 
@@ -704,34 +716,45 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- migration
 
-    def export_running(self) -> list[dict]:
+    def export_running(self, moves: Sequence = (), *, across: bool = False) -> list[dict]:
         """Hand over every running request (the queue must be empty): its tokens so far. Its
         randomness is keyed by position, so nothing else travels. This rank then has no work and
-        can be released."""
+        can be released. `moves` (consolidate.Move) name each request's taker for the trace;
+        `across`: to another replica."""
         st = self.rollout
         if st.queue:
             raise RolloutError(f"rank {self.rank}: cannot migrate with {len(st.queue)} queued")
         out = [{"request": r.request, "tokens": r.tokens, "logprobs": r.logprobs,
-                "admitted_s": r.admitted_s} for r in st.running]
+                "admitted_s": r.admitted_s, "src": self.rank} for r in st.running]
+        to = {m.request_id: m.dst for m in moves}
         for r in st.running:
             st.pool.free(r.blocks)
             st.migrated_out.append(r.request.request_id)
+            st.record.trace.moves.append(MoveTrace(st.record.steps, r.request.request_id,
+                                                   self.rank, to.get(r.request.request_id, -1),
+                                                   r.position, across=across))
         st.running = []
         st.record.migrated_out += len(out)
         return out
 
-    def adopt(self, payloads: list[dict]) -> None:
+    def adopt(self, payloads: list[dict], *, across: bool = False) -> None:
         """Continue requests another rank started: queued first, re-prefilled (prompt + tokens
         so far) at admission, then sampled from the same position-keyed stream, so the tokens
-        are those the other rank would have produced."""
+        are those the other rank would have produced. `across`: from another replica."""
         st = self.rollout
         for p in reversed(payloads):
             r = _Running(p["request"], p["admitted_s"], tokens=list(p["tokens"]),
                          logprobs=list(p["logprobs"]))
             r.restart()
             st.queue.appendleft(r)
+        for p in payloads:
+            st.record.trace.moves.append(MoveTrace(
+                st.record.steps, p["request"].request_id, p.get("src", -1), self.rank,
+                len(p["request"].prompt_ids) + len(p["tokens"]), across=across))
         st.adopted.extend(p["request"] for p in payloads)
         st.record.adopted += len(payloads)
+        if across:
+            st.record.adopted_across += len(payloads)
 
     def kv_free_bytes(self) -> int:
         return self.rollout.pool.free_bytes()

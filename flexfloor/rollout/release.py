@@ -49,6 +49,11 @@ class ReleaseDecision:
     empty decision (the default) means: everybody stays, nothing moves."""
 
     migrate: dict = field(default_factory=dict)  # giving rank -> taking rank
+    # tail consolidation (flexfloor/rollout/tails.py), consolidate.Move each: inside the group
+    # (`moves`: every running request of each giver to its own taker, then the givers leave)
+    # or to other replicas (`hand_over`: this whole replica's requests; it then leaves whole)
+    moves: list = field(default_factory=list)
+    hand_over: list = field(default_factory=list)
     leaving: list = field(default_factory=list)
     placement: object = None  # megatron_ext.placement.Placement after the shrink
     transfers: list = field(default_factory=list)

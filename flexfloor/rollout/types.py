@@ -112,6 +112,20 @@ class ShrinkTrace:
 
 
 @dataclass
+class MoveTrace:
+    """A running request that changed rank at the boundary after `step` steps of the rank that
+    records it (the giver, and the taker when it adopts): tail consolidation or migration. It
+    re-prefills `tokens` (prompt + produced) on its taker: that step's prefill tokens price it."""
+
+    step: int
+    request_id: str
+    src: int  # giving rank (-1: unknown to the taker)
+    dst: int  # taking rank (-1: unknown to the giver)
+    tokens: int
+    across: bool = False  # between replicas
+
+
+@dataclass
 class StepTrace:
     """What every engine step of one rank did, one entry per step from the host counts the
     engine holds at the step (no device read): the input a cost model prices
@@ -134,6 +148,7 @@ class StepTrace:
     experts_touched: list[int] = field(default_factory=list)
     groups: list[GroupSpan] = field(default_factory=list)
     shrinks: list[ShrinkTrace] = field(default_factory=list)
+    moves: list[MoveTrace] = field(default_factory=list)  # requests moved out and in
 
     @property
     def steps(self) -> int:
@@ -180,6 +195,7 @@ class StepTrace:
                        for g in d.get("groups", ())]
         d["shrinks"] = [ShrinkTrace(**{**x, "ranks": tuple(x["ranks"])})
                         for x in d.get("shrinks", ())]
+        d["moves"] = [MoveTrace(**x) for x in d.get("moves", ())]
         return cls(**d)
 
 
@@ -214,6 +230,8 @@ class RankRecord:
     floor_hits: int = 0  # boundaries where the memory floor kept it stepping
     migrated_out: int = 0  # running requests handed to another rank
     adopted: int = 0  # requests taken over from another rank
+    migrated_across: int = 0  # of migrated_out: handed to another replica (tail consolidation)
+    adopted_across: int = 0  # of adopted: taken over from another replica
     plan_s: float = 0.0  # release decisions
     transfer_s: float = 0.0  # expert transfers at shrinks
     switch_s: float = 0.0  # switches to the survivors' groups

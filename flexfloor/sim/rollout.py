@@ -165,11 +165,13 @@ class GroupView:
 
 def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[ReleaseRules],
                   cost, *, limits: RankLimits, placement, kv_block_tokens: Optional[int] = None,
-                  exact_blocks: bool = False):
+                  exact_blocks: bool = False, every_boundary: bool = False):
     """`simulate_rollout` as a generator: it yields a `GroupView` at every step boundary with
     work (after the release decision) and is resumed with `send(changed)`: True when a driver
     moved requests out of or into it (the boundary is then decided again). Returns the
-    `SimOutput`."""
+    `SimOutput`. Steps where no request finishes or is admitted are jumped over, unless
+    `every_boundary` (a driver that may move requests at any boundary, as the engine's
+    consolidation inside a replica does)."""
     ranks = {r: _Rank(r, deque(reqs), RankRecord(rank=r, requests=len(reqs)))
              for r, reqs in sorted(assignment.items())}
     active = sorted(ranks)
@@ -461,7 +463,8 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             x.pending = len(x.running)
         tokens_total = sum(x.record.tokens for x in ranks.values())
         keep = boundary()
-        if not keep or not quiet or (elastic and rules.check_interval_steps != 1):
+        if (not keep or not quiet or every_boundary
+                or (elastic and rules.check_interval_steps != 1)):
             continue
         # fast-forward over steps where nothing can change: no admission, no finish
         if any(ranks[r].queue and admit(ranks[r], dry=True) for r in active):
@@ -584,6 +587,9 @@ class TailConsolidation:
     prices: object  # consolidate.MovePrices
     remaining: object  # (SimRequest, produced, {uid: [lengths]}) -> float
     block_tokens: int = 16
+    # consolidation inside each replica as the engine does it (flexfloor.rollout.tails:
+    # `within_replica`, unit step cost); None: across replicas only
+    within: object = None  # flexfloor.rollout.tails.TailRules
 
 
 def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
@@ -596,7 +602,8 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
     never resumes before it left). groups: dicts of `rollout_steps`' assignment, rules and
     placement. Returns each replica's `SimOutput`, in order."""
     gens = [rollout_steps(g["assignment"], g["rules"], cost, limits=limits,
-                          placement=g["placement"], kv_block_tokens=kv_block_tokens)
+                          placement=g["placement"], kv_block_tokens=kv_block_tokens,
+                          every_boundary=consolidation.within is not None)
             for g in groups]
     replica_of = {r: i for i, g in enumerate(groups) for r in g["assignment"]}
     views: dict[int, GroupView] = {}
@@ -617,6 +624,8 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
         advance(i, first=True)
     while views:
         i = min(views, key=lambda k: (views[k].now(), k))
+        if consolidation.within is not None:
+            _consolidate_within(views[i], consolidation, changed, i, limits)
         finished = sum(v.finished() for v in views.values())
         if seen.get(i) != finished and len(views) > consolidation.rules.min_replicas:
             seen[i] = finished
@@ -628,6 +637,47 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
     for i, out in outs.items():
         out.timeline.extend(moves_log[i])
     return [outs[i] for i in range(len(gens))]
+
+
+def _consolidate_within(view: GroupView, tc: TailConsolidation, changed: dict, i: int,
+                        limits: RankLimits) -> None:
+    """The engine's consolidation inside one replica at this boundary (`tails.within_replica`
+    when `tails.may_give_within`), applied: each giver's requests out, queued first on their
+    takers (re-prefilled), in the engine's order (givers by rank, each in admission order).
+    The release decision then lets the givers go when the replica's boundary is decided again.
+    Unlike the engine, moves are not undone when the release keeps a giver (memory floor)."""
+    from types import SimpleNamespace
+
+    from flexfloor.rollout import consolidate as cons
+    from flexfloor.rollout import tails
+
+    ranks = view.ranks()
+    if not ranks:
+        return
+    order = sorted(ranks)
+    shared = SimpleNamespace(
+        has_work=[bool(ranks[r][0] or ranks[r][1]) for r in order],
+        running=[len(ranks[r][0]) for r in order], queued=[ranks[r][1] for r in order])
+    if not tails.may_give_within(shared, tc.within):
+        return
+    block_bytes = tc.block_tokens * limits.kv_bytes_per_token
+    states = [cons.RankState(r, i, tuple(cons.Running(req.request_id, req.prompt_len + produced,
+                                                      tc.remaining(req, produced, view.lengths))
+                                         for req, produced in ranks[r][0]), ranks[r][1],
+                             None if ranks[r][2] >= UNBOUNDED_KV else ranks[r][2] // block_bytes)
+              for r in order]
+    d = tails.within_replica(states, tc.within, max_batch=limits.max_batch_size,
+                             block_tokens=tc.block_tokens)
+    if not d.moves:
+        return
+    to = {m.request_id: m.dst for m in d.moves}
+    taken: dict[int, list] = {}
+    for src in sorted({m.src for m in d.moves}):
+        for req, produced in view.export(src):
+            taken.setdefault(to[req.request_id], []).append((req, produced))
+    for dst, items in taken.items():
+        view.adopt(dst, items, False, 0.0)
+    changed[i] = True
 
 
 def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidation,

@@ -1,0 +1,298 @@
+"""Tail consolidation in the engine: the requests still running on a rank, or on a whole replica,
+move to ranks that stay, so the giver leaves now rather than when its last request ends.
+
+The decision is `flexfloor.rollout.consolidate.decide` (the function the simulator drives); this
+module feeds it what the engine knows and carries its moves out:
+- within a replica (one lockstep EP group, one clock): every rank is a giver or a taker of its
+  own (`within_replica`: each rank stands for a "replica" of one rank in the decision's state).
+  The ranks share their running requests in one gather, every rank computes the same moves,
+  the engine's migration gather carries the requests (`RolloutEngine._migrate`) and the release
+  decision lets the givers go at the same boundary. Moves are kept only when every giver
+  really leaves (memory floor, prebuilt survivor groups); otherwise nothing moves.
+- across replicas (independent EP groups on their own clocks, no world collective during a
+  rollout; `elastic.consolidate_across`, off by default: which step of the taker a hand-over
+  lands at depends on the replicas' timing, so the ranks' steps vary from run to run, never the
+  tokens): `Mailbox`, a protocol on the job's key-value store. Each replica's leader (the
+  lowest rank of its current group) posts its ranks' states and its clock at every boundary;
+  a replica that may give (nothing queued, few running) closes its own inbox, reads the
+  others' latest states, decides with itself as the only giver, claims each taker's inbox
+  (compare-and-set "open" -> "busy:<giver>"), writes the requests and reopens it; a taker's
+  leader reads its inbox at every boundary and its group learns the arrivals in the gather it
+  does anyway; a replica closes its inbox ("open" -> "closed") before it leaves (busy: it steps
+  on and retries) and re-reads it after closing. No request is lost: a request is written
+  only into an inbox held busy by its giver, and a closed inbox was read after closing.
+
+A moved request re-prefills on its taker (prompt + what it produced, the same position-keyed
+random stream: the same tokens). KV blocks are not sent yet, so the decision is given prices
+under which a KV transfer never wins (`REPREFILL_ONLY`). Clocks are engine steps and a step
+costs 1 (`UNIT_STEP`): the adopting step prefills and samples, so a move costs its request no
+step, and the step-cost bound becomes "no taker ends after the rollout's predicted end".
+Across replicas each replica's clock is its own step count as its leader last posted it (a
+taker has stepped on since: the bound holds up to that staleness); a moved request then runs
+at the taker's steps.
+A request's remaining tokens are predicted from what the engine knows: the lengths of its
+siblings finished on this rank in this rollout, corrected once it outlives them, and with no
+sibling finished its cap (`remaining_tokens`); a workload's `target_len` is never read as a
+prediction.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from flexfloor.rollout.collectives import CollectiveError
+from flexfloor.rollout.consolidate import (
+    Consolidation,
+    ConsolidationRules,
+    ConsolidationState,
+    Move,
+    MovePrices,
+    RankState,
+    Running,
+    decide,
+    remaining_estimate,
+)
+from flexfloor.rollout.kv import blocks_for
+
+
+def UNIT_STEP(n: int, ctx: float) -> float:  # noqa: N802  (a constant StepCost)
+    """A step costs 1 whatever its batch: the engine's clock is its step count."""
+    return 1.0
+
+
+# no KV-block transfer in the engine yet: a transfer's time is unbounded, a re-prefill costs the
+# taker no extra step (the step that adopts a request prefills it and samples its next token)
+REPREFILL_ONLY = MovePrices(kv_bytes_per_token=1, transfer_bytes_per_s=sys.float_info.min,
+                            reprefill_s_per_token=0.0)
+
+
+@dataclass(frozen=True)
+class TailRules:
+    """The consolidation knobs of the config (elastic.consolidate_*) and the floor."""
+
+    max_requests: int = 8  # most running requests a rank or replica hands over to leave
+    reserve_blocks: int = 0  # KV blocks a taker keeps free beyond what it takes
+    floor: int = 1  # ranks of a replica that stay whatever fits (elastic.min_active_ranks)
+    across: bool = False  # also between replicas (the mailbox)
+
+    @classmethod
+    def of(cls, elastic_cfg, floor: int) -> Optional["TailRules"]:
+        """None when consolidation is off (or no config was given)."""
+        if elastic_cfg is None or not elastic_cfg.consolidate:
+            return None
+        return cls(max_requests=elastic_cfg.consolidate_max_requests,
+                   reserve_blocks=elastic_cfg.consolidate_reserve_blocks, floor=floor,
+                   across=elastic_cfg.consolidate_across)
+
+    def decision_rules(self, min_replicas: int) -> ConsolidationRules:
+        return ConsolidationRules(min_replicas=min_replicas, reserve_blocks=self.reserve_blocks,
+                                  max_requests=self.max_requests)
+
+
+# --------------------------------------------------------------------------------------------
+# pure pieces (no process group)
+
+
+def remaining_tokens(max_new_tokens: int, produced: int, siblings: Sequence[int]) -> float:
+    """Predicted tokens still to come: from the median length of the siblings already finished
+    (the same prompt, this rollout), corrected once the request outlives it
+    (`remaining_estimate`); with no sibling finished, up to `max_new_tokens` (nothing known: a
+    move must then fit even if the request runs to its cap)."""
+    if not siblings:
+        return float(max(1, max_new_tokens - produced))
+    return remaining_estimate(float(statistics.median(siblings)), produced, max_new_tokens)
+
+
+def may_give_within(report, rules: TailRules) -> bool:
+    """From the shared step report alone: some rank could hand its requests over (nothing
+    queued, 1..max_requests running) and more ranks have work than the floor keeps."""
+    working = sum(report.has_work)
+    return working > rules.floor and any(
+        q == 0 and 0 < n <= rules.max_requests for n, q in zip(report.running, report.queued))
+
+
+def within_replica(states: Sequence[RankState], rules: TailRules, *, max_batch: int,
+                   block_tokens: int) -> Consolidation:
+    """The moves inside one lockstep group: each rank a giver or taker of its own (one clock).
+    `leaving_replicas` are then the giving ranks."""
+    ranks = tuple(replace(s, replica=s.rank) for s in states)
+    state = ConsolidationState(ranks, {s.rank: 0.0 for s in ranks}, max_batch, block_tokens)
+    return decide(state, rules.decision_rules(rules.floor), UNIT_STEP, REPREFILL_ONLY)
+
+
+def after_moves(report, ranks: Sequence[int], moves: Sequence[Move], cached: dict,
+                block_bytes: int, block_tokens: int):
+    """The step report as it is once `moves` are done: the givers without work, each taker
+    with the requests it takes and the KV room their re-prefill takes. `cached`: request id
+    -> its cached tokens. Pure."""
+    has, running = list(report.has_work), list(report.running)
+    remaining, kv_free = list(report.remaining), list(report.kv_free)
+    for src in {m.src for m in moves}:
+        i = ranks.index(src)
+        has[i], running[i], remaining[i] = False, 0, 0
+    for m in moves:
+        j = ranks.index(m.dst)
+        has[j] = True
+        running[j] += 1
+        remaining[j] = max(remaining[j], report.remaining[ranks.index(m.src)])
+        kv_free[j] -= blocks_for(cached[m.request_id] + 1, block_tokens) * block_bytes
+    return replace(report, has_work=has, running=running, remaining=remaining, kv_free=kv_free)
+
+
+def rank_state(engine, replica: int) -> RankState:
+    """This rank's running requests, queue and free KV blocks, as the decision reads them."""
+    st = engine.rollout
+    siblings: dict[int, list[int]] = {}
+    for res in st.results:
+        siblings.setdefault(res.prompt_uid, []).append(len(res.token_ids))
+    running = tuple(Running(r.request.request_id, r.position,
+                            remaining_tokens(r.request.max_new_tokens, len(r.tokens),
+                                             siblings.get(r.request.prompt_uid, ())))
+                    for r in st.running)
+    return RankState(engine.rank, replica, running, len(st.queue), st.pool.free_blocks)
+
+
+# --------------------------------------------------------------------------------------------
+# across replicas: the mailbox on the job's store
+
+OPEN, CLOSED = "open", "closed"
+
+
+@dataclass
+class Mailbox:
+    """One replica's side of the consolidation protocol across replicas (module doc). Every
+    rank of the replica holds one; only the current leader touches the store, and the group
+    shares what it read (`consumed`) so a later leader goes on from there.
+
+    Keys under `flexfloor/tails/<rollout id>/`: status/<i> ("open", "busy:<giver>", "closed"),
+    count/<i> (messages committed), msg/<i>/<n> (a list of (taker rank, request payload)),
+    state/<i> (the leader's last post: (clock, [RankState])).
+    """
+
+    store: object  # torch.distributed.Store
+    rollout_id: str
+    replica: int
+    replicas: int
+    ranks_per_replica: int
+    rank: int
+    timeout_s: float
+    consumed: int = 0  # messages of this replica's inbox already read
+    opened: bool = False
+    claimed: list = field(default_factory=list)  # taker replicas this leader holds busy
+    _busy_since: Optional[float] = None
+
+    def key(self, kind: str, i: int, n: Optional[int] = None) -> str:
+        return f"flexfloor/tails/{self.rollout_id}/{kind}/{i}" + ("" if n is None else f"/{n}")
+
+    def _where(self, phase: str) -> str:
+        return f"rank {self.rank}, phase 'tail consolidation ({phase})', replica {self.replica}"
+
+    def _call(self, phase: str, fn, *args):
+        try:
+            return fn(*args)
+        except (RuntimeError, OSError) as e:
+            raise CollectiveError(f"{self._where(phase)}: the job's store failed "
+                                  f"({type(e).__name__}: {e})") from e
+
+    def open(self) -> None:
+        """The inbox exists and takes requests (once, by the first leader)."""
+        if not self.opened:
+            self._call("open", self.store.compare_set, self.key("status", self.replica), "", OPEN)
+            self.opened = True
+
+    def take_mail(self) -> list:
+        """Every (taker rank, payload) committed to this inbox since the last read."""
+        s = self.store
+        n = int(self._call("read inbox", s.add, self.key("count", self.replica), 0))
+        out = []
+        for k in range(self.consumed, n):
+            out += pickle.loads(self._call("read inbox", s.get, self.key("msg", self.replica, k)))
+        self.consumed = n
+        return out
+
+    def close(self) -> bool:
+        """Close the inbox before leaving (or giving): False while a giver holds it busy (step
+        on and retry); an error naming the rank when it stays busy past the timeout."""
+        got = self._call("close inbox", self.store.compare_set, self.key("status", self.replica),
+                         OPEN, CLOSED).decode()
+        if got == CLOSED:
+            self._busy_since = None
+            return True
+        now = time.monotonic()
+        self._busy_since = self._busy_since or now
+        if now - self._busy_since > self.timeout_s:
+            raise CollectiveError(f"{self._where('close inbox')}: the inbox stayed {got!r} for "
+                                  f"{self.timeout_s:.0f} s (parallel.timeout_s): its giver died "
+                                  "or hangs")
+        return False
+
+    def reopen(self) -> None:
+        self._call("reopen inbox", self.store.set, self.key("status", self.replica), OPEN)
+
+    def post(self, clock: int, states: Sequence[RankState]) -> None:
+        self._call("post state", self.store.set, self.key("state", self.replica),
+                   pickle.dumps((clock, list(states))))
+
+    def plan(self, clock: int, states: Sequence[RankState], rules: TailRules, *, max_batch: int,
+             block_tokens: int) -> list[Move]:
+        """The leader of a replica that may give (its own inbox closed): the others' latest
+        states, `decide` with this replica the only giver, and a claim on every taker's inbox
+        (all or none). Returns the moves (empty: nothing moves now)."""
+        s = self.store
+        ranks, now = list(states), {self.replica: float(clock)}
+        for i in range(self.replicas):
+            if i == self.replica or not s.check([self.key("state", i), self.key("status", i)]):
+                continue
+            if self._call("read states", s.get, self.key("status", i)).decode() != OPEN:
+                continue
+            their_clock, theirs = pickle.loads(self._call("read states", s.get,
+                                                          self.key("state", i)))
+            ranks += theirs
+            now[i] = float(their_clock)
+        if len(now) < 2:
+            return []
+        state = ConsolidationState(tuple(ranks), now, max_batch, block_tokens)
+        d = decide(state, rules.decision_rules(1), UNIT_STEP, REPREFILL_ONLY,
+                   givers=[self.replica])
+        if not d.moves:
+            return []
+        me = f"busy:{self.replica}"
+        for t in sorted({self.replica_of(m.dst) for m in d.moves}):
+            got = self._call("claim inbox", s.compare_set, self.key("status", t), OPEN, me)
+            if got.decode() != me:
+                self.release_claims()
+                return []
+            self.claimed.append(t)
+        return d.moves
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.ranks_per_replica
+
+    def send(self, moves: Sequence[Move], payloads: Sequence[dict]) -> None:
+        """Write each claimed taker's requests (one message each), then reopen its inbox."""
+        by_id = {p["request"].request_id: p for p in payloads}
+        for t in self.claimed:
+            mail = [(m.dst, by_id[m.request_id]) for m in moves if self.replica_of(m.dst) == t]
+            n = int(self._call("send", self.store.add, self.key("count", t), 0))
+            self._call("send", self.store.set, self.key("msg", t, n), pickle.dumps(mail))
+            self._call("send", self.store.add, self.key("count", t), 1)  # committed
+        self.release_claims()
+
+    def release_claims(self) -> None:
+        for t in self.claimed:
+            self._call("release claim", self.store.compare_set, self.key("status", t),
+                       f"busy:{self.replica}", OPEN)
+        self.claimed = []
+
+
+def mailbox_for(store, rollout_id: str, topology, rank: int, timeout) -> Mailbox:
+    timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    return Mailbox(store=store, rollout_id=rollout_id, replica=topology.index,
+                   replicas=topology.count, ranks_per_replica=topology.ranks_per_replica,
+                   rank=rank, timeout_s=float(timeout_s))

@@ -1,0 +1,174 @@
+"""Tail consolidation in the engine (flexfloor/rollout/tails.py) on 4 real gloo workers, one
+launch shared with the session's other 4-worker tests: the same tokens and log-probs as the
+static policy at R = 1 and R = 2, greedy and sampled, with a request moved twice and requests
+moved across replicas; every request finished exactly once; the simulator, driving the same
+decision with unit cost, takes the engine's steps rank for rank. Plus the pure pieces."""
+
+import pytest
+
+from distributed import Worker
+from flexfloor.config import ConfigError, ElasticConfig
+from flexfloor.rollout.consolidate import RankState, Running
+from flexfloor.rollout.engine import StepReport
+from flexfloor.rollout.tails import (
+    TailRules, after_moves, may_give_within, remaining_tokens, within_replica,
+)
+
+WORKER = Worker("tails.py", 4, timeout=400)
+KINDS = ["greedy", "sampled"]
+
+
+@pytest.fixture(scope="module")
+def res(shared):
+    return shared.run(WORKER).results
+
+
+def tokens(parts, policy, what="tokens"):
+    out = {}
+    for p in parts:
+        for rid, t in p[policy][what].items():
+            assert rid not in out, f"{rid} finished twice"
+            out[rid] = t
+    return out
+
+
+def moves(parts):
+    """Every move the ranks recorded, once each (the giver's side)."""
+    return [m for p in parts for m in p["elastic"]["record"]["trace"]["moves"]
+            if m["src"] == p["elastic"]["record"]["rank"]]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_consolidated_tokens_identical_to_static(res, replicas, kind):
+    parts = res[f"r{replicas}_{kind}"]
+    lengths = res["world" if replicas == 1 else "replicas"]
+    want = sorted(f"{int(r) * 10 + i}/{s}" for r, ls in lengths.items()
+                  for i, n in enumerate(ls) for s in range(len(n) if isinstance(n, list) else 1))
+    static, elastic = tokens(parts, "static"), tokens(parts, "elastic")
+    assert sorted(static) == want and sorted(elastic) == want  # each exactly once
+    assert elastic == static
+    # log-probs too, to fp32 rounding: a re-prefill computes a position in another batch shape
+    got, ref = tokens(parts, "elastic", "logprobs"), tokens(parts, "static", "logprobs")
+    assert {k: pytest.approx(v, abs=1e-5) for k, v in ref.items()} == got
+    # ranks gave their requests away: fewer occupied steps; inside one group (one clock) the
+    # rollout is no longer (across replicas the step a hand-over lands at is the machine's)
+    steps = lambda policy: [p[policy]["record"]["steps"] for p in parts]
+    assert sum(steps("elastic")) < sum(steps("static"))
+    if replicas == 1:
+        assert max(steps("elastic")) == max(steps("static"))
+    recs = [p["elastic"]["record"] for p in parts]
+    assert sum(r["migrated_out"] for r in recs) == sum(r["adopted"] for r in recs) > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_request_moves_twice_inside_one_group(res, kind):
+    parts = res[f"r1_{kind}"]
+    ids = [m["request_id"] for m in moves(parts)]
+    assert "30/0" in ids and ids.count("30/0") == 2, ids  # rank 3 -> rank 0 -> on
+    first, second = sorted((m for m in moves(parts) if m["request_id"] == "30/0"),
+                           key=lambda m: m["step"])
+    assert (first["src"], first["dst"]) == (3, 0) and second["src"] == 0
+    assert not any(m["across"] for m in moves(parts))
+    assert parts[3]["elastic"]["record"]["steps"] == 1  # rank 3 left at the first boundary
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_replica_hands_its_requests_to_the_other_and_leaves(res, kind):
+    parts = res[f"r2_{kind}"]
+    recs = [p["elastic"]["record"] for p in parts]
+    across = [m for m in moves(parts) if m["across"]]
+    assert across and all(m["src"] in (2, 3) and m["dst"] in (0, 1) for m in across), across
+    assert sum(r["migrated_across"] for r in recs) == sum(r["adopted_across"] for r in recs) == 2
+    assert sorted(m["request_id"] for m in across) == ["20/2", "30/2"]
+    # replica 1 left whole when it handed over, before its own requests would have ended
+    assert recs[2]["steps"] == recs[3]["steps"] < parts[2]["static"]["record"]["steps"]
+
+
+def test_the_simulator_takes_the_engines_steps_with_consolidation(res):
+    """R = 1: the simulator's replica driver (`simulate_replicas`) applies the engine's decision
+    inside the group (`tails.within_replica`) with unit cost, so every rank's steps, tokens and
+    moves equal the engine's. (R = 2 is not replayed: the engine's replicas run on wall clocks,
+    so which boundary of the taker sees a hand-over depends on the machine's timing.)"""
+    from flexfloor.rollout.consolidate import ConsolidationRules
+    from flexfloor.rollout.release import RankLimits, ReleaseRules
+    from flexfloor.sim.cost import UnitCost
+    from flexfloor.sim.rollout import SimRequest, TailConsolidation, replica_state, simulate_replicas
+
+    cap, lengths = res["max_new_tokens"], res["world"]
+    placement, holding = replica_state(8, (0, 1, 2, 3), training_ep=4)
+    assignment = {int(r): [SimRequest(f"{int(r) * 10 + i}/0", int(r) * 10 + i, 3 + i, n)
+                           for i, n in enumerate(ls)] for r, ls in lengths.items()}
+    limits = RankLimits(kv_bytes_per_token=1, max_seq_len=64, max_batch_size=8,
+                        kv_budget_bytes=None, expert_nbytes=1)
+    rules = TailRules.of(ElasticConfig(consolidate_max_requests=2), floor=1)
+    tc = TailConsolidation(ConsolidationRules(), None, None,
+                           lambda req, produced, finished: remaining_tokens(cap, produced, ()),
+                           within=rules)
+    out, = simulate_replicas([{"assignment": assignment, "placement": placement,
+                               "rules": ReleaseRules(min_active_ranks=1, holding=holding)}],
+                             UnitCost(), limits=limits, kv_block_tokens=16, consolidation=tc)
+    keys = ("steps", "busy_steps", "tokens", "release_step", "migrated_out", "adopted")
+    for kind in KINDS:
+        engine = [p["elastic"]["record"] for p in res[f"r1_{kind}"]]
+        assert [{k: r[k] for k in keys} for r in out.records] == [
+            {k: r[k] for k in keys} for r in engine], kind
+
+
+# ------------------------------------------------------------------------------------------
+# pure pieces
+
+
+def state(rank, n, produced=10, queued=0, free=None):
+    return RankState(rank, 0, tuple(Running(f"{rank}/{k}", 5 + produced, 4.0) for k in range(n)),
+                     queued, free)
+
+
+def report(states):
+    return StepReport(has_work=[bool(s.running or s.queued) for s in states], finished=0,
+                      tokens=0, requests=0, running=[len(s.running) for s in states],
+                      queued=[s.queued for s in states], remaining=[9] * len(states),
+                      kv_free=[10 ** 6] * len(states))
+
+
+def test_within_a_group_the_smallest_rank_gives_when_the_others_have_room():
+    rules = TailRules(max_requests=2)
+    states = [state(0, 3), state(1, 3), state(2, 1)]
+    assert may_give_within(report(states), rules)
+    d = within_replica(states, rules, max_batch=8, block_tokens=16)
+    assert [(m.src, m.request_id) for m in d.moves] == [(2, "2/0")] and d.leaving_replicas == [2]
+    # no batch slot anywhere: nothing moves; nothing queued may stay behind
+    assert within_replica(states, rules, max_batch=3, block_tokens=16).moves == []
+    queued = [state(0, 3), state(1, 1, queued=1)]
+    assert not may_give_within(report(queued), rules)
+    # the floor: two ranks stay whatever fits
+    assert not may_give_within(report(states[1:]), TailRules(max_requests=2, floor=2))
+    # a taker without the KV room for the request to its predicted end takes nothing
+    tight = [state(0, 3, free=1), state(1, 3, free=1), state(2, 1)]
+    assert within_replica(tight, rules, max_batch=8, block_tokens=16).moves == []
+
+
+def test_after_moves_is_the_report_the_release_decision_then_sees():
+    states = [state(0, 3), state(1, 3), state(2, 1)]
+    d = within_replica(states, TailRules(max_requests=2), max_batch=8, block_tokens=16)
+    after = after_moves(report(states), [0, 1, 2], d.moves, {"2/0": 15}, 100, 16)
+    assert after.has_work == [True, True, False] and after.running[2] == 0
+    assert sum(after.running) == 7 and min(after.kv_free) == 10 ** 6 - 100
+
+
+def test_remaining_tokens_from_siblings_then_corrected_never_past_the_cap():
+    assert remaining_tokens(100, 10, [30, 50, 40]) == 30  # the siblings' median, less produced
+    assert remaining_tokens(100, 60, [30, 50, 40]) == 30  # outlived them: half again
+    assert remaining_tokens(100, 95, [30]) == 5  # never past max_new_tokens
+    assert remaining_tokens(100, 10, []) == 90  # nothing known: up to the cap
+
+
+def test_the_config_names_a_bad_consolidation_field():
+    with pytest.raises(ConfigError, match="elastic.consolidate_max_requests"):
+        ElasticConfig(consolidate_max_requests=0).validate()
+    with pytest.raises(ConfigError, match="elastic.consolidate_reserve_blocks"):
+        ElasticConfig(consolidate_reserve_blocks=-1).validate()
+    assert TailRules.of(ElasticConfig(consolidate=False), 1) is None
+    assert TailRules.of(None, 1) is None
+    assert TailRules.of(ElasticConfig(), 2) == TailRules(max_requests=8, reserve_blocks=0, floor=2)
+    assert TailRules.of(ElasticConfig(consolidate_across=True), 1).across

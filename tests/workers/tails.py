@@ -1,0 +1,85 @@
+"""Tail consolidation on 4 gloo workers, one launch: the same requests under the static policy
+and under the elastic policy with consolidation on, at R = 1 (moves inside the world-wide group,
+one of them chained: a request moved twice) and R = 2 (moves inside a replica and across
+replicas through the job's store), greedy and sampled.
+
+Usage: torchrun --nproc-per-node 4 tests/workers/tails.py OUT_DIR
+"""
+
+import dataclasses
+import os
+
+import torch
+from _harness import gather, run
+
+from flexfloor.config import ElasticConfig, ModelConfig, ReleasePolicy
+from flexfloor.model import build_model
+from flexfloor.parallel import Parallel
+from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
+from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.types import Request, SamplingParams
+
+SAMPLING = {"greedy": SamplingParams(greedy=True),
+            "sampled": SamplingParams(temperature=1.0, top_p=0.95)}
+# response lengths per rank, one prompt per request (no siblings: the engine predicts from the
+# produced tokens alone, as the simulator's replay does).
+# R = 1: rank 3's one request goes to rank 0 at the first boundary with running requests; rank
+# 0 is down to two requests (its own long one and rank 3's) while ranks 1 and 2 still run
+# three, so it hands both on: rank 3's request moves twice.
+WORLD = {0: [26, 4, 4], 1: [30, 24, 18], 2: [28, 22, 16], 3: [20]}
+# R = 2, replicas (0, 1) and (2, 3): replica 0 runs six long requests; ranks 2 and 3 run one
+# prompt of three samples each (a list: one prompt's samples): two end after 2 tokens, so the
+# third is predicted short from its siblings and replica 1 hands the two over
+REPLICAS = {0: [30, 28, 26], 1: [29, 27, 25], 2: [[2, 2, 12]], 3: [[2, 2, 10]]}
+CONSOLIDATE = {1: ElasticConfig(consolidate_max_requests=2),
+               # two ranks per replica stay: replica 1 can only give to replica 0, whenever its
+               # leader sees replica 0's state (the replicas run on their own clocks)
+               2: ElasticConfig(consolidate_max_requests=2, min_active_ranks=2,
+                                consolidate_across=True)}
+MAX_NEW = 40
+
+
+def requests(lengths, rank, sampling, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    out = []
+    for i, n in enumerate(lengths[rank]):
+        prompt = tuple(torch.randint(1, 128, (3 + i,), generator=g).tolist())
+        out += [Request(prompt_uid=rank * 10 + i, sample_index=s, seed=3, step=step,
+                        prompt_ids=prompt, max_new_tokens=MAX_NEW, target_len=m,
+                        sampling=sampling)
+                for s, m in enumerate(n if isinstance(n, list) else [n])]
+    return out
+
+
+def rollout(engine, layout, par, policy, reqs, elastic_cfg=None):
+    layout.start(engine.moe)
+    membership = membership_for(policy, par, layout, elastic_cfg=elastic_cfg)
+    out = engine.generate(reqs, membership)
+    resync(engine.moe, layout, par, membership, timeout_s=60)
+    return {"tokens": {r.request_id: r.token_ids for r in out.results},
+            "logprobs": {r.request_id: r.logprobs for r in out.results},
+            "record": out.record.as_dict(), "timeline": getattr(membership, "timeline", [])}
+
+
+def main(out):
+    rank = int(os.environ["RANK"])
+    par = Parallel.build(expert_parallel_size=4, timeout_s=60)
+    model = build_model(dataclasses.replace(ModelConfig(), num_experts=8), par)
+    layouts = {1: RolloutLayout.gather(model, par), 2: RolloutLayout.gather(model, par, replicas=2)}
+    engines = {r: RolloutEngine(model, lay.moe(model, par), rank=rank, max_batch_size=8)
+               for r, lay in layouts.items()}
+    results = {"world": WORLD, "replicas": REPLICAS, "max_new_tokens": MAX_NEW}
+    for kind, sampling in SAMPLING.items():
+        for r, lengths in ((1, WORLD), (2, REPLICAS)):
+            reqs = requests(lengths, rank, sampling, step=r)
+            results[f"r{r}_{kind}"] = gather({
+                "static": rollout(engines[r], layouts[r], par, ReleasePolicy.STATIC, reqs),
+                "elastic": rollout(engines[r], layouts[r], par, ReleasePolicy.ELASTIC, reqs,
+                                   CONSOLIDATE[r])})
+    for lay in layouts.values():
+        lay.close()
+    return results
+
+
+if __name__ == "__main__":
+    run(main)
