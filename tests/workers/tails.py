@@ -12,11 +12,10 @@ import os
 import torch
 from _harness import gather, run
 
-from flexfloor.config import ElasticConfig, ModelConfig, ReleasePolicy
+from flexfloor.config import ElasticConfig, ModelConfig, ReleasePolicy, RolloutConfig
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
-from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 
 SAMPLING = {"greedy": SamplingParams(greedy=True),
@@ -51,33 +50,32 @@ def requests(lengths, rank, sampling, step):
     return out
 
 
-def rollout(engine, layout, par, policy, reqs, elastic_cfg=None):
-    layout.start(engine.moe)
-    membership = membership_for(policy, par, layout, elastic_cfg=elastic_cfg)
-    out = engine.generate(reqs, membership)
-    resync(engine.moe, layout, par, membership, timeout_s=60)
+def rollout(stack, policy, reqs):
+    """One rollout of this rank's requests under `policy` (elastic: the stack's elastic
+    section, consolidation on)."""
+    run = stack.start(policy)
+    out = run.generate(reqs)
+    run.resync(timeout_s=60)
     return {"tokens": {r.request_id: r.token_ids for r in out.results},
             "logprobs": {r.request_id: r.logprobs for r in out.results},
-            "record": out.record.as_dict(), "timeline": getattr(membership, "timeline", [])}
+            "record": out.record.as_dict(), "timeline": getattr(run.membership, "timeline", [])}
 
 
 def main(out):
     rank = int(os.environ["RANK"])
     par = Parallel.build(expert_parallel_size=4, timeout_s=60)
     model = build_model(dataclasses.replace(ModelConfig(), num_experts=8), par)
-    layouts = {1: RolloutLayout.gather(model, par), 2: RolloutLayout.gather(model, par, replicas=2)}
-    engines = {r: RolloutEngine(model, lay.moe(model, par), rank=rank, max_batch_size=8)
-               for r, lay in layouts.items()}
+    stacks = {r: RolloutStack.build(par, model, elastic=CONSOLIDATE[r], rollout=RolloutConfig(
+        replicas=r, max_batch_size=8, progress=False)) for r in (1, 2)}
     results = {"world": WORLD, "replicas": REPLICAS, "max_new_tokens": MAX_NEW}
     for kind, sampling in SAMPLING.items():
         for r, lengths in ((1, WORLD), (2, REPLICAS)):
             reqs = requests(lengths, rank, sampling, step=r)
             results[f"r{r}_{kind}"] = gather({
-                "static": rollout(engines[r], layouts[r], par, ReleasePolicy.STATIC, reqs),
-                "elastic": rollout(engines[r], layouts[r], par, ReleasePolicy.ELASTIC, reqs,
-                                   CONSOLIDATE[r])})
-    for lay in layouts.values():
-        lay.close()
+                "static": rollout(stacks[r], ReleasePolicy.STATIC, reqs),
+                "elastic": rollout(stacks[r], ReleasePolicy.ELASTIC, reqs)})
+    for stack in stacks.values():
+        stack.close()
     return results
 
 
