@@ -50,7 +50,9 @@ class RolloutStack:
     moe: PlacedMoE  # the model's MoE layers, bound to the layout
     engine: RolloutEngine
     memory: MemoryModel  # what the engine's KV budget is; the scheduler counts with it too
-    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    # None: the release protocol's own defaults (`membership_for` without a config: no tail
+    # consolidation), not those of an ElasticConfig()
+    elastic: Optional[ElasticConfig] = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @classmethod
@@ -59,9 +61,10 @@ class RolloutStack:
               scheduler: Optional[SchedulerConfig] = None,
               valid_vocab: Optional[int] = None) -> "RolloutStack":
         """The stack of `model` on this rank, from the job's `rollout` section (replicas, batch,
-        KV budget and blocks, progress), `elastic` (release policy, floor, ...) and `scheduler`
-        (migration) sections; `valid_vocab`: the tokenizer's vocabulary when the model's
-        embedding is padded beyond it. Collective over the world (the layout's gather)."""
+        KV budget and blocks, progress), `elastic` (release policy, floor, consolidation, ...;
+        None: `membership_for`'s defaults) and `scheduler` (migration) sections; `valid_vocab`:
+        the tokenizer's vocabulary when the model's embedding is padded beyond it. Collective
+        over the world (the layout's gather)."""
         layout = RolloutLayout.gather(model, parallel, replicas=rollout.replicas)
         moe = layout.moe(model, parallel)
         memory = MemoryModel.of_model(model, kv_budget_tokens=rollout.kv_budget_tokens,
@@ -72,7 +75,7 @@ class RolloutStack:
                                block_tokens=memory.block_tokens, progress=rollout.progress,
                                valid_vocab=valid_vocab)
         return cls(parallel=parallel, model=model, layout=layout, moe=moe, engine=engine,
-                   memory=memory, elastic=elastic if elastic is not None else ElasticConfig(),
+                   memory=memory, elastic=elastic,
                    scheduler=scheduler if scheduler is not None else SchedulerConfig())
 
     def start(self, policy: Optional[ReleasePolicy] = None, *, step: Optional[int] = None,
@@ -85,11 +88,13 @@ class RolloutStack:
         builds the survivor groups the plan (`expected_finish`, rank -> predicted steps) implies.
         `step` (the training step) names errors and faults; `on_event` hears this rank's release
         and, at resync, its rejoin; `capacity`: rank -> most experts it can host."""
+        if policy is None:
+            policy = (self.elastic or ElasticConfig()).release_policy
         started = self.layout.start(self.moe)
         membership = membership_for(
-            self.elastic.release_policy if policy is None else policy, self.parallel,
-            self.layout, self.elastic, capacity=capacity, scheduler_cfg=self.scheduler,
-            step=step, on_event=on_event, expected_finish=expected_finish)
+            policy, self.parallel, self.layout, self.elastic, capacity=capacity,
+            scheduler_cfg=self.scheduler, step=step, on_event=on_event,
+            expected_finish=expected_finish)
         return StackRollout(self, membership, started, step=step, on_event=on_event)
 
     def close(self) -> None:
