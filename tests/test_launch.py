@@ -392,22 +392,25 @@ def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchru
         assert a.keys() == b.keys() and len(a) >= 10
         assert all(same_numbers(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
-    # the pool saw ranks 2 and 3 released in both steps, each back at its step's resync
+    # the pool saw the ranks that left early (fewer engine steps than the last one, in the
+    # torchrun run of the same tokens) released in both steps, each back at its step's resync
     events = [(e["event"], e["rank"], e["step"]) for e in result.pool_events if e["event"] != "claimed"]
-    for step in (1, 2):
+    early_all = set()
+    for step, m in zip((1, 2), ref):
+        early = {r for r, n in enumerate(m["rollout/steps"]) if n < max(m["rollout/steps"])}
+        assert early, m["rollout/steps"]  # the test needs a release to lend
         released = {r for ev, r, s in events if ev == "released" and s == step}
         rejoined = {r for ev, r, s in events if ev == "rejoined" and s == step}
-        assert released == rejoined == {2, 3}, events
+        assert released == rejoined == early, (events, m["rollout/steps"])
+        early_all |= early
     for ev, rank, step in events:  # a rank rejoins only after it was released, per step
         if ev == "rejoined":
             assert events.index(("released", rank, step)) < events.index((ev, rank, step))
     released = [e for e in result.pool_events if e["event"] == "released"]
-    # entries name where the free devices are: rank 3 sits on the second node
-    assert {e["rank"] for e in released} == {2, 3}
+    assert {e["rank"] for e in released} == early_all
 
     # the borrower got one of them and held it until that rank rejoined
-    assert (lent["rank"], lent["claimed_by"], back) in {(2, "test-borrower", True),
-                                                        (3, "test-borrower", True)}
+    assert lent["rank"] in early_all and (lent["claimed_by"], back) == ("test-borrower", True)
     assert lent["node_id"] == result.workers[lent["rank"]]["node_id"]
     assert lent["cpus"] == 1.0 and lent["step"] in (1, 2)
     claimed = [e for e in result.pool_events if e["event"] == "claimed"]
