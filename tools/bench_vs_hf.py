@@ -162,17 +162,16 @@ def roofline(model, moe, batch: int, mean_context: float, rates: dict) -> float:
 def bench_one(hf_dir: str, label: str, args, par) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from flexfloor.config import RolloutConfig
     from flexfloor.convert import model_from_hf
-    from flexfloor.rollout.engine import RolloutEngine
-    from megatron_ext.elastic_moe import PlacedMoE
-    from megatron_ext.placement import contiguous_placement
+    from flexfloor.rollout.stack import RolloutStack
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     model, cfg = model_from_hf(hf_dir, par)  # in memory: a real --hf model is not saved again
     model.eval()
-    moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
-                    placement=contiguous_placement(cfg.num_experts, par.ep_ranks))
-    engine = RolloutEngine(model, moe, rank=par.rank, max_batch_size=args.batch)
+    stack = RolloutStack.build(par, model, rollout=RolloutConfig(max_batch_size=args.batch,
+                                                                 progress=False))
+    moe, engine = stack.moe, stack.engine
     prompts = make_prompts(args.prompts, cfg.vocab_size)
     rates = decode_rates({"hf": lambda p, n: hf_generate(hf, p, n, args.batch),
                           "flexfloor": lambda p, n: flexfloor_generate(engine, p, n)},
