@@ -37,6 +37,10 @@ from flexfloor.rollout.scheduler import replica_finish
 # a rank's step: (requests decoding on it, their cached tokens) -> seconds (scheduler.StepCost)
 StepCost = Callable[[int, float], float]
 
+# a giver's requests move only while each has at most this share of the longest remaining
+# tokens of the rollout left (predictions of remaining tokens err by a fifth and more)
+TAIL_SHARE = 0.5
+
 
 class MoveKind(enum.Enum):
     KV_TRANSFER = "kv_transfer"  # its KV blocks sent to the taker, decoding resumes there
@@ -163,6 +167,9 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
 
     ends = {i: end(i, load) for i in live}
     rollout_end = max(ends.values())
+    # room for mispredictions: a request moves only while it has at most this share of the
+    # longest remaining work left, so a wrong estimate of it cannot outlast the rollout
+    longest = max((q.remaining for r in state.ranks for q in r.running), default=0.0)
     size = {i: sum(len(r.running) for r in by_replica[i]) for i in live}
     candidates = [i for i in live if (givers is None or i in givers)
                   and not any(r.queued for r in by_replica[i])
@@ -178,6 +185,8 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
             continue  # it takes requests in this decision: it stays
         # takers: replicas with nothing queued (their queue's lengths are not known here), the
         # one planned to stay longest first
+        if any(q.remaining > TAIL_SHARE * longest for r in by_replica[g] for q in r.running):
+            continue
         staying = sorted((i for i in live if i != g and i not in giving
                           and not any(r.queued for r in by_replica[i])),
                          key=lambda i: (-ends[i], i))

@@ -486,23 +486,26 @@ class Scheduler:
         reqs_all = [q for g in groups for q in g.requests]
         cap = float(max((q.max_new_tokens for q in reqs_all), default=0))
 
-        def worst(per_rank: Sequence[Sequence[Request]]) -> float:
-            return _worst_end([[est[q.request_id] for q in reqs] for reqs in per_rank],
-                              [[len(q.prompt_ids) for q in reqs] for reqs in per_rank],
-                              cap, step_cost)
+        def ends(per_rank: Sequence[Sequence[Request]]) -> tuple[float, float]:
+            """(predicted end, end if its longest request ran to the cap)"""
+            lengths = [[est[q.request_id] for q in reqs] for reqs in per_rank]
+            prompts = [[len(q.prompt_ids) for q in reqs] for reqs in per_rank]
+            return (max(replica_finish(list(zip(lengths, prompts)), step_cost), default=0.0),
+                    _worst_end(lengths, prompts, cap, step_cost))
 
         static: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
         for i, q in enumerate(reqs_all):
             g = replicas[i % len(replicas)]
             static[g[(i // len(replicas)) % len(g)]].append(q)
-        bound = max((worst([static[r] for r in g]) for g in replicas),
-                    default=0.0) * self.pace_margin
+        static_ends = [ends([static[r] for r in g]) for g in replicas]
+        bound = tuple(max((e[k] for e in static_ends), default=0.0) * self.pace_margin
+                      for k in (0, 1))
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
         if order:  # the longest group alone, spread over a replica's ranks
             alone: list[list[Request]] = [[] for _ in replicas[0]]
             for i, q in enumerate(order[0].requests):
                 alone[i % len(alone)].append(q)
-            bound = max(bound, worst(alone))
+            bound = tuple(max(b, e) for b, e in zip(bound, ends(alone)))
         placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
 
         def spread(ranks, g) -> dict[int, list[Request]]:
@@ -522,7 +525,8 @@ class Scheduler:
                                            [len(x.prompt_ids) for x in reqs], None, len(reqs))
                     if peak > kv:
                         return False
-            return worst([trial[r] for r in ranks]) <= bound
+            predicted_end, worst_end = ends([trial[r] for r in ranks])
+            return predicted_end <= bound[0] and worst_end <= bound[1]
 
         remaining = order
         for ranks in replicas:
@@ -542,13 +546,13 @@ class Scheduler:
         for g in remaining:  # nothing in bound: the replica that finishes soonest with it
             def end_with(ranks):
                 trial = spread(ranks, g)
-                return worst([trial[r] for r in ranks])
+                return ends([trial[r] for r in ranks])
             placed.update(spread(min(replicas, key=end_with), g))
         out = {}
         for rank, reqs in placed.items():
             out[rank] = sorted(reqs, key=lambda q: (-est[q.request_id], q.prompt_uid,
                                                     q.sample_index))
-        return out, bound
+        return out, bound[0]
 
     @staticmethod
     def _baseline(groups, ranks) -> dict[int, list[Request]]:

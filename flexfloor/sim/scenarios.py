@@ -379,7 +379,9 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     with_history = {uid for uid in plan.predicted if predictor.history.last(uid)}
 
     def remaining(req: SimRequest, produced: int, finished: dict) -> float:
-        predicted = plan.per_request.get(req.request_id, plan.predicted.get(req.prompt_uid, 0.0))
+        # a request still running is one of its prompt's longer samples: predicted as long as
+        # the longest (which sample index ran longest last time says nothing of this one)
+        predicted = plan.predicted.get(req.prompt_uid, plan.per_request.get(req.request_id, 0.0))
         if req.prompt_uid not in with_history and finished.get(req.prompt_uid):
             predicted = predictor.predict(req.prompt_uid, finished[req.prompt_uid])[0]
         return remaining_estimate(predicted, produced, sc.max_len)
