@@ -15,14 +15,17 @@ The rules, in order:
 - a taker is a rank of a staying replica with a free batch slot and the KV room for the request
   to its predicted end plus `reserve_blocks` (the memory floor: borrowed room is never taken
   from the taker's own requests);
-- the step-cost bound: a lockstep replica steps at its fullest rank's pace, so a taker replica's
-  predicted end with the move (its clock, or later when the KV it takes has not arrived by then
-  (transfers leave at the giver's clock, one after another; they overlap the taker's decoding),
-  or its clock plus a re-prefill's seconds; then its longest remaining work at its pace, plus
-  what each request moved in slows its steps for as long as it runs) must stay within the
-  rollout's predicted end before the move: a release never lengthens the rollout;
-- among takers that keep the bound, the one whose replica is planned to stay longest (latest
-  predicted end), then the least loaded rank.
+- the step-cost bound: a taker replica's predicted end with the move (when it can go on: its
+  clock, or later when the KV it takes has not arrived by then (transfers leave at the giver's
+  clock, one after another; they overlap the taker's decoding), or its clock plus a
+  re-prefill's seconds; then `replica_finish` of its running work: lockstep at its fullest
+  rank's pace, each rank's context growing as it decodes) must stay within the rollout's
+  predicted end before the move: a release never lengthens the rollout;
+- hedges against wrong estimates: the replica that ends the rollout never gives, takers have
+  nothing queued (their queue's lengths are unknown here), and a replica gives only when each
+  of its requests has at most `TAIL_SHARE` of the rollout's longest remaining tokens left;
+- takers from the replica planned to stay longest (latest predicted end): each takes the most
+  of the giver's longest requests that keep its bound, each on its least loaded rank.
 """
 
 from __future__ import annotations
