@@ -15,14 +15,17 @@ The rules, in order:
 - a taker is a rank of a staying replica with a free batch slot and the KV room for the request
   to its predicted end plus `reserve_blocks` (the memory floor: borrowed room is never taken
   from the taker's own requests);
-- the step-cost bound: a lockstep replica steps at its fullest rank's pace, so a taker replica's
-  predicted end with the move (its clock, or later when the KV it takes has not arrived by then
-  (transfers leave at the giver's clock, one after another; they overlap the taker's decoding),
-  or its clock plus a re-prefill's seconds; then its longest remaining work at its pace, plus
-  what each request moved in slows its steps for as long as it runs) must stay within the
-  rollout's predicted end before the move: a release never lengthens the rollout;
-- among takers that keep the bound, the one whose replica is planned to stay longest (latest
-  predicted end), then the least loaded rank.
+- the step-cost bound: a taker replica's predicted end with the move (when it can go on: its
+  clock, or later when the KV it takes has not arrived by then (transfers leave at the giver's
+  clock, one after another; they overlap the taker's decoding), or its clock plus a
+  re-prefill's seconds; then `replica_finish` of its running work: lockstep at its fullest
+  rank's pace, each rank's context growing as it decodes) must stay within the rollout's
+  predicted end before the move: a release never lengthens the rollout;
+- hedges against wrong estimates: the replica that ends the rollout never gives, takers have
+  nothing queued (their queue's lengths are unknown here), and a replica gives only when each
+  of its requests has at most `TAIL_SHARE` of the rollout's longest remaining tokens left;
+- takers from the replica planned to stay longest (latest predicted end): each takes the most
+  of the giver's longest requests that keep its bound, each on its least loaded rank.
 """
 
 from __future__ import annotations
@@ -32,9 +35,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from flexfloor.rollout.kv import blocks_for
+from flexfloor.rollout.scheduler import replica_finish
 
 # a rank's step: (requests decoding on it, their cached tokens) -> seconds (scheduler.StepCost)
 StepCost = Callable[[int, float], float]
+
+# a giver's requests move only while each has at most this share of the longest remaining
+# tokens of the rollout left (predictions of remaining tokens err by a fifth and more)
+TAIL_SHARE = 0.5
 
 
 class MoveKind(enum.Enum):
@@ -123,20 +131,17 @@ def remaining_estimate(predicted_len: float, produced: int, cap: int) -> float:
 
 @dataclass
 class _Load:
-    """The staying side's load as moves are promised: per rank (requests, cached tokens, free
-    blocks), per replica its longest remaining work and when it can go on."""
+    """The staying side's load as moves are promised: per rank its running work (remaining
+    tokens, cached tokens) and free blocks, per replica when it can go on."""
 
-    n: dict
-    ctx: dict
+    work: dict  # rank -> [(remaining, cached)]
     free: dict
-    longest: dict
     ready: dict  # replica -> when it can step with what it was promised (its clock, or later)
     sent: dict  # replica -> seconds of KV transfers promised to it (one after another)
-    extra: dict  # replica -> seconds its steps slow down while the requests moved in run
 
     def copy(self) -> "_Load":
-        return _Load(dict(self.n), dict(self.ctx), dict(self.free), dict(self.longest),
-                     dict(self.ready), dict(self.sent), dict(self.extra))
+        return _Load({k: list(v) for k, v in self.work.items()}, dict(self.free),
+                     dict(self.ready), dict(self.sent))
 
 
 def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: StepCost,
@@ -150,28 +155,30 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
     live = [i for i, rs in sorted(by_replica.items()) if any(r.running or r.queued for r in rs)]
     if len(live) <= rules.min_replicas:
         return Consolidation()
-    ranks = [r for rs in by_replica.values() for r in rs]
-    load = _Load(n={r.rank: len(r.running) for r in ranks},
-                 ctx={r.rank: float(sum(q.cached_tokens for q in r.running)) for r in ranks},
-                 free={r.rank: r.kv_free_blocks for r in ranks},
-                 longest={i: max((q.remaining for r in by_replica[i] for q in r.running),
-                                 default=0.0) for i in live},
-                 ready={i: state.now_s[i] for i in live}, sent={i: 0.0 for i in live},
-                 extra={i: 0.0 for i in live})
-    pace0 = {i: _pace(by_replica[i], load, step_cost) for i in live}
+    load = _Load(work={r.rank: [(q.remaining, q.cached_tokens) for q in r.running]
+                       for rs in by_replica.values() for r in rs},
+                 free={r.rank: r.kv_free_blocks for rs in by_replica.values() for r in rs},
+                 ready={i: state.now_s[i] for i in live}, sent={i: 0.0 for i in live})
 
     def end(i: int, ld: _Load) -> float:
         """Replica i's predicted end: when it can go on (its clock, or the arrival of the KV it
-        was promised, or its clock plus the re-prefills), then its longest work at its fullest
-        rank's pace now, plus what each request moved in slows its steps while it runs."""
-        return ld.ready[i] + ld.longest[i] * pace0[i] + ld.extra[i]
+        was promised, or its clock plus the re-prefills), then its running work in lockstep at
+        its fullest rank's pace, each rank's context growing as it decodes (`replica_finish`)."""
+        work = [ld.work[r.rank] for r in by_replica[i]]
+        finish = replica_finish([([n for n, _ in w], [c for _, c in w]) for w in work], step_cost)
+        return ld.ready[i] + max(finish, default=0.0)
 
-    rollout_end = max(end(i, load) for i in live)
+    ends = {i: end(i, load) for i in live}
+    rollout_end = max(ends.values())
+    # room for mispredictions: a request moves only while it has at most this share of the
+    # longest remaining work left, so a wrong estimate of it cannot outlast the rollout
+    longest = max((q.remaining for r in state.ranks for q in r.running), default=0.0)
     size = {i: sum(len(r.running) for r in by_replica[i]) for i in live}
     candidates = [i for i in live if (givers is None or i in givers)
                   and not any(r.queued for r in by_replica[i])
-                  and 0 < size[i] <= rules.max_requests]
-    candidates.sort(key=lambda i: (size[i], end(i, load), i))
+                  and 0 < size[i] <= rules.max_requests
+                  and ends[i] < rollout_end]  # the replica that ends the rollout stays
+    candidates.sort(key=lambda i: (size[i], ends[i], i))
     giving: list[int] = []
     moves: list[Move] = []
     for g in candidates:
@@ -179,70 +186,86 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
             break
         if any(m.dst in {r.rank for r in by_replica[g]} for m in moves):
             continue  # it takes requests in this decision: it stays
-        staying = [i for i in live if i != g and i not in giving]
+        # takers: replicas with nothing queued (their queue's lengths are not known here), the
+        # one planned to stay longest first
+        if any(q.remaining > TAIL_SHARE * longest for r in by_replica[g] for q in r.running):
+            continue
+        staying = sorted((i for i in live if i != g and i not in giving
+                          and not any(r.queued for r in by_replica[i])),
+                         key=lambda i: (-ends[i], i))
         trial = load.copy()
         got = _evacuate(by_replica[g], state.now_s[g], staying, by_replica, trial, end,
-                        rollout_end, state, rules, prices, step_cost)
+                        rollout_end, state, rules, prices)
         if got is not None:
             moves += got
             giving.append(g)
             load = trial
+            for i in _replicas_of(got, by_replica):
+                ends[i] = end(i, load)
     return Consolidation(moves=moves, leaving_replicas=sorted(giving))
 
 
-def _pace(ranks: Sequence[RankState], load: _Load, step_cost: StepCost) -> float:
-    """A lockstep replica's step: its fullest rank's."""
-    return max((float(step_cost(load.n[r.rank], load.ctx[r.rank])) for r in ranks
-                if load.n[r.rank]), default=0.0)
+def _replicas_of(moves: Sequence[Move], by_replica) -> set:
+    where = {r.rank: i for i, rs in by_replica.items() for r in rs}
+    return {where[m.dst] for m in moves}
 
 
 def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica, load: _Load,
               end, rollout_end, state: ConsolidationState, rules: ConsolidationRules,
-              prices: MovePrices, step_cost: StepCost) -> Optional[list[Move]]:
+              prices: MovePrices) -> Optional[list[Move]]:
     """Every running request of `giver` onto ranks of `staying` replicas within the bounds,
-    longest first, promising them in `load`; None when one does not fit (then `load` is to be
-    dropped)."""
-    reqs = sorted(((q, r.rank) for r in giver for q in r.running),
+    promising them in `load`; None when one does not fit (then `load` is to be dropped). Each
+    taker, in turn, takes the most of the longest requests left that keep its predicted end
+    within `rollout_end` (a binary search: more requests never end sooner); a second pass
+    offers the rest (shorter ones) again."""
+    left = sorted(((q, r.rank) for r in giver for q in r.running),
                   key=lambda x: (-x[0].remaining, x[0].request_id))
-    order = sorted(staying, key=lambda i: (-end(i, load), i))  # planned to stay longest first
-    moves = []
-    for q, src in reqs:
-        kind, secs = prices.of(q.cached_tokens)
-        need = blocks_for(int(q.cached_tokens + q.remaining) + 1, state.block_tokens)
-        move = None
-        for i in order:
-            for r in sorted(by_replica[i], key=lambda r: (load.n[r.rank], load.ctx[r.rank], r.rank)):
-                k = r.rank
-                if load.n[k] + 1 > state.max_batch:
-                    continue
-                if load.free[k] is not None and load.free[k] - need < rules.reserve_blocks:
-                    continue
-                before = (load.n[k], load.ctx[k], load.longest[i], load.ready[i], load.sent[i],
-                          load.extra[i])
-                slower = -_pace(by_replica[i], load, step_cost)
-                load.n[k], load.ctx[k] = load.n[k] + 1, load.ctx[k] + q.cached_tokens
-                slower += _pace(by_replica[i], load, step_cost)
-                load.extra[i] += slower * min(q.remaining, load.longest[i])
-                if q.remaining > load.longest[i]:  # it outlasts the replica's own work
-                    load.extra[i] += (q.remaining - load.longest[i]) * _pace(by_replica[i], load,
-                                                                              step_cost)
-                load.longest[i] = max(load.longest[i], q.remaining)
+    moves: list[Move] = []
+    for i in list(staying) * 2:
+        if not left:
+            break
+
+        def place(k: int) -> Optional[tuple[_Load, list[Move]]]:
+            """The first k of `left` onto replica i, each to its least loaded rank with a slot
+            and KV room; None when one has no rank or the replica would end past the bound."""
+            ld, out = load.copy(), []
+            for q, src in left[:k]:
+                need = blocks_for(int(q.cached_tokens + q.remaining) + 1, state.block_tokens)
+                ok = [r.rank for r in by_replica[i] if len(ld.work[r.rank]) < state.max_batch
+                      and (ld.free[r.rank] is None
+                           or ld.free[r.rank] - need >= rules.reserve_blocks)]
+                if not ok:
+                    return None
+                k_rank = min(ok, key=lambda r: (len(ld.work[r]),
+                                                sum(c for _, c in ld.work[r]), r))
+                ld.work[k_rank].append((q.remaining, q.cached_tokens))
+                if ld.free[k_rank] is not None:
+                    ld.free[k_rank] -= need
+                kind, secs = prices.of(q.cached_tokens)
                 if kind == MoveKind.KV_TRANSFER:  # sent from the giver's clock, in turn
-                    load.sent[i] += secs
-                    load.ready[i] = max(load.ready[i], giver_now + load.sent[i])
+                    ld.sent[i] += secs
+                    ld.ready[i] = max(ld.ready[i], giver_now + ld.sent[i])
+                    ready = giver_now + ld.sent[i]
                 else:  # the taker's prefill step
-                    load.ready[i] += secs
-                if end(i, load) <= rollout_end:
-                    if load.free[k] is not None:
-                        load.free[k] -= need
-                    move = Move(q.request_id, src, k, kind, secs,
-                                giver_now + load.sent[i] if kind == MoveKind.KV_TRANSFER else 0.0)
-                    break
-                (load.n[k], load.ctx[k], load.longest[i], load.ready[i], load.sent[i],
-                 load.extra[i]) = before
-            if move:
-                break
-        if move is None:
-            return None
-        moves.append(move)
-    return moves
+                    ld.ready[i] += secs
+                    ready = 0.0
+                out.append(Move(q.request_id, src, k_rank, kind, secs, ready))
+            if end(i, ld) > rollout_end:
+                return None
+            return ld, out
+
+        lo, hi, best = 0, len(left), None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            got = place(mid)
+            if got is None:
+                hi = mid - 1
+            else:
+                lo, best = mid, got
+        if best is None:
+            continue
+        ld, out = best
+        load.work, load.free, load.ready, load.sent = ld.work, ld.free, ld.ready, ld.sent
+        moves += out
+        left = left[lo:]
+    return None if left else moves

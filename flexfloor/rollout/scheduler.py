@@ -293,6 +293,18 @@ def replica_finish(work: Sequence[tuple[Sequence[float], Sequence[int]]], step_c
     return [float(clock[np.searchsorted(points, ls[-1])]) if len(ls) else 0.0 for ls in lens]
 
 
+def _worst_end(lengths: Sequence[Sequence[float]], prompt_lens: Sequence[Sequence[int]],
+               cap: float, step_cost: StepCost) -> float:
+    """A lockstep replica's end (`replica_finish`) if its longest request ran to `cap`.
+    lengths, prompt_lens: per rank."""
+    lens = [list(ls) for ls in lengths]
+    longest = max(((max(ls), r) for r, ls in enumerate(lens) if ls), default=None)
+    if longest is not None:
+        n, r = longest
+        lens[r][lens[r].index(n)] = max(n, cap)
+    return max(replica_finish(list(zip(lens, prompt_lens)), step_cost), default=0.0)
+
+
 def simulate_rank_steps(lengths: Sequence[float], prompt_lens: Sequence[int], kv_tokens: Optional[int],
                         max_batch: int) -> float:
     """Predicted steps for one rank to finish `lengths` (admitted in this order) under its KV room
@@ -451,30 +463,49 @@ class Scheduler:
         """FlexFloor over R replicas, bounded by modelled seconds. Prompt groups go longest
         predicted first to the replicas meant to stay (the lowest), their samples spread over the
         replica's ranks (siblings are alike: one rank holding a prompt's long samples together
-        would step slowly for as long as they run), while the replica's predicted finish
-        (`replica_finish`: lockstep, at its fullest rank's pace) stays within the bound; a
-        replica that refuses `refusals` groups in a row is full. So the replica of the longest
-        work stays light and keeps the pace, one of short responses decodes large batches, and
-        replicas leave in the planned order, the last ones early or at once.
+        would step slowly for as long as they run), while the replica's end stays within the
+        bound; a replica that refuses `refusals` groups in a row is full. So the replica of the
+        longest work stays light and keeps the pace, one of short responses decodes large
+        batches, and replicas leave in the planned order, the last ones early or at once.
 
-        The bound: the static baseline's predicted end (least outstanding requests: round robin
-        over replicas, then ranks) times `pace_margin`, and no less than the longest request
-        group alone. Returns (rank -> requests, longest first; the bound in seconds)."""
+        Hedged against mispredictions: a replica's end is taken as if its longest request ran
+        to the cap (`_worst_end`: any request may be the one that does; a replica packed with
+        short work then still ends in time, as its batch thins out before the long one ends),
+        and a prompt with no history has its samples spread over the length quantiles seen so
+        far (its prediction, one median for all, would model no tail). The bound: the static
+        baseline's end (least outstanding requests: round robin over replicas, then ranks),
+        taken the same way, times `pace_margin`, and no less than the longest request group
+        alone. Returns (rank -> requests, longest first; the bound in seconds)."""
         kv = self.memory.kv_tokens() if self.memory else None
-        est = self._per_request
+        est = dict(self._per_request)
+        for g in groups:  # no history: the spread of lengths seen, not one value for all
+            if not self.history.last(g.uid) and self.history.quantile(0.5) is not None:
+                n = len(g.requests)
+                for i, q in enumerate(g.requests):
+                    est[q.request_id] = self.history.quantile(1.0 - (i + 0.5) / n)
         reqs_all = [q for g in groups for q in g.requests]
+        cap = float(max((q.max_new_tokens for q in reqs_all), default=0))
+
+        def ends(per_rank: Sequence[Sequence[Request]]) -> tuple[float, float]:
+            """(predicted end, end if its longest request ran to the cap)"""
+            lengths = [[est[q.request_id] for q in reqs] for reqs in per_rank]
+            prompts = [[len(q.prompt_ids) for q in reqs] for reqs in per_rank]
+            return (max(replica_finish(list(zip(lengths, prompts)), step_cost), default=0.0),
+                    _worst_end(lengths, prompts, cap, step_cost))
+
         static: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
         for i, q in enumerate(reqs_all):
             g = replicas[i % len(replicas)]
             static[g[(i // len(replicas)) % len(g)]].append(q)
-        bound = max((max(self._finish([static[r] for r in g], step_cost), default=0.0)
-                     for g in replicas), default=0.0) * self.pace_margin
+        static_ends = [ends([static[r] for r in g]) for g in replicas]
+        bound = tuple(max((e[k] for e in static_ends), default=0.0) * self.pace_margin
+                      for k in (0, 1))
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
         if order:  # the longest group alone, spread over a replica's ranks
             alone: list[list[Request]] = [[] for _ in replicas[0]]
             for i, q in enumerate(order[0].requests):
                 alone[i % len(alone)].append(q)
-            bound = max(bound, max(self._finish(alone, step_cost)))
+            bound = tuple(max(b, e) for b, e in zip(bound, ends(alone)))
         placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
 
         def spread(ranks, g) -> dict[int, list[Request]]:
@@ -494,7 +525,8 @@ class Scheduler:
                                            [len(x.prompt_ids) for x in reqs], None, len(reqs))
                     if peak > kv:
                         return False
-            return max(self._finish([trial[r] for r in ranks], step_cost)) <= bound
+            predicted_end, worst_end = ends([trial[r] for r in ranks])
+            return predicted_end <= bound[0] and worst_end <= bound[1]
 
         remaining = order
         for ranks in replicas:
@@ -514,13 +546,13 @@ class Scheduler:
         for g in remaining:  # nothing in bound: the replica that finishes soonest with it
             def end_with(ranks):
                 trial = spread(ranks, g)
-                return max(self._finish([trial[r] for r in ranks], step_cost))
+                return ends([trial[r] for r in ranks])
             placed.update(spread(min(replicas, key=end_with), g))
         out = {}
         for rank, reqs in placed.items():
             out[rank] = sorted(reqs, key=lambda q: (-est[q.request_id], q.prompt_uid,
                                                     q.sample_index))
-        return out, bound
+        return out, bound[0]
 
     @staticmethod
     def _baseline(groups, ranks) -> dict[int, list[Request]]:

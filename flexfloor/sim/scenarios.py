@@ -126,8 +126,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         model="qwen3-30b-a3b", accelerator="H800", gpus=64, replicas=8, num_prompts=512,
         samples_per_prompt=8,
         epochs=3, length_params={"median": 3000.0, "sigma": 0.6}, max_len=16384,
-        prompt_len=(100, 600), max_batch_size=256, targets=PAPER_TARGETS,
-        **{**ON_GPUS, "min_active_ranks": 1}),
+        prompt_len=(100, 600), max_batch_size=256, targets=PAPER_TARGETS, **ON_GPUS),
     Scenario(
         "mixtral-h100", "Mixtral-8x7B on 32 H100: few, large experts (8 experts: at most 8 ranks "
         "serve experts, the rest hold replicas)",
@@ -241,6 +240,11 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
                        Mode.SINGLE_GROUP: chunks.plan(groups, range(sc.gpus)).assignment,
                        Mode.ELASTIC: plan.assignment}
         entry, outs = {"epoch": epoch, "prediction_sources": dict(plan.sources)}, {}
+        if step_cost is not None:  # the plan's predicted seconds, to set against what happened
+            entry["plan"] = {"finish_bound_s": plan.finish_bound,
+                             "replica_end_s": [max(plan.expected_finish[r] for r in g)
+                                               for g in replicated],
+                             "leaving_order": plan.leaving_order(replicated)}
         tails = None
         if sc.consolidate and sc.accelerator is not None and sc.replicas > 1:
             tails = tail_consolidation(sc, cost, params, topo_r, step_cost, plan,
@@ -375,7 +379,9 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     with_history = {uid for uid in plan.predicted if predictor.history.last(uid)}
 
     def remaining(req: SimRequest, produced: int, finished: dict) -> float:
-        predicted = plan.per_request.get(req.request_id, plan.predicted.get(req.prompt_uid, 0.0))
+        # a request still running is one of its prompt's longer samples: predicted as long as
+        # the longest (which sample index ran longest last time says nothing of this one)
+        predicted = plan.predicted.get(req.prompt_uid, plan.per_request.get(req.request_id, 0.0))
         if req.prompt_uid not in with_history and finished.get(req.prompt_uid):
             predicted = predictor.predict(req.prompt_uid, finished[req.prompt_uid])[0]
         return remaining_estimate(predicted, produced, sc.max_len)
