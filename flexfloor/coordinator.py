@@ -11,9 +11,11 @@ and the step (`error_origin`), so the entry point prints one line that says wher
 Collectives have timeouts (parallel.timeout_s), so a dead or hung peer ends as such an error.
 A restarted job continues from `checkpoint.dir/latest` (checkpoint.resume=auto).
 
-The objects: the estimator (flexfloor.trainer.grpo / ppo: advantages and the update), the
-checkpoint manager (flexfloor.trainer.checkpointing: what is saved, when, where a run starts
-from), the warm start (flexfloor.trainer.warm_start) and the run log (flexfloor.runlog).
+The objects: the rollout stack (flexfloor.rollout.stack: layout, MoE, engine, and per rollout
+the release policy's membership), the estimator (flexfloor.trainer.grpo / ppo: advantages and
+the update), the checkpoint manager (flexfloor.trainer.checkpointing: what is saved, when,
+where a run starts from), the warm start (flexfloor.trainer.warm_start) and the run log
+(flexfloor.runlog).
 """
 
 from __future__ import annotations
@@ -34,18 +36,11 @@ from flexfloor.data.cursor import DataCursor
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import (
-    ElasticMembership,
-    ReleaseListener,
-    RolloutLayout,
-    membership_for,
-    resync,
-)
-from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.elastic import ReleaseListener
 from flexfloor.rollout.metrics import rollout_metrics
 from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
-from flexfloor.rollout.scheduler import (MemoryModel, PromptGroup, RolloutPlan, Scheduler,
-                                         prediction_accuracy)
+from flexfloor.rollout.scheduler import PromptGroup, RolloutPlan, Scheduler, prediction_accuracy
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.tokenizer import check_vocab, load_tokenizer
 from flexfloor.runlog import RunLog
@@ -172,19 +167,12 @@ class Job:
         self.reference = None  # the frozen policy the KL is measured to (after the warm start)
         self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.model,
                                              total_steps=cfg.trainer.steps)
-        self.layout = RolloutLayout.gather(self.model, self.parallel,
-                                           replicas=cfg.rollout.replicas)
-        self.moe = self.layout.moe(self.model, self.parallel)
-        memory = MemoryModel.of_model(self.model, kv_budget_tokens=cfg.rollout.kv_budget_tokens,
-                                      block_tokens=cfg.rollout.kv_block_tokens)
-        self.engine = RolloutEngine(
-            self.model, self.moe, rank=self.rank, max_batch_size=cfg.rollout.max_batch_size,
-            kv_budget_bytes=memory.kv_budget_bytes, block_tokens=cfg.rollout.kv_block_tokens,
-            progress=cfg.rollout.progress,
-            valid_vocab=self.tokenizer.vocab_size,
-        )
+        self.stack = RolloutStack.build(self.parallel, self.model, rollout=cfg.rollout,
+                                        elastic=cfg.elastic, scheduler=cfg.scheduler,
+                                        valid_vocab=self.tokenizer.vocab_size)
         self.scheduler = Scheduler(cfg.scheduler.placement, prior_quantile=cfg.scheduler.prior_quantile,
-                                   memory=memory, max_batch_size=cfg.rollout.max_batch_size,
+                                   memory=self.stack.memory,
+                                   max_batch_size=cfg.rollout.max_batch_size,
                                    max_share=cfg.scheduler.max_share,
                                    load_cap=cfg.scheduler.load_cap)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
@@ -239,24 +227,17 @@ class Job:
         every rank gets every result."""
         with self.phase("plan", k):
             plan = self.scheduler.plan(groups, range(self.parallel.world_size))
-            listener = self._release_listener()
-            self.layout.start(self.moe)  # replicas: their borrowed experts, their groups
-            membership = membership_for(self.cfg.elastic.release_policy, self.parallel,
-                                        self.layout, self.cfg.elastic,
-                                        scheduler_cfg=self.cfg.scheduler, step=k,
-                                        on_event=listener, expected_finish=plan.expected_finish)
+            run = self.stack.start(step=k, on_event=self._release_listener(),
+                                   expected_finish=plan.expected_finish)
         with self.phase("rollout", k):
-            out = self.engine.generate(plan.assignment[self.rank], membership)
-            if isinstance(membership, ElasticMembership):
-                out.record.note(**membership.group_record())
+            out = run.generate(plan.assignment[self.rank])
         with self.phase("resync", k):
-            resync_s = resync(self.moe, self.layout, self.parallel, membership, step=k,
-                              on_event=listener)
-            if isinstance(listener, OffloadOnRelease):
-                out.record.note(**listener.take_stats())
+            resync_s = run.resync()
+            if isinstance(run.on_event, OffloadOnRelease):
+                out.record.note(**run.on_event.take_stats())
             results = gather_all(self.parallel, out.results)
             records = gather_all(self.parallel, [out.record.as_dict()])
-        return Rollout(results, records, plan, membership, resync_s)
+        return Rollout(results, records, plan, run.membership, resync_s)
 
     # ------------------------------------------------------------------ phases
 
@@ -378,7 +359,8 @@ class Job:
             also.append(ResidentSet(self.critic.module, self.critic.state))
         if self.reference is not None:
             also.append(ResidentSet(self.reference))
-        resident = ResidentSet(self.model, self.train_state, self.moe, self.engine, tuple(also))
+        resident = ResidentSet(self.model, self.train_state, self.stack.moe, self.stack.engine,
+                               tuple(also))
         return OffloadOnRelease(HostOffload(resident, self.parallel.device),
                                 then=self.on_release_event)
 
@@ -434,6 +416,7 @@ class Job:
     def close(self) -> None:
         if self.dir_lock is not None:
             self.dir_lock.release()
+        self.stack.close()
         self.parallel.destroy()
 
     def _encode_prompt(self, example) -> tuple[int, ...]:

@@ -11,8 +11,10 @@ A layer's forward is Megatron's MoELayer shape: route (its own router) -> dispat
 combine. Per layer and step, over the EP group: one all-to-all of per-(rank, expert) counts (the
 split sizes, the layer's one host read), one of token rows with their routing probabilities
 (router dtype, bytes appended to each row), one of expert outputs back; none on a group of one
-rank. Rows are sorted by expert once; each expert that received rows runs as raw GEMMs on its own
-weights (no copies). Each token's output is the sum of its top-k expert outputs in ascending
+rank. Rows are sorted by (owner, expert) once (one stable sort); the experts run as raw GEMMs on
+their own weights (no copies): grouped over the layer's stacked own experts, and on a lone rank
+that hosts only those (EP=1) with the group offsets taken on the device, so the layer reads
+nothing on the host. Each token's output is the sum of its top-k expert outputs in ascending
 expert order, whatever rank computed them, so the result does not depend on the placement. The
 collectives live in `flexfloor.rollout.collectives` (buffers on the group's device).
 """
@@ -107,9 +109,10 @@ class Dispatched:
     """The handle a dispatch returns: what compute reads and what combine needs to undo it."""
 
     order: torch.Tensor  # [T*k] (token, k) pair -> its row in the sent rows
-    send_splits: list[int]  # rows sent to each rank of the group
-    recv_splits: list[int]  # rows received from each
-    per_expert: list[int]  # received rows per expert (all E, 0 for experts not hosted)
+    send_splits: Optional[list[int]]  # rows sent to each rank of the group; None: a lone rank
+    recv_splits: Optional[list[int]]  # rows received from each
+    per_expert: Optional[list[int]]  # received rows per expert (all E); None: not read on the host
+    counts: torch.Tensor  # [E] received rows per expert, on the device
     rows: torch.Tensor  # [N, H] received rows sorted by expert
     probs: torch.Tensor  # [N] their routing probabilities
     by_expert: Optional[torch.Tensor]  # [N] received order -> sorted order; None: already sorted
@@ -141,9 +144,11 @@ class PlacedMoE:
         ]
         self.group: Optional[dist.ProcessGroup] = None
         self.placement: Optional[Placement] = None
-        # hosted experts that received rows, every layer of every step (a host count: the
-        # engine's per-step trace reads it)
-        self.experts_touched = 0
+        # hosted experts that received rows, every layer of every step: a host count the
+        # engine's per-step trace reads (`experts_touched`); the layers' device counts wait in
+        # `_touched_counts` until then, so the layer stack itself reads nothing on the host
+        self._touched = 0
+        self._touched_counts: list[torch.Tensor] = []
         self._stacks: dict[int, Optional[ExpertStack]] = {}  # layer -> own experts stacked
         self.rebind(group, placement)
 
@@ -194,6 +199,15 @@ class PlacedMoE:
                 del hosted[e]
 
     @property
+    def experts_touched(self) -> int:
+        """Hosted experts that received rows so far, summed over layers and steps (one host read
+        of the layers' pending device counts)."""
+        if self._touched_counts:
+            self._touched += int((torch.stack(self._touched_counts) > 0).sum())
+            self._touched_counts.clear()
+        return self._touched
+
+    @property
     def expert_nbytes(self) -> int:
         """Bytes of one expert's weights over all layers (what hosting a borrowed one costs)."""
         return sum(sum(p.nbytes for p in next(iter(h.values())).parameters()) for h in self.hosted)
@@ -209,11 +223,13 @@ class PlacedMoE:
 
     @torch.no_grad()
     def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, 1, H] (T may be 0) -> MoE output [T, 1, H]. Collective over the group."""
+        """hidden [T, ..., H] (T may be 0) -> MoE output of the same shape. Collective over the
+        group."""
         x = hidden.reshape(-1, self.hidden)  # [T, H]
         routed = self.route(layer, x)
-        handle = self.dispatch(routed)
-        rows = self.compute(layer, handle)
+        stack = self._whole_stack(layer, x)
+        handle = self.dispatch(routed, host_counts=stack is None)
+        rows = self.compute(layer, handle, stack)
         out = self.combine(layer, handle, rows)
         return out.view(hidden.shape)
 
@@ -234,28 +250,25 @@ class PlacedMoE:
         experts = torch.topk(routing_map.to(torch.int8), self.topk, dim=1).indices.sort(dim=1).values
         return Routed(x, experts, probs.gather(1, experts).to(self.prob_dtype))  # [T, k] x2
 
-    def dispatch(self, routed: "Routed") -> "Dispatched":
-        """Send each (token, expert) row to the expert's owner. The per-(rank, expert) counts are
-        exchanged once and read on the host once (the split sizes); rows and probabilities then
-        travel in one all-to-all. No exchange on a group of one rank."""
+    def dispatch(self, routed: "Routed", *, host_counts: bool = True) -> "Dispatched":
+        """Send each (token, expert) row to the expert's owner, rows sorted by (owner, expert,
+        token) in one stable sort. The per-(rank, expert) counts are exchanged once and read on
+        the host once (the split sizes); rows and probabilities then travel in one all-to-all.
+        A lone rank exchanges nothing and reads nothing on the host unless `host_counts`
+        (compute runs one GEMM per expert: it needs the rows of each)."""
         x, experts = routed.x, routed.experts
-        t, k, E = x.shape[0], self.topk, self.num_experts
+        k, E = self.topk, self.num_experts
         size = dist.get_world_size(self.group)
-        flat = experts.reshape(-1)  # [T*k], token-major
-        dest = self._owner_index[flat]  # [T*k] group index of each row's owner
-        tok = torch.arange(t, device=x.device).repeat_interleave(k)
-        # rows sorted by (owner, expert, token): grouped by rank for the all-to-all, by expert
-        # within it
-        order = torch.argsort(dest * (E * t) + flat * t + tok)
-        counts = torch.zeros(size * E, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, dest * E + flat, torch.ones_like(flat))
-        counts = counts.view(size, E)  # [destination, expert]
-        send_x = x[tok[order]]
-        send_p = routed.probs.reshape(-1)[order]
+        flat = experts.reshape(-1)  # [T*k], token-major: pair i is token i // k
+        key = flat if size == 1 else self._owner_index[flat] * E + flat  # [T*k] (owner, expert)
+        order = torch.argsort(key, stable=True)  # token order kept within an expert
+        counts = torch.bincount(key, minlength=size * E)  # [size * E] (destination, expert)
+        send_x = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        send_p = routed.probs.reshape(-1).index_select(0, order)
         if size == 1:  # a lone rank (EP=1, or the last survivor): nothing to exchange
-            per_expert = counts.view(-1).tolist()  # the one host read of this layer
-            return Dispatched(order, [sum(per_expert)], [sum(per_expert)], per_expert,
-                              send_x, send_p, None, x)
+            per_expert = counts.tolist() if host_counts else None  # the layer's one host read
+            return Dispatched(order, None, None, per_expert, counts, send_x, send_p, None, x)
+        counts = counts.view(size, E)  # [destination, expert]
         recv_counts = exchange_counts(counts, self.group)  # [source, expert]
         table = torch.cat([counts.sum(1), recv_counts.view(-1)]).tolist()  # one host read
         send_splits, recv_per = table[:size], table[size:]
@@ -266,16 +279,26 @@ class PlacedMoE:
             recv_counts.view(-1), output_size=sum(recv_splits))
         by_expert = torch.argsort(row_expert, stable=True)
         per_expert = [sum(recv_per[s * E + e] for s in range(size)) for e in range(E)]
-        return Dispatched(order, send_splits, recv_splits, per_expert,
+        return Dispatched(order, send_splits, recv_splits, per_expert, recv_counts.sum(0),
                           recv_x[by_expert], recv_p[by_expert], by_expert, x)
 
-    def compute(self, layer: int, handle: "Dispatched") -> torch.Tensor:
-        """Expert MLPs over the rows sorted by expert, only for experts that received rows; the
-        activation and the probability scaling run once over every row. The model's own experts
-        run as one grouped GEMM per projection over their stacked weights (`stacked_weights`,
-        views of the trainer's parameters) where torch has one for the dtype and device; other
-        experts (borrowed ones) as raw GEMMs on their own weights. Returns rows in received order."""
+    def compute(self, layer: int, handle: "Dispatched",
+                stack: Optional["ExpertStack"] = None) -> torch.Tensor:
+        """Expert MLPs over the rows sorted by expert; the activation and the probability
+        scaling run once over every row. With `stack` (every expert of the layer is one of the
+        model's own, stored stacked: `_whole_stack`) one grouped GEMM per projection over the
+        stacked weights (views of the trainer's parameters), the group offsets from the device
+        counts: no host read. Otherwise only the experts that received rows run: the stacked
+        own ones grouped where torch has a grouped GEMM for the dtype and device, the others
+        (borrowed ones) as raw GEMMs on their own weights. Returns rows in received order."""
         rows, probs = handle.rows, handle.probs
+        self._touched_counts.append(handle.counts)
+        if stack is not None:
+            offs = handle.counts.cumsum(0, dtype=torch.int32)  # [E] one past each expert's rows
+            module = next(iter(self.hosted[layer].values()))
+            h = torch._grouped_mm(rows, stack.weights["linear_fc1"].transpose(1, 2), offs=offs)
+            h = self._activation(module.config, h, probs)  # [N, F]
+            return torch._grouped_mm(h, stack.weights["linear_fc2"].transpose(1, 2), offs=offs)
         hosted = self.hosted[layer]
         groups = []  # (expert, module, first row, rows) of each expert that received rows
         start = 0
@@ -288,7 +311,6 @@ class PlacedMoE:
                                      f"not host (layer {layer})")
             groups.append((e, module, start, n))
             start += n
-        self.experts_touched += len(groups)
         if not groups:
             out = torch.empty_like(rows)
         elif self._raw_experts(groups[0][1]):
@@ -302,6 +324,17 @@ class PlacedMoE:
             out = torch.empty_like(out).index_copy_(0, handle.by_expert, out)
         return out
 
+    def _whole_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
+        """The layer's stacked own experts when they are all of its experts, hosted alone (no
+        borrowed ones), raw, and a grouped GEMM runs for `x`'s dtype and device: then every row
+        this rank receives is for the stack (the placement gives it every expert)."""
+        mlp = self.layers[layer]
+        if (x.shape[0] == 0 or len(self.hosted[layer]) != self.num_experts
+                or len(mlp.local_expert_indices) != self.num_experts
+                or not self._raw_experts(mlp.experts.local_experts[0])):
+            return None
+        return self._stack(layer, x)
+
     def grouped_layers(self, dtype: torch.dtype) -> int:
         """Layers whose own experts run as grouped GEMMs for rows of `dtype` (the rest: one GEMM
         per expert). Benchmarks report it."""
@@ -314,15 +347,21 @@ class PlacedMoE:
         if not _grouped_mm_runs(rows.device, rows.dtype):
             return None
         if layer not in self._stacks:
+            self._stacks[layer] = self._build_stack(layer)
+        return self._stacks[layer]
+
+    def _build_stack(self, layer: int) -> Optional["ExpertStack"]:
+        # views created outside inference mode: they outlive the rollout step that asks first
+        with torch.inference_mode(False), torch.no_grad():
             mlp = self.layers[layer]
             ids = list(mlp.local_expert_indices)
             experts = list(mlp.experts.local_experts)
             fc1 = stacked_weights([m.linear_fc1.weight for m in experts])
             fc2 = stacked_weights([m.linear_fc2.weight for m in experts])
             contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
-            self._stacks[layer] = (ExpertStack(ids[0], len(ids), {"linear_fc1": fc1, "linear_fc2": fc2})
-                                   if fc1 is not None and fc2 is not None and contiguous else None)
-        return self._stacks[layer]
+            if fc1 is None or fc2 is None or not contiguous:
+                return None
+            return ExpertStack(ids[0], len(ids), {"linear_fc1": fc1, "linear_fc2": fc2})
 
     @staticmethod
     def _project(x: torch.Tensor, groups, per_expert: list[int], stack: Optional["ExpertStack"],
@@ -360,7 +399,9 @@ class PlacedMoE:
             a, b = torch.chunk(h, 2, dim=-1)
             if (val := cfg.activation_func_clamp_value) is not None:
                 a, b = a.clamp(min=None, max=val), b.clamp(min=-val, max=val)
-            h = cfg.activation_func(a) * (b + cfg.glu_linear_offset)
+            if cfg.glu_linear_offset:  # adding 0.0 changes no value that reaches the output
+                b = b + cfg.glu_linear_offset
+            h = cfg.activation_func(a) * b
         else:
             h = cfg.activation_func(h)
         return (h * p.unsqueeze(-1)).to(h.dtype)
@@ -368,9 +409,8 @@ class PlacedMoE:
     def combine(self, layer: int, handle: "Dispatched", rows: torch.Tensor) -> torch.Tensor:
         """Expert outputs back to their tokens (one all-to-all), then one scatter into [T, k, H]
         and a sum over k in ascending expert order: the same whatever rank computed them."""
-        size = len(handle.send_splits)
-        back = rows if size == 1 else exchange_rows_back(rows, handle.send_splits,
-                                                         handle.recv_splits, self.group)
+        back = rows if handle.send_splits is None else exchange_rows_back(
+            rows, handle.send_splits, handle.recv_splits, self.group)
         t = handle.order.numel() // self.topk
         mlp = self.layers[layer]
         if t == 0:

@@ -103,7 +103,7 @@ def test_modelled_seconds_price_every_traced_step(run):
                                      "modelled_rollout_seconds"}
 
 
-def test_table_and_plot(run, tmp_path):
+def test_table_and_plot(run, tmp_path, capsys):
     report, png, stdout = run
     assert "epoch 2/2" in stdout and "tokens_per_occupied_worker_step" in stdout
     assert "tokens_per_modelled_occupied_gpu_second" in stdout
@@ -111,15 +111,15 @@ def test_table_and_plot(run, tmp_path):
     assert header.split()[2:] == MODES + ["elastic/static"]  # a column per mode
     assert all(f"elastic / {b}" in stdout for b in MODES[:-1])
     assert png.exists() and png.stat().st_size > 0
-    # the timeline tool reads the benchmark's JSON too
+    # the timeline tool reads the benchmark's JSON too (its main, in this process)
+    from tools.plot_timeline import main as plot_main
+
     src, out = tmp_path / "b.json", tmp_path / "t.png"
     src.write_text(json.dumps(report))
-    proc = subprocess.run([sys.executable, "tools/plot_timeline.py", str(src), "--out", str(out),
-                           "--epoch", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and out.stat().st_size > 0, proc.stderr
-    proc = subprocess.run([sys.executable, "tools/plot_timeline.py", str(src), "--out", str(out),
-                           "--epoch", "9"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "no epoch 9" in proc.stderr
+    assert plot_main([str(src), "--out", str(out), "--epoch", "1"]) == 0, capsys.readouterr().err
+    assert out.stat().st_size > 0
+    assert plot_main([str(src), "--out", str(out), "--epoch", "9"]) == 2
+    assert "no epoch 9" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -129,8 +129,14 @@ def test_table_and_plot(run, tmp_path):
     (["--accelerator", "TPU"], "--accelerator/--model-shape: accelerator 'TPU' unknown"),
     (["--replicas", "3"], "--replicas 3 must divide --nproc 4"),
 ])
-def test_bad_options_fail_before_launching(tmp_path, flags, message):
-    proc = subprocess.run([sys.executable, "tools/bench_rollout.py", "--out",
-                           str(tmp_path / "b.json"), *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_bad_options_fail_before_launching(tmp_path, flags, message, capsys):
+    # the command's own main, in this process (no interpreter start per case): a refusal returns
+    # 2 or exits 2 (argparse) before anything is launched
+    from tools.bench_rollout import main
+
+    try:
+        code = main(["--out", str(tmp_path / "b.json"), *flags])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()

@@ -3,7 +3,7 @@
 Pure tensor tests (no process group): `stacked_weights` finds the stack
 `flexfloor.model.stack_experts` stores, and `PlacedMoE._project` gives the same rows grouped as
 one raw GEMM per expert, with borrowed experts before and after the stacked range and experts
-that received no rows.
+that received no rows. Also the rollout step's raw RoPE against Megatron's.
 """
 
 import pytest
@@ -84,3 +84,20 @@ def test_grouped_projection_equals_one_gemm_per_expert(counts):
 def test_float64_runs_one_gemm_per_expert():
     """No grouped kernel for float64 on CPU: the probe says so and the loop runs instead."""
     assert not _grouped_mm_runs(torch.device("cpu"), torch.float64)
+
+
+@pytest.mark.parametrize("rot", [16, 8])  # full head, and a partial rotary dimension
+def test_rollout_rope_is_megatrons_bit_for_bit(rot):
+    """The rollout step's RoPE (one roll with a signed sine, `rope_terms` once per engine) gives
+    Megatron's `_apply_rotary_pos_emb_bshd` exactly, in float32 and float64."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from flexfloor.rollout.engine import _rope, rope_terms
+
+    torch.manual_seed(2)
+    for dtype in (torch.float32, torch.float64):
+        t = torch.randn(5, 3, 16, dtype=dtype)  # [T, heads, head_dim]
+        freqs = torch.randn(5, 1, rot) * 3  # [T, 1, rot], Megatron's [S, 1, 1, rot] less a dim
+        cos, sin = rope_terms(freqs, dtype)
+        ref = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs.unsqueeze(1))[:, 0]
+        assert torch.equal(_rope(t, cos, sin), ref)

@@ -116,3 +116,10 @@ def test_config_checks_replicas_against_the_world():
     cfg.elastic.min_active_ranks = 3
     with pytest.raises(ValueError, match="elastic.min_active_ranks"):
         cfg.resolve_world(4)
+
+
+def test_the_stack_hands_its_config_sections_to_each_rollout(res):
+    got = res["stack_configs"]
+    assert got["elastic"] == {"membership": "ElasticMembership", "step": 7, "min_active_ranks": 3,
+                              "check_interval_steps": 4, "migrate_max_requests": 5}
+    assert got["static"]["membership"] == "StaticMembership"

@@ -373,21 +373,24 @@ def worker(args) -> None:
             json.dump(json_safe(report), f, indent=1)
         os.replace(tmp, args.out)
     bench.par.barrier()
+    for stack in bench.stacks.values():
+        stack.close()
     bench.par.destroy()
 
 
 class Bench:
-    """The model, its rollout layouts and engines (R replicas, and one world-wide group for
+    """The model, its rollout stacks (R replicas, and one world-wide group for
     single_group), both schedulers of one rank, and the epochs they run."""
 
     def __init__(self, args):
-        from flexfloor.config import ModelConfig, PlacementPolicy
+        from flexfloor.config import (ModelConfig, PlacementPolicy, RolloutConfig,
+                                      SchedulerConfig)
         from flexfloor.model import build_model
         from flexfloor.parallel import Parallel
-        from flexfloor.rollout.elastic import RolloutLayout
-        from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS, RolloutEngine
+        from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS
         from flexfloor.rollout.offload import ResidentSet
-        from flexfloor.rollout.scheduler import LengthHistory, MemoryModel, Scheduler
+        from flexfloor.rollout.scheduler import LengthHistory, Scheduler
+        from flexfloor.rollout.stack import RolloutStack
 
         self.args = args
         self.t_start = time.perf_counter()
@@ -402,18 +405,20 @@ class Bench:
         self.rank = self.par.rank
         self.model = build_model(self.model_cfg, self.par)
         self.max_batch = args.max_batch_size or args.num_prompts * args.samples_per_prompt
-        memory = MemoryModel.of_model(self.model, kv_budget_tokens=args.kv_budget_tokens,
-                                      block_tokens=DEFAULT_BLOCK_TOKENS)
-        # replicas -> (layout, engine): R replicas, and R = 1 for single_group (the same at R = 1)
-        self.stacks = {}
-        for r in sorted({1, args.replicas}):
-            layout = RolloutLayout.gather(self.model, self.par, replicas=r)
-            self.stacks[r] = (layout, RolloutEngine(
-                self.model, layout.moe(self.model, self.par), rank=self.rank,
-                max_batch_size=self.max_batch, kv_budget_bytes=memory.kv_budget_bytes,
-                block_tokens=memory.block_tokens))
-        self.layout, self.engine = self.stacks[args.replicas]
-        self.resident = ResidentSet(self.model, moe=self.engine.moe, engine=self.engine)
+        # FlexFloor's migration (--migrate-max-requests; the baselines never migrate)
+        migrate = SchedulerConfig(migrate=args.migrate_max_requests > 0,
+                                  migrate_max_requests=args.migrate_max_requests)
+        # replicas -> rollout stack: R replicas, and R = 1 for single_group (the same at R = 1)
+        self.stacks = {r: RolloutStack.build(self.par, self.model, scheduler=migrate,
+                                             rollout=RolloutConfig(
+                                                 replicas=r, max_batch_size=self.max_batch,
+                                                 kv_budget_tokens=args.kv_budget_tokens,
+                                                 kv_block_tokens=DEFAULT_BLOCK_TOKENS,
+                                                 progress=False))
+                       for r in sorted({1, args.replicas})}
+        self.stack = self.stacks[args.replicas]
+        memory = self.stack.memory
+        self.resident = ResidentSet(self.model, moe=self.stack.moe, engine=self.stack.engine)
         self.schedulers = {
             "chunks": Scheduler(PlacementPolicy.BASELINE, memory=memory,
                                 max_batch_size=self.max_batch),
@@ -435,8 +440,8 @@ class Bench:
         groups = self.prompt_groups(epoch)
         chunks, plan = (self.schedulers[s].plan(groups, range(self.world))
                         for s in ("chunks", "flexfloor"))
-        assignment = mode_assignments(groups, self.layout.topology.replicas, chunks=chunks,
-                                      flexfloor=plan)
+        assignment = mode_assignments(groups, self.stack.layout.topology.replicas,
+                                      chunks=chunks, flexfloor=plan)
         expected = {Mode.STATIC_CHUNKS: chunks.expected_finish,
                     Mode.SINGLE_GROUP: chunks.expected_finish, Mode.ELASTIC: plan.expected_finish}
         runs = {m: [] for m in args.modes}
@@ -493,39 +498,33 @@ class Bench:
         import torch.distributed as dist
 
         from flexfloor.config import ReleasePolicy
-        from flexfloor.rollout.elastic import membership_for, resync
         from flexfloor.rollout.metrics import rollout_metrics
         from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, resident_bytes
         from flexfloor.rollout.replicas import held_to_end
         from flexfloor.rollout.survivors import live_process_groups
 
-        layout, engine = self.stacks[1] if mode == Mode.SINGLE_GROUP else (self.layout, self.engine)
+        stack = self.stacks[1] if mode == Mode.SINGLE_GROUP else self.stack
         elastic = mode == Mode.ELASTIC
         policy = ReleasePolicy.ELASTIC if elastic else ReleasePolicy.STATIC
         # a released rank parks its weights in host memory until resync (what it frees: below)
         listener = OffloadOnRelease(HostOffload(self.resident, self.par.device)) if elastic else None
-        start = layout.start(engine.moe)  # replicas: the experts their placement borrows
-        membership = membership_for(policy, self.par, layout, on_event=listener,
-                                    expected_finish=expected_finish)
-        if elastic:
-            membership.migrate_max_requests = self.args.migrate_max_requests
+        # replicas: the experts their placement borrows; elastic: the survivor groups built ahead
+        run = stack.start(policy, on_event=listener, expected_finish=expected_finish)
         groups = live_process_groups()  # after the groups built ahead: counts any made later
-        out = engine.generate(requests_of[self.rank], membership)
+        out = run.generate(requests_of[self.rank])
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
-        if elastic:
-            out.record.note(**membership.group_record())
         out.record.note(groups_created_during_rollout=live_process_groups() - groups,
                         resident_bytes_before_release=held, resident_bytes_after_release=held,
-                        start_s=start["start_s"], start_sent_bytes=start["sent_bytes"])
-        out.record.resync_s = resync(engine.moe, layout, self.par, membership,
-                                     on_event=listener)
+                        start_s=run.started["start_s"],
+                        start_sent_bytes=run.started["sent_bytes"])
+        out.record.resync_s = run.resync()
         if listener is not None:
             out.record.note(**listener.take_stats())
         records, results = [None] * self.world, [None] * self.world
         dist.all_gather_object(records, out.record.as_dict(), group=self.par.world_group)
         dist.all_gather_object(results, out.results, group=self.par.world_group)
         results = [r for part in results for r in part]
-        if mode in HELD and layout.replicated:
+        if mode in HELD and stack.layout.replicated:
             records = held_to_end(records)
         return {"records": records, "results": results,
                 "metrics": rollout_metrics(records, results, self.args.cost)}
@@ -555,7 +554,7 @@ class Bench:
         return {"nproc": self.world, "backend": self.par.backend,
                 "num_experts": self.args.num_experts, "training_ep_size": self.par.ep_size,
                 "replicas": self.args.replicas, "replica_ranks": [
-                    list(r) for r in self.layout.topology.replicas],
+                    list(r) for r in self.stack.layout.topology.replicas],
                 "max_seq_len": self.model_cfg.max_seq_len, "repeats": self.args.repeats,
                 "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start,
                 "accelerator": self.args.accelerator, "model_shape": self.args.model_shape,

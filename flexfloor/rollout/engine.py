@@ -83,14 +83,32 @@ def _linear(module, x: torch.Tensor) -> torch.Tensor:
     return y if module.bias is None else y + module.bias
 
 
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    """A torch `RMSNorm` module's own `F.rms_norm` call without the module call around it;
+    any other norm through its forward."""
+    if type(module) is torch.nn.RMSNorm:
+        return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
+    return module(x)
+
+
+def rope_terms(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's RoPE frequencies [..., rot] -> (cos, signed sin) in `dtype` for `_rope`: the
+    sine with the sign of its first half flipped."""
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Megatron's non-interleaved RoPE (`_apply_rotary_pos_emb_bshd`) with its cos/sin terms
-    computed once per step: t [T, 1, n, D], cos/sin [T, 1, 1, rot]."""
+    """Megatron's non-interleaved RoPE (`_apply_rotary_pos_emb_bshd`) on t [T, n, D] with the
+    terms of `rope_terms` (cos, signed sin [T, 1, rot]): rotate_half(t) * sin equals
+    roll(t, rot/2) * signed sin, the same products bit for bit, in one op instead of three."""
     rot = cos.shape[-1]
+    if rot == t.shape[-1]:
+        return t * cos + torch.roll(t, rot // 2, dims=-1) * sin
     t, t_pass = t[..., :rot], t[..., rot:]
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    t = t * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return t if t_pass.shape[-1] == 0 else torch.cat((t, t_pass), dim=-1)
+    t = t * cos + torch.roll(t, rot // 2, dims=-1) * sin
+    return torch.cat((t, t_pass), dim=-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +255,7 @@ class _Batch:
     positions: torch.Tensor  # [1, T]
     new_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
     tables: torch.Tensor  # [B * blocks] block table of each request, padded with block 0
-    mask: torch.Tensor  # [B, 1, Q, L] causal over each request's own context
+    mask: torch.Tensor  # [B, 1, Q, L] additive (0 / -inf), causal over each request's own context
     query_index: Optional[torch.Tensor]  # [B, Q] new token of each query row; None: T == B
     out_index: Optional[torch.Tensor]  # [T] row of each new token in [B*Q]; None: T == B
     last: Optional[torch.Tensor]  # [B] index of each request's last new token; None: T == B
@@ -356,10 +374,17 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- forward
 
-    def _rotary(self, positions: torch.Tensor) -> torch.Tensor:
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE terms of each position [T] -> cos, signed sin [T, 1, rot] (`rope_terms`) of
+        Megatron's frequencies, taken once per engine for every position of the context."""
         if self._freqs is None:
-            self._freqs = self.model.rotary_pos_emb(self.max_seq_len)  # [S, 1, 1, D]
-        return self._freqs[positions]
+            # normal tensors, not inference ones: Megatron caches `rotary_pos_emb`'s result and
+            # the trainer's forward may ask it for the same length
+            with torch.inference_mode(False), torch.no_grad():
+                freqs = self.model.rotary_pos_emb(self.max_seq_len)[:, 0]  # [S, 1, rot]
+                self._freqs = rope_terms(freqs, self.dtype)
+        cos, sin = self._freqs
+        return cos[positions], sin[positions]
 
     def _batch(self, running: list[_Running], pool: BlockPool) -> _Batch:
         """Index tensors of one step, built once on the host and copied to the device once each.
@@ -392,18 +417,26 @@ class RolloutEngine:
             out_index = torch.tensor([b * q_max + t for b, n in enumerate(lens) for t in range(n)],
                                      **as_long)
             last = ends - 1
-        mask = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (j.view(1, 1, -1) < ctx.view(-1, 1, 1))
+        seen = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (j.view(1, 1, -1) < ctx.view(-1, 1, 1))
+        # additive, as SDPA turns a boolean mask into one in every layer: once per step here
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=dev).masked_fill_(
+            ~seen, float("-inf"))  # every row sees its position 0 at least: no row is all -inf
         return _Batch(tokens=torch.tensor(ids, **as_long).view(1, -1),
                       positions=torch.tensor(pos, **as_long).view(1, -1),
                       new_slots=torch.tensor(new_slots, **as_long),
                       tables=torch.tensor(tables, **as_long), mask=mask.unsqueeze(1),
                       query_index=query_index, out_index=out_index, last=last)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, running: list[_Running], pool: BlockPool) -> torch.Tensor:
         """One forward over the pending tokens of every running request (their blocks already
         taken); returns the logits of each request's last new token [B, V] and stores the new
         K/V in the pool.
+
+        In inference mode (less bookkeeping per op than no_grad): the pool, the weights and
+        everything else that outlives the step are created outside it (the RoPE table and the
+        expert stacks too); what it creates (the logits, the step's tensors) is only read
+        afterwards.
 
         Every rank of the EP group must call this once per step, even with no requests: the MoE
         all-to-all needs all of them.
@@ -412,55 +445,61 @@ class RolloutEngine:
             return self._empty_step()
         batch = self._batch(running, pool)
         B, Q, L = batch.mask.shape[0], batch.mask.shape[2], batch.mask.shape[3]
+        G, D, heads = self.groups, self.head_dim, self.heads
         blocks = pool.k.shape[1] // self.block_tokens
-        x = self.model.embedding(input_ids=batch.tokens, position_ids=batch.positions)  # [T, 1, H]
-        freqs = self._rotary(batch.positions[0])  # [T, 1, 1, D]
-        # Megatron's RoPE terms, once per step for every layer (same ops, same bits)
-        cos, sin = torch.cos(freqs).to(x.dtype), torch.sin(freqs).to(x.dtype)
+        x = self.model.embedding(input_ids=batch.tokens, position_ids=batch.positions)
+        x = x.view(-1, self.config.hidden_size)  # [T, H]
+        cos, sin = self._rotary(batch.positions[0])  # [T, 1, rot] x2, for every layer
+        keys_of = pool.k.view(-1, blocks, self.block_tokens, G, D).unbind(0)  # per layer
+        values_of = pool.v.view(-1, blocks, self.block_tokens, G, D).unbind(0)
         for li, layer in enumerate(self.model.decoder.layers):
             attn = layer.self_attention
-            h = layer.input_layernorm(x)
-            q, k, v = self._qkv(attn, h)  # [T, 1, heads|groups, D]
+            q, k, v = self._qkv(attn, _norm(layer.input_layernorm, x))  # [T, heads|groups, D]
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            pool.k[li].index_copy_(0, batch.new_slots, k[:, 0])
-            pool.v[li].index_copy_(0, batch.new_slots, v[:, 0])
-            # whole blocks through the block tables: [B, L, groups, D] -> [B, groups, L, D]
-            keys = pool.k[li].view(blocks, -1, self.groups, self.head_dim).index_select(
-                0, batch.tables).view(B, L, self.groups, self.head_dim).transpose(1, 2)
-            values = pool.v[li].view(blocks, -1, self.groups, self.head_dim).index_select(
-                0, batch.tables).view(B, L, self.groups, self.head_dim).transpose(1, 2)
-            q = q[:, 0] if batch.query_index is None else q[:, 0][batch.query_index]
-            queries = q.view(B, Q, self.heads, self.head_dim).transpose(1, 2)  # [B, heads, Q, D]
+            kb, vb = keys_of[li], values_of[li]  # [blocks, block_tokens, G, D]
+            kb.view(-1, G, D).index_copy_(0, batch.new_slots, k)
+            vb.view(-1, G, D).index_copy_(0, batch.new_slots, v)
+            # whole blocks through the block tables: [B, L, G, D] -> [B, G, L, D]
+            keys = kb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
+            values = vb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
+            if batch.query_index is None:  # decode only: query b is token b, Q == 1
+                queries = q.view(B, heads, 1, D)
+            else:
+                queries = q[batch.query_index].view(B, Q, heads, D).transpose(1, 2)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
                                                scale=attn.core_attention.softmax_scale,
                                                enable_gqa=True)  # [B, heads, Q, D]
-            o = o.transpose(1, 2).reshape(B * Q, self.heads * self.head_dim)
+            o = o.transpose(1, 2).reshape(B * Q, heads * D)
             if batch.out_index is not None:
                 o = o[batch.out_index]
-            x = x + _linear(attn.linear_proj, o.unsqueeze(1))
-            x = x + self.moe.forward(li, layer.pre_mlp_layernorm(x))
+            x = x + _linear(attn.linear_proj, o)
+            x = x + self.moe.forward(li, _norm(layer.pre_mlp_layernorm, x))
         for r in running:
             r.length += len(r.pending)
-        h = self.model.decoder.final_layernorm(x if batch.last is None else x[batch.last])  # [B, 1, H]
-        logits = F.linear(h[:, 0], self._output_weight())[:, : self.valid_vocab]  # [B, V]
+        h = _norm(self.model.decoder.final_layernorm, x if batch.last is None else x[batch.last])
+        logits = F.linear(h, self._output_weight())  # [B, V]
+        if self.valid_vocab is not None:
+            logits = logits[:, : self.valid_vocab]
         return logits.float() if logits.dtype != torch.float64 else logits
 
     def _qkv(self, attn, h: torch.Tensor):
-        """Megatron's `get_query_key_value_tensors` at TP=1 as raw ops on `linear_qkv`'s weight:
-        the fused projection viewed per query group as [q heads..., k, v], then the q/k norms.
-        A transformer-engine projection (its input norm fused in) goes through Megatron's call."""
+        """Megatron's `get_query_key_value_tensors` at TP=1 as raw ops on `linear_qkv`'s weight
+        (h [T, H] -> q [T, heads, D], k and v [T, groups, D]): the fused projection viewed per
+        query group as [q heads..., k, v], then the q/k norms. A transformer-engine projection
+        (its input norm fused in) goes through Megatron's call."""
         if not _is_plain_linear(attn.linear_qkv):
-            return attn.get_query_key_value_tensors(h, None)[:3]
-        mixed = _linear(attn.linear_qkv, h)  # [T, 1, groups * (heads/groups + 2) * D]
+            q, k, v = attn.get_query_key_value_tensors(h.unsqueeze(1), None)[:3]
+            return q[:, 0], k[:, 0], v[:, 0]
+        mixed = _linear(attn.linear_qkv, h)  # [T, groups * (heads/groups + 2) * D]
         per_group = self.heads // self.groups
         D = self.head_dim
-        mixed = mixed.view(*mixed.shape[:2], self.groups, (per_group + 2) * D)
-        q, k, v = torch.split(mixed, [per_group * D, D, D], dim=3)
-        q = q.reshape(q.shape[0], q.shape[1], -1, D)
+        q, k, v = torch.split(mixed.view(-1, self.groups, (per_group + 2) * D),
+                              [per_group * D, D, D], dim=2)
+        q = q.reshape(-1, self.heads, D)
         if attn.q_layernorm is not None:
-            q = attn.q_layernorm(q)
+            q = _norm(attn.q_layernorm, q)
         if attn.k_layernorm is not None:
-            k = attn.k_layernorm(k)
+            k = _norm(attn.k_layernorm, k)
         return q, k, v
 
     def _output_weight(self) -> torch.Tensor:

@@ -88,12 +88,11 @@ def main(argv=None) -> int:
         print(json.dumps(summary))
         return 1
 
-    from flexfloor.config import ModelConfig, ReleasePolicy, TrainerConfig
+    from flexfloor.config import ModelConfig, ReleasePolicy, RolloutConfig, TrainerConfig
     from flexfloor.model import build_model
     from flexfloor.parallel import Parallel
-    from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
-    from flexfloor.rollout.engine import RolloutEngine
     from flexfloor.rollout.offload import HostOffload, ResidentSet
+    from flexfloor.rollout.stack import RolloutStack
     from flexfloor.trainer.optim import build_train_state
 
     par = Parallel.build(expert_parallel_size=1, backend="gloo" if dry else "nccl")
@@ -102,15 +101,16 @@ def main(argv=None) -> int:
     @section(summary, "rollout")
     def _rollout():
         model = build_model(ModelConfig(), par)
-        layout = RolloutLayout.gather(model, par)
-        engine = RolloutEngine(model, layout.moe(model, par), rank=par.rank, max_batch_size=16)
+        stack = RolloutStack.build(par, model, rollout=RolloutConfig(max_batch_size=16,
+                                                                     progress=False))
         reqs = requests(8, ModelConfig().vocab_size, new_tokens=24)
         tokens = {}
         for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
-            mem = membership_for(policy, par, layout)
-            out = engine.generate(reqs, mem)
-            resync(engine.moe, layout, par, mem, timeout_s=120)
+            run = stack.start(policy)
+            out = run.generate(reqs)
+            run.resync(timeout_s=120)
             tokens[policy.value] = {r.request_id: r.token_ids for r in out.results}
+        stack.close()
         return {"responses": len(tokens["static"]),
                 "identical_static_elastic": tokens["static"] == tokens["elastic"]}
 
@@ -123,13 +123,14 @@ def main(argv=None) -> int:
         cfg = ModelConfig(params_dtype="float32" if dry else "bfloat16")
         model = build_model(cfg, par)
         state = build_train_state(model, TrainerConfig(lr=1e-3), par, total_steps=2)
-        layout = RolloutLayout.gather(model, par)
-        engine = RolloutEngine(model, layout.moe(model, par), rank=par.rank, max_batch_size=16)
+        stack = RolloutStack.build(par, model, rollout=RolloutConfig(max_batch_size=16,
+                                                                     progress=False))
         reqs = [dataclasses.replace(r, sample_index=s)  # 4 prompts x 4 samples: GRPO groups
                 for r in requests(4, cfg.vocab_size, new_tokens=16) for s in range(4)]
-        mem = membership_for(ReleasePolicy.STATIC, par, layout)
-        out = engine.generate(reqs, mem)
-        resync(engine.moe, layout, par, mem, timeout_s=120)
+        run = stack.start(ReleasePolicy.STATIC)
+        out = run.generate(reqs)
+        run.resync(timeout_s=120)
+        stack.close()
         results = sorted(out.results, key=lambda r: r.request_id)
         rewards = torch.tensor([r.token_ids.count(7) / max(1, len(r.token_ids)) + 0.01 * i
                                 for i, r in enumerate(results)])
@@ -153,8 +154,6 @@ def main(argv=None) -> int:
 
         from flexfloor.convert import model_from_hf
         from flexfloor.convert.hf_reference import tiny_hf_model
-        from megatron_ext.elastic_moe import PlacedMoE
-        from megatron_ext.placement import contiguous_placement
 
         rows = []
         with tempfile.TemporaryDirectory() as d:
@@ -163,12 +162,12 @@ def main(argv=None) -> int:
                 par.device).eval()
             model, cfg = model_from_hf(d, par)
             model.eval()
-            moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
-                            placement=contiguous_placement(cfg.num_experts, par.ep_ranks))
             for batch in batches:
-                engine = RolloutEngine(model, moe, rank=par.rank, max_batch_size=batch)
+                stack = RolloutStack.build(par, model, rollout=RolloutConfig(
+                    max_batch_size=batch, progress=False))
                 reqs = requests(batch, cfg.vocab_size, new_tokens=new_tokens, greedy=True)
-                ff_tokens, ff_rate = _engine_rate(engine, reqs)
+                ff_tokens, ff_rate = _engine_rate(stack.engine, reqs)
+                stack.close()
                 hf_tokens, hf_rate = _hf_rate(hf, reqs, par.device)
                 rows.append({"batch": batch, "new_tokens": new_tokens,
                              "flexfloor_decode_tokens_per_s": ff_rate,

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from flexfloor.config import ModelConfig, PlacementPolicy, ReleasePolicy, TrainerConfig
+from flexfloor.config import (ModelConfig, PlacementPolicy, ReleasePolicy, RolloutConfig,
+                              TrainerConfig)
 from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
-from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS, RolloutEngine, RolloutError
+from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS, RolloutError
 from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet, resident_bytes
 from flexfloor.rollout.scheduler import LengthHistory, MemoryModel, PromptGroup, Scheduler
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.trainer.optim import build_train_state
@@ -46,12 +47,9 @@ def memory_case(par, rank):
     for dtype in ("float32", "bfloat16"):
         cfg = dataclasses.replace(ModelConfig(), params_dtype=dtype)
         model = build_model(cfg, par)
-        layout = RolloutLayout.gather(model, par)
-        memory = MemoryModel.of_model(model, kv_budget_tokens=BUDGET_TOKENS,
-                                      block_tokens=DEFAULT_BLOCK_TOKENS)
-        engine = RolloutEngine(model, layout.moe(model, par), rank=rank,
-                               kv_budget_bytes=memory.kv_budget_bytes,
-                               block_tokens=memory.block_tokens)
+        stack = RolloutStack.build(par, model, rollout=RolloutConfig(
+            kv_budget_tokens=BUDGET_TOKENS, kv_block_tokens=DEFAULT_BLOCK_TOKENS, progress=False))
+        memory, engine = stack.memory, stack.engine
         verdict = {}
         for total in (BUDGET_TOKENS, BUDGET_TOKENS + 1):
             req = Request(prompt_uid=0, sample_index=0, prompt_ids=(1, 2), max_new_tokens=total - 2)
@@ -80,6 +78,7 @@ def memory_case(par, rank):
             "verdict": verdict,
             "plan": {r: [q.request_id for q in reqs] for r, reqs in plan.assignment.items()},
         }
+        stack.close()
     return out
 
 
@@ -90,10 +89,10 @@ class Replica:
         self.par, self.rank = par, rank
         self.model = build_model(ModelConfig(), par)
         self.train_state = build_train_state(self.model, TrainerConfig(lr=1e-2), par, total_steps=4)
-        self.layout = RolloutLayout.gather(self.model, par)
-        self.moe = self.layout.moe(self.model, par)
-        self.engine = RolloutEngine(self.model, self.moe, rank=rank, max_batch_size=8)
-        self.resident = ResidentSet(self.model, self.train_state, self.moe, self.engine)
+        self.stack = RolloutStack.build(par, self.model,
+                                        rollout=RolloutConfig(max_batch_size=8, progress=False))
+        self.resident = ResidentSet(self.model, self.train_state, self.stack.moe,
+                                    self.stack.engine)
 
     def train(self, token_rows):
         """One optimizer step of next-token loss on `token_rows` (this rank's share)."""
@@ -126,22 +125,23 @@ def offload_case(par, rank):
                                                                  elastic.state_bytes()))}
 
     # static rollout, then train on its responses
-    mem = membership_for(ReleasePolicy.STATIC, par, static.layout)
-    out_static = static.engine.generate(requests(rank, sampling), mem)
-    resync(static.moe, static.layout, par, mem, timeout_s=60)
+    run = static.stack.start(ReleasePolicy.STATIC)
+    out_static = run.generate(requests(rank, sampling))
+    run.resync(timeout_s=60)
 
     # elastic rollout with offload on release, then train on its responses
     listener = OffloadOnRelease(HostOffload(elastic.resident, par.device))
     before_state = elastic.state_bytes()
-    mem = membership_for(ReleasePolicy.ELASTIC, par, elastic.layout, on_event=listener,
-                         expected_finish=dict(enumerate(map(float, LONGEST))))
+    run = elastic.stack.start(ReleasePolicy.ELASTIC, on_event=listener,
+                              expected_finish=dict(enumerate(map(float, LONGEST))))
     groups = len(c10d._world.pg_map)  # after the groups built ahead
-    out_elastic = elastic.engine.generate(requests(rank, sampling), mem)
-    res["on_plan"] = {"groups_added": len(c10d._world.pg_map) - groups, **mem.group_record(),
-                      "built_ahead": elastic.layout.survivors.created_ahead,
-                      "leaving": [t["leaving"] for t in mem.timeline]}
+    out_elastic = run.generate(requests(rank, sampling))
+    res["on_plan"] = {"groups_added": len(c10d._world.pg_map) - groups,
+                      **run.membership.group_record(),
+                      "built_ahead": elastic.stack.layout.survivors.created_ahead,
+                      "leaving": [t["leaving"] for t in run.membership.timeline]}
     survivor_bytes = resident_bytes(elastic.resident, par.device)  # at its rollout end
-    resync(elastic.moe, elastic.layout, par, mem, timeout_s=60, on_event=listener)
+    run.resync(timeout_s=60)
     stats = listener.take_stats()
     after_state = elastic.state_bytes()
     res["restored_bit_identical"] = (len(before_state) == len(after_state) and all(
@@ -171,20 +171,20 @@ def off_plan_rollout(rep, par, rank, sampling):
     (0, 2), (0,)), while 2 and 3 finish together, then 1. The release keeps 2 idle in (0, 1, 2),
     then needs (0, 1): created then by its members (counted); tokens as static's."""
     longest = [12, 9, 3, 3]
-    mem = membership_for(ReleasePolicy.STATIC, par, rep.layout)
-    static = rep.engine.generate(requests(rank, sampling, longest), mem)
-    resync(rep.moe, rep.layout, par, mem, timeout_s=60)
-    mem = membership_for(ReleasePolicy.ELASTIC, par, rep.layout,
-                         expected_finish={0: 12.0, 1: 3.0, 2: 9.0, 3: 1.0})
+    run = rep.stack.start(ReleasePolicy.STATIC)
+    static = run.generate(requests(rank, sampling, longest))
+    run.resync(timeout_s=60)
+    run = rep.stack.start(ReleasePolicy.ELASTIC, expected_finish={0: 12.0, 1: 3.0, 2: 9.0, 3: 1.0})
     groups = len(c10d._world.pg_map)
-    out = rep.engine.generate(requests(rank, sampling, longest), mem)
+    out = run.generate(requests(rank, sampling, longest))
+    mem = run.membership
     res = {"groups_added": len(c10d._world.pg_map) - groups, **mem.group_record(),
            "leaving": [t["leaving"] for t in mem.timeline],
            "active": [t["active"] for t in mem.timeline],
            "tokens_equal": ({r.request_id: r.token_ids for r in static.results}
                             == {r.request_id: r.token_ids for r in out.results}),
            "tokens": len(out.results)}
-    resync(rep.moe, rep.layout, par, mem, timeout_s=60)
+    run.resync(timeout_s=60)
     return res
 
 

@@ -31,10 +31,9 @@ from flexfloor.convert.hf_reference import hf_greedy, tiny_hf_model  # noqa: E40
 from flexfloor.convert.pipeline import checkpoint_model_config, flexfloor_to_hf  # noqa: E402
 from flexfloor.model import build_model, forward_logits  # noqa: E402
 from flexfloor.parallel import Parallel  # noqa: E402
-from flexfloor.rollout.engine import RolloutEngine, StaticMembership  # noqa: E402
+from flexfloor.config import ReleasePolicy, RolloutConfig  # noqa: E402
+from flexfloor.rollout.stack import RolloutStack  # noqa: E402
 from flexfloor.rollout.types import Request, SamplingParams  # noqa: E402
-from megatron_ext.elastic_moe import PlacedMoE  # noqa: E402
-from megatron_ext.placement import contiguous_placement  # noqa: E402
 from tools.convert_checkpoint import main as convert_cli  # noqa: E402
 
 from _harness import broadcast, gather, run  # noqa: E402
@@ -64,9 +63,12 @@ def engine_greedy(par, model, cfg):
     reqs = [Request(prompt_uid=i, sample_index=0, prompt_ids=tuple(p), max_new_tokens=NEW_TOKENS,
                     sampling=SamplingParams(greedy=True))
             for i, p in enumerate(prompts()) if i % par.world_size == par.rank]
-    moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
-                    placement=contiguous_placement(cfg.num_experts, par.ep_ranks))
-    out = RolloutEngine(model, moe, rank=par.rank).generate(reqs, StaticMembership())
+    stack = RolloutStack.build(par, model, rollout=RolloutConfig(
+        replicas=par.world_size // par.ep_size, progress=False))
+    run = stack.start(ReleasePolicy.STATIC)
+    out = run.generate(reqs)
+    run.resync()
+    stack.close()
     parts = gather({r.prompt_uid: r.token_ids for r in out.results})
     merged = {k: v for p in parts for k, v in p.items()}
     return [merged[i] for i in sorted(merged)]

@@ -10,11 +10,10 @@ import os
 
 import torch
 
-from flexfloor.config import ModelConfig, ReleasePolicy
+from flexfloor.config import ModelConfig, ReleasePolicy, RolloutConfig, SchedulerConfig
 from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
-from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 
 from _harness import gather, run
@@ -33,21 +32,28 @@ def requests(rank, longest, sampling):
             for i, n in enumerate(lengths)]
 
 
-def static_vs_elastic(engine, layout, par, reqs, *, migrate=0, expected_finish=None):
+def stack_of(par, model, *, migrate=0, kv_budget_tokens=None):
+    """The rollout stack of `model`; `migrate` > 0: a rank's last `migrate` requests may move
+    to a staying rank (scheduler.migrate_max_requests)."""
+    return RolloutStack.build(
+        par, model, rollout=RolloutConfig(max_batch_size=8, kv_budget_tokens=kv_budget_tokens,
+                                          progress=False),
+        scheduler=SchedulerConfig(migrate=migrate > 0, migrate_max_requests=migrate))
+
+
+def static_vs_elastic(stack, reqs, *, expected_finish=None):
     """The same requests under the static and the elastic policy; every rank's view, gathered.
     `expected_finish` (rank -> predicted steps): the plan the survivor groups are built from."""
     case = {}
     for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
-        membership = membership_for(policy, par, layout, expected_finish=expected_finish)
-        if policy == ReleasePolicy.ELASTIC:
-            membership.migrate_max_requests = migrate
-        out = engine.generate(reqs, membership)
-        resync(engine.moe, layout, par, membership, timeout_s=60)
+        run = stack.start(policy, expected_finish=expected_finish)
+        out = run.generate(reqs)
+        run.resync(timeout_s=60)
         case[policy.value] = {"tokens": {r.request_id: r.token_ids for r in out.results},
                               "record": out.record.as_dict(),
-                              "timeline": getattr(membership, "timeline", [])}
+                              "timeline": getattr(run.membership, "timeline", [])}
         if policy == ReleasePolicy.ELASTIC:
-            case["groups"] = membership.group_record()
+            case["groups"] = run.membership.group_record()
     return gather(case)
 
 
@@ -59,35 +65,35 @@ def main(out):
         model_cfg = dataclasses.replace(ModelConfig(), num_experts=experts)
         par = Parallel.build(expert_parallel_size=train_ep, timeout_s=60)
         model = build_model(model_cfg, par)
-        layout = RolloutLayout.gather(model, par)
-        moe = layout.moe(model, par)
-        engine = RolloutEngine(model, moe, rank=rank, max_batch_size=8)
+        stack = stack_of(par, model)
         before = forward_logits(model, probe).detach()
         for seq, lengths in SEQUENCES.items():
             for kind, sampling in SAMPLING.items():
                 results[f"e{experts}_{seq}_{kind}"] = static_vs_elastic(
-                    engine, layout, par, requests(rank, lengths[rank], sampling),
+                    stack, requests(rank, lengths[rank], sampling),
                     expected_finish=dict(enumerate(map(float, lengths))))
         if experts == 8:
             # beyond the paper: ranks hand their last two requests to rank 0 and leave early
             for dtype in ("float32", "float64"):
                 m = build_model(model_cfg, par, params_dtype=dtype) if dtype == "float64" else model
-                lay = RolloutLayout.gather(m, par)
-                eng = RolloutEngine(m, lay.moe(m, par), rank=rank, max_batch_size=8)
+                migrating = stack_of(par, m, migrate=2)
                 results[f"migrate_{dtype}"] = static_vs_elastic(
-                    eng, lay, par, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["sampled"]),
-                    migrate=2)
+                    migrating, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["sampled"]))
+                migrating.close()
             # a KV budget whose free room holds about two borrowed experts per survivor: the
             # group stops shrinking at its memory floor (2 ranks), tokens unchanged
-            per_expert = moe.expert_nbytes
-            budget = 2 * per_expert + 60 * engine.kv_bytes_per_token + per_expert // 2
-            eng = RolloutEngine(model, moe, rank=rank, max_batch_size=8, kv_budget_bytes=budget)
+            per_expert = stack.moe.expert_nbytes
+            budget = 2 * per_expert + 60 * stack.engine.kv_bytes_per_token + per_expert // 2
+            bounded = stack_of(par, model,
+                               kv_budget_tokens=budget // stack.engine.kv_bytes_per_token)
             results["memory_floor"] = static_vs_elastic(
-                eng, layout, par, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["greedy"]))
+                bounded, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["greedy"]))
+            bounded.close()
         after = forward_logits(model, probe).detach()
         results[f"e{experts}_resync_logits_equal"] = gather(bool(torch.equal(before, after)))
-        results[f"e{experts}_initial_placement"] = layout.placement.as_dict()
-        del model, engine, moe
+        results[f"e{experts}_initial_placement"] = stack.layout.placement.as_dict()
+        stack.close()
+        del model, stack
     return results
 
 

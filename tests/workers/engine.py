@@ -11,13 +11,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from flexfloor.config import ModelConfig
+from flexfloor.config import ModelConfig, ReleasePolicy, RolloutConfig
 from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.engine import RolloutEngine, RolloutError, StaticMembership
+from flexfloor.rollout.engine import RolloutError
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
-from megatron_ext.elastic_moe import PlacedMoE
-from megatron_ext.placement import contiguous_placement
 
 from _harness import gather, run, write
 
@@ -43,12 +42,29 @@ def mine(reqs, rank, world, shift=0):
     return [r for i, r in enumerate(reqs) if (i + shift) % world == rank]
 
 
-def decode(par, model, reqs, **kw):
-    moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
-                    placement=contiguous_placement(MODEL.num_experts, par.ep_ranks))
-    engine = RolloutEngine(model, moe, rank=par.rank, **kw)
-    out = engine.generate(reqs, StaticMembership())
+def stack_of(par, model, *, max_batch_size=64, kv_budget_tokens=None):
+    """The rollout stack in EP groups of the training EP size: world / EP replicas (EP 1: each
+    rank alone runs the stock layer)."""
+    return RolloutStack.build(par, model, rollout=RolloutConfig(
+        replicas=par.world_size // par.ep_size, max_batch_size=max_batch_size,
+        kv_budget_tokens=kv_budget_tokens, progress=False))
+
+
+def decode(stack, reqs):
+    """A static rollout of this rank's requests."""
+    run = stack.start(ReleasePolicy.STATIC)
+    out = run.generate(reqs)
+    run.resync(timeout_s=60)
     return out
+
+
+def decode_once(par, model, reqs, **engine):
+    """`decode` on a stack of its own (`engine`: its batch size, KV budget)."""
+    stack = stack_of(par, model, **engine)
+    try:
+        return decode(stack, reqs)
+    finally:
+        stack.close()
 
 
 def gathered(out):
@@ -83,47 +99,49 @@ def main(out_dir):
         for ep in (1, 2, 4):
             par = Parallel.build(expert_parallel_size=ep, timeout_s=60)
             model = build_model(MODEL, par, params_dtype=dtype)
-            write(out_dir, f"greedy_{dtype}_ep{ep}.json",
-                  gathered(decode(par, model, mine(greedy, rank, world))))
-            write(out_dir, f"sampled_{dtype}_ep{ep}.json",
-                  gathered(decode(par, model, mine(sampled, rank, world))))
+            stack = stack_of(par, model)
+            out_greedy = decode(stack, mine(greedy, rank, world))
+            out_sampled = decode(stack, mine(sampled, rank, world))
+            write(out_dir, f"greedy_{dtype}_ep{ep}.json", gathered(out_greedy))
+            write(out_dir, f"sampled_{dtype}_ep{ep}.json", gathered(out_sampled))
             if dtype == "float64" and ep == 4:
                 # other batch sizes and another assignment of requests to ranks
                 for bs in (1, 3):
-                    write(out_dir, f"sampled_{dtype}_ep4_bs{bs}.json",
-                          gathered(decode(par, model, mine(sampled, rank, world, shift=1), max_batch_size=bs)))
+                    write(out_dir, f"sampled_{dtype}_ep4_bs{bs}.json", gathered(decode_once(
+                        par, model, mine(sampled, rank, world, shift=1), max_batch_size=bs)))
                 # all 16 requests on one rank, decoded as one batch of 16
-                write(out_dir, "sampled_float64_ep4_bs16.json",
-                      gathered(decode(par, model, sampled if rank == 0 else [], max_batch_size=16)))
+                write(out_dir, "sampled_float64_ep4_bs16.json", gathered(decode_once(
+                    par, model, sampled if rank == 0 else [], max_batch_size=16)))
                 # a KV budget that holds about two requests at once
-                budget = 2 * 32 * run_kv_bytes(model)
-                out = decode(par, model, mine(greedy, rank, world), kv_budget_bytes=budget)
-                write(out_dir, "kv_budget.json", {"budget": budget, "parts": gathered(out)})
+                out = decode_once(par, model, mine(greedy, rank, world), kv_budget_tokens=2 * 32)
+                write(out_dir, "kv_budget.json", {"budget": 2 * 32 * run_kv_bytes(model),
+                                                  "parts": gathered(out)})
                 # a pool of 3 blocks for 4 requests of up to 2 blocks each: running requests
                 # are preempted and re-prefilled later
-                budget = 3 * 16 * run_kv_bytes(model)
-                out = decode(par, model, mine(sampled, rank, world), kv_budget_bytes=budget)
-                write(out_dir, "preempted.json", {"budget": budget, "parts": gathered(out)})
+                out = decode_once(par, model, mine(sampled, rank, world), kv_budget_tokens=3 * 16)
+                write(out_dir, "preempted.json", {"budget": 3 * 16 * run_kv_bytes(model),
+                                                  "parts": gathered(out)})
             if ep == 1:
-                # no-cache reference: EP=1 means each rank runs the stock layer alone
-                out = decode(par, model, mine(greedy, rank, world))
-                ref = recompute(model, out.results)
-                outs = decode(par, model, mine(sampled, rank, world))
-                refs = recompute(model, outs.results)
-                outt = decode(par, model, mine(workload(TEMPERED, seed=2), rank, world))
+                # no-cache reference of the EP=1 rollouts above: each rank ran the stock layer
+                # alone
+                ref = recompute(model, out_greedy.results)
+                refs = recompute(model, out_sampled.results)
+                outt = decode(stack, mine(workload(TEMPERED, seed=2), rank, world))
                 reft = recompute(model, outt.results, temperature=TEMPERED.temperature)
                 write(out_dir, f"reference_{dtype}.json",
                       gather({"greedy": ref, "sampled": refs, "tempered": reft}))
-            del model
+            stack.close()
+            del model, stack
 
     # bad input: a prompt longer than the context; an empty rollout
     par = Parallel.build(expert_parallel_size=4, timeout_s=60)
     model = build_model(MODEL, par)
+    stack = stack_of(par, model)
     errors = {}
     long = Request(prompt_uid=99, sample_index=0, prompt_ids=tuple([5] * MODEL.max_seq_len),
                    max_new_tokens=4, sampling=GREEDY)
     try:
-        decode(par, model, [long] if rank == 0 else [])
+        decode(stack, [long] if rank == 0 else [])
     except RolloutError as e:
         errors["long_prompt"] = str(e)
     errors["refused_on_every_rank"] = all(gather("long_prompt" in errors))
@@ -131,10 +149,11 @@ def main(out_dir):
     big = Request(prompt_uid=98, sample_index=0, prompt_ids=tuple([5] * 12), max_new_tokens=8,
                   sampling=GREEDY)
     try:
-        decode(par, model, [big] if rank == 1 else [], kv_budget_bytes=16 * run_kv_bytes(model))
+        decode_once(par, model, [big] if rank == 1 else [], kv_budget_tokens=16)
     except RolloutError as e:
         errors["never_fits"] = str(e)
-    out = decode(par, model, [])
+    out = decode(stack, [])
+    stack.close()
     errors["empty_steps"] = out.record.steps
     errors["empty_results"] = len(out.results)
     write(out_dir, "errors.json", errors)

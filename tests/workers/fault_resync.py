@@ -13,11 +13,12 @@ are released:
 
 import time
 
-from flexfloor.config import ModelConfig, ReleasePolicy
+from flexfloor.config import ModelConfig, ReleasePolicy, RolloutConfig
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import ElasticMembership, RolloutLayout, membership_for, resync
-from flexfloor.rollout.engine import CollectiveError, RolloutEngine
+from flexfloor.rollout.elastic import ElasticMembership
+from flexfloor.rollout.engine import CollectiveError
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 
 from _harness import run, write
@@ -37,16 +38,17 @@ class SlowSurvivor(ElasticMembership):
         return super().step_boundary(engine, has_work)
 
 
-def rollout(engine, layout, par, step, stall_at=None):
-    membership = membership_for(ReleasePolicy.ELASTIC, par, layout, step=step)
-    membership.__class__ = SlowSurvivor
-    membership.stall_at = stall_at
-    n = 40 if par.rank == 0 else 2
-    reqs = [Request(prompt_uid=par.rank, sample_index=0, prompt_ids=(1, 2, 3), max_new_tokens=n,
+def rollout(stack, step, stall_at=None):
+    run = stack.start(ReleasePolicy.ELASTIC, step=step)
+    run.membership.__class__ = SlowSurvivor
+    run.membership.stall_at = stall_at
+    rank = stack.parallel.rank
+    n = 40 if rank == 0 else 2
+    reqs = [Request(prompt_uid=rank, sample_index=0, prompt_ids=(1, 2, 3), max_new_tokens=n,
                     target_len=n, sampling=SamplingParams(greedy=True), step=step)]
-    out = engine.generate(reqs, membership)
+    out = run.generate(reqs)
     t0 = time.perf_counter()
-    resync(engine.moe, layout, par, membership, step=step, timeout_s=TIMEOUT_S)
+    run.resync(timeout_s=TIMEOUT_S)
     return out, time.perf_counter() - t0
 
 
@@ -54,15 +56,14 @@ def main(out_dir):
     par = Parallel.build(timeout_s=60)
     rank = par.rank
     model = build_model(ModelConfig(num_experts=6), par)
-    layout = RolloutLayout.gather(model, par)
-    engine = RolloutEngine(model, layout.moe(model, par), rank=rank)
+    stack = RolloutStack.build(par, model, rollout=RolloutConfig(progress=False))
     res = {}
-    out, wait = rollout(engine, layout, par, step=1)
+    out, wait = rollout(stack, step=1)
     res["long"] = {"resync_wait_s": wait, "release_step": out.record.release_step,
                    "steps": out.record.steps, "tokens": sum(len(r.token_ids) for r in out.results)}
     t0 = time.perf_counter()
     try:
-        rollout(engine, layout, par, step=2, stall_at=10)
+        rollout(stack, step=2, stall_at=10)
         res["hung"] = {"error": None}
     except CollectiveError as e:
         res["hung"] = {"error": str(e), "after_s": time.perf_counter() - t0}

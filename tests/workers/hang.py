@@ -7,11 +7,11 @@ Usage: torchrun --nproc-per-node 3 tests/workers/hang.py OUT_DIR
 import os
 import time
 
-from flexfloor.config import ModelConfig
+from flexfloor.config import ModelConfig, RolloutConfig
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import RolloutLayout
-from flexfloor.rollout.engine import RolloutEngine, RolloutError, StaticMembership
+from flexfloor.rollout.engine import RolloutError, StaticMembership
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 
 from _harness import run
@@ -36,8 +36,7 @@ def main(out):
     par = Parallel.build(timeout_s=4)
     rank = par.rank
     model = build_model(MODEL, par)
-    layout = RolloutLayout.gather(model, par)
-    engine = RolloutEngine(model, layout.moe(model, par), rank=rank)
+    engine = RolloutStack.build(par, model, rollout=RolloutConfig(progress=False)).engine
     reqs = [Request(prompt_uid=rank, sample_index=0, prompt_ids=(1, 2, 3), max_new_tokens=30,
                     target_len=30, sampling=SamplingParams(greedy=True))]
     t0 = time.perf_counter()

@@ -20,13 +20,11 @@ Usage: torchrun --nproc-per-node 1 tests/workers/megatron_reference.py OUT_DIR
 
 import torch
 
-from flexfloor.config import ModelConfig
+from flexfloor.config import ModelConfig, ReleasePolicy, RolloutConfig
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.engine import RolloutEngine, StaticMembership
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
-from megatron_ext.elastic_moe import PlacedMoE
-from megatron_ext.placement import contiguous_placement
 
 from _harness import run, write
 
@@ -70,12 +68,14 @@ class IdTokenizer:
 
 
 def flexfloor_generate(par, model, model_cfg, batch):
-    moe = PlacedMoE(model, rank=par.rank, group=par.ep_group,
-                    placement=contiguous_placement(model_cfg.num_experts, par.ep_ranks))
-    engine = RolloutEngine(model, moe, rank=par.rank)
+    stack = RolloutStack.build(par, model, rollout=RolloutConfig(
+        replicas=par.world_size // par.ep_size, progress=False))
     reqs = [Request(prompt_uid=i, sample_index=0, prompt_ids=tuple(p), max_new_tokens=NEW_TOKENS,
                     sampling=SamplingParams(greedy=True)) for i, p in enumerate(batch)]
-    out = engine.generate(reqs, StaticMembership())
+    run = stack.start(ReleasePolicy.STATIC)
+    out = run.generate(reqs)
+    run.resync()
+    stack.close()
     by_uid = {r.prompt_uid: r for r in out.results}
     return {
         "tokens": [list(by_uid[i].token_ids) for i in range(len(batch))],

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 from _harness import gather, run
 
-from flexfloor.config import ModelConfig, PlacementPolicy, ReleasePolicy
+from flexfloor.config import (ElasticConfig, ModelConfig, PlacementPolicy, ReleasePolicy,
+                              RolloutConfig, SchedulerConfig)
 from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
-from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.elastic import membership_for
 from flexfloor.rollout.replicas import Mode, mode_assignments
 from flexfloor.rollout.scheduler import LengthHistory, PromptGroup, Scheduler
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 
 SAMPLING = {"greedy": SamplingParams(greedy=True),
@@ -42,23 +43,42 @@ def hosted(moe):
     return [sorted(h) for h in moe.hosted]
 
 
-def rollout(engine, layout, par, policy, requests, expected_finish=None):
-    """One rollout of this rank's requests on `layout`; this rank's view."""
-    start = layout.start(engine.moe)
-    during = {"hosted": hosted(engine.moe),
-              "group": dist.get_process_group_ranks(engine.moe.group)}
-    membership = membership_for(policy, par, layout, expected_finish=expected_finish)
-    out = engine.generate(requests, membership)
-    resync(engine.moe, layout, par, membership, timeout_s=60)
+def rollout(stack, policy, requests, expected_finish=None):
+    """One rollout of this rank's requests on `stack`; this rank's view."""
+    run = stack.start(policy, expected_finish=expected_finish)
+    during = {"hosted": hosted(stack.moe), "group": dist.get_process_group_ranks(stack.moe.group)}
+    out = run.generate(requests)
+    run.resync(timeout_s=60)
     view = {"tokens": {r.request_id: r.token_ids for r in out.results},
-            "record": out.record.as_dict(), "start": start, "during": during,
-            "timeline": getattr(membership, "timeline", []),
-            "after": {"hosted": hosted(engine.moe),
-                      "group": dist.get_process_group_ranks(engine.moe.group),
-                      "placement": engine.moe.placement.as_dict()}}
+            "record": out.record.as_dict(), "start": run.started, "during": during,
+            "timeline": getattr(run.membership, "timeline", []),
+            "after": {"hosted": hosted(stack.moe),
+                      "group": dist.get_process_group_ranks(stack.moe.group),
+                      "placement": stack.moe.placement.as_dict()}}
     if policy == ReleasePolicy.ELASTIC:
-        view["groups"] = membership.group_record()
+        view["groups"] = run.membership.group_record()
     return view
+
+
+def stack_configs(par, model):
+    """A stack's config sections reach its rollouts whole: the elastic section's policy, floor
+    and check interval, the scheduler section's migration; `start`'s step."""
+    stack = RolloutStack.build(
+        par, model, rollout=RolloutConfig(progress=False),
+        elastic=ElasticConfig(min_active_ranks=3, check_interval_steps=4),
+        scheduler=SchedulerConfig(migrate=True, migrate_max_requests=5))
+    seen = {}
+    for name, elastic in (("elastic", stack.elastic),
+                          ("static", ElasticConfig(release_policy=ReleasePolicy.STATIC))):
+        run = dataclasses.replace(stack, elastic=elastic).start(step=7)  # the section's policy
+        run.generate([])
+        run.resync(timeout_s=60)
+        m = run.membership
+        seen[name] = {"membership": type(m).__name__, "step": getattr(m, "step", None),
+                      **{k: getattr(m, k, None) for k in (
+                          "min_active_ranks", "check_interval_steps", "migrate_max_requests")}}
+    stack.close()
+    return seen
 
 
 def main(out):
@@ -67,29 +87,28 @@ def main(out):
     model = build_model(dataclasses.replace(ModelConfig(), num_experts=8), par)
     probe = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(50 + rank))
     before = forward_logits(model, probe).detach()
-    layouts = {1: RolloutLayout.gather(model, par), 2: RolloutLayout.gather(model, par, replicas=2)}
-    engines = {r: RolloutEngine(model, lay.moe(model, par), rank=rank, max_batch_size=8)
-               for r, lay in layouts.items()}
+    stacks = {r: RolloutStack.build(par, model, rollout=RolloutConfig(
+        replicas=r, max_batch_size=8, progress=False)) for r in (1, 2)}
     results = {"own_experts": list(model.decoder.layers[0].mlp.local_expert_indices),
-               "replica_placements": [p.as_dict() for p in layouts[2].topology.placements],
-               "world_placement": layouts[1].placement.as_dict()}
+               "replica_placements": [p.as_dict() for p in stacks[2].layout.topology.placements],
+               "world_placement": stacks[1].layout.placement.as_dict()}
     world = range(par.world_size)
     for kind, sampling in SAMPLING.items():
         groups = prompt_groups(sampling)
         chunks = Scheduler(PlacementPolicy.BASELINE, max_batch_size=8).plan(groups, world)
         flexfloor = Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), max_batch_size=8)
         plan = flexfloor.plan(groups, world)
-        assign = mode_assignments(groups, layouts[2].topology.replicas, chunks=chunks,
+        assign = mode_assignments(groups, stacks[2].layout.topology.replicas, chunks=chunks,
                                   flexfloor=plan)
         case = {}
         for mode in Mode:
             r = 1 if mode == Mode.SINGLE_GROUP else 2
             policy = ReleasePolicy.ELASTIC if mode == Mode.ELASTIC else ReleasePolicy.STATIC
-            case[mode.value] = rollout(engines[r], layouts[r], par, policy,
-                                       assign[mode][rank], plan.expected_finish)
+            case[mode.value] = rollout(stacks[r], policy, assign[mode][rank],
+                                       plan.expected_finish)
         # R = 1 elastic: FlexFloor's placement shrinking the world-wide group
-        case["r1_elastic"] = rollout(engines[1], layouts[1], par, ReleasePolicy.ELASTIC,
-                                     assign[Mode.ELASTIC][rank], plan.expected_finish)
+        case["r1_elastic"] = rollout(stacks[1], ReleasePolicy.ELASTIC, assign[Mode.ELASTIC][rank],
+                                     plan.expected_finish)
         results[kind] = gather(case)
     # a shrink inside each replica: rank 1 leaves replica (0, 1), rank 3 leaves (2, 3)
     longest = [24, 6, 16, 4]
@@ -97,22 +116,24 @@ def main(out):
                     prompt_ids=(3, 4, 5 + rank), max_new_tokens=32, target_len=longest[rank])]
     expected = {r: float(n) for r, n in enumerate(longest)}
     results["shrink"] = gather({
-        "static": rollout(engines[1], layouts[1], par, ReleasePolicy.STATIC, reqs),
-        "elastic": rollout(engines[2], layouts[2], par, ReleasePolicy.ELASTIC, reqs, expected)})
-    # replicas need their start: membership_for refuses without it; a bad R fails up front
+        "static": rollout(stacks[1], ReleasePolicy.STATIC, reqs),
+        "elastic": rollout(stacks[2], ReleasePolicy.ELASTIC, reqs, expected)})
+    # replicas need their start (the stack's start does it): membership_for refuses without
+    # it; a bad R fails up front
     try:
-        membership_for(ReleasePolicy.STATIC, par, layouts[2])
+        membership_for(ReleasePolicy.STATIC, par, stacks[2].layout)
         results["no_start"] = None
     except RuntimeError as e:
         results["no_start"] = str(e)
     try:
-        RolloutLayout.gather(model, par, replicas=3)
+        RolloutStack.build(par, model, rollout=RolloutConfig(replicas=3))
         results["bad_replicas"] = None
     except ValueError as e:
         results["bad_replicas"] = str(e)
+    results["stack_configs"] = stack_configs(par, model)
     results["logits_unchanged"] = gather(bool(torch.equal(before, forward_logits(model, probe))))
-    for lay in layouts.values():
-        lay.close()
+    for stack in stacks.values():
+        stack.close()
     return results
 
 

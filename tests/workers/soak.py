@@ -10,6 +10,7 @@ move a last bit) and records, per rank, what the invariants need: tokens, the la
 resync, KV bytes, hosted experts, live tensor bytes and RSS.
 """
 
+import dataclasses
 import gc
 import random
 import time
@@ -17,11 +18,11 @@ import time
 import psutil
 import torch
 
-from flexfloor.config import ElasticConfig, ModelConfig, ReleasePolicy
+from flexfloor.config import (ElasticConfig, ModelConfig, ReleasePolicy, RolloutConfig,
+                              SchedulerConfig)
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import RolloutLayout, membership_for, resync
-from flexfloor.rollout.engine import RolloutEngine
+from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.survivors import live_process_groups
 from flexfloor.rollout.types import Request, SamplingParams
 
@@ -77,9 +78,8 @@ def main(out, rollouts):
     par = Parallel.build(timeout_s=60)
     rank, world = par.rank, par.world_size
     model = build_model(ModelConfig(), par, params_dtype="float64")
-    layout = RolloutLayout.gather(model, par)
-    moe = layout.moe(model, par)
-    engine = RolloutEngine(model, moe, rank=rank, max_batch_size=4)
+    stack = RolloutStack.build(par, model, rollout=RolloutConfig(max_batch_size=4, progress=False))
+    layout, moe, engine = stack.layout, stack.moe, stack.engine
     start_placement = layout.placement.as_dict()
     groups_at_start = live_process_groups()
     own = [sorted(h) for h in moe.hosted]
@@ -90,14 +90,18 @@ def main(out, rollouts):
         per_rank, prompts, knobs = workload(i, world)
         mine = per_rank[rank]
         t0 = time.perf_counter()
-        sm = membership_for(ReleasePolicy.STATIC, par, layout)
-        static = engine.generate(mine, sm)
-        resync(moe, layout, par, sm, step=i)
-        m = membership_for(ReleasePolicy.ELASTIC, par, layout,
-                           ElasticConfig(min_active_ranks=knobs["min_active_ranks"]), step=i)
-        m.migrate_max_requests = knobs["migrate"]
-        elastic = engine.generate(mine, m)
-        resync(moe, layout, par, m, step=i)
+        run = stack.start(ReleasePolicy.STATIC, step=i)
+        static = run.generate(mine)
+        run.resync()
+        # the round's floor and migration: the same stack under the round's config sections
+        knobbed = dataclasses.replace(
+            stack, elastic=ElasticConfig(min_active_ranks=knobs["min_active_ranks"]),
+            scheduler=SchedulerConfig(migrate=knobs["migrate"] > 0,
+                                      migrate_max_requests=knobs["migrate"]))
+        run = knobbed.start(ReleasePolicy.ELASTIC, step=i)
+        m = run.membership
+        elastic = run.generate(mine)
+        run.resync()
         gc.collect()
         rounds.append({
             "prompts": prompts, "knobs": knobs,
