@@ -109,7 +109,7 @@ def test_the_simulator_takes_the_engines_steps_with_consolidation(res):
                            for i, n in enumerate(ls)] for r, ls in lengths.items()}
     limits = RankLimits(kv_bytes_per_token=1, max_seq_len=64, max_batch_size=8,
                         kv_budget_bytes=None, expert_nbytes=1)
-    rules = TailRules.of(ElasticConfig(consolidate_max_requests=2), floor=1)
+    rules = TailRules.of(ElasticConfig(consolidate=True, consolidate_max_requests=2), floor=1)
     tc = TailConsolidation(ConsolidationRules(), None, None,
                            lambda req, produced, finished: remaining_tokens(cap, produced, ()),
                            within=rules)
@@ -178,5 +178,7 @@ def test_the_config_names_a_bad_consolidation_field():
         ElasticConfig(consolidate_reserve_blocks=-1).validate()
     assert TailRules.of(ElasticConfig(consolidate=False), 1) is None
     assert TailRules.of(None, 1) is None
-    assert TailRules.of(ElasticConfig(), 2) == TailRules(max_requests=8, reserve_blocks=0, floor=2)
-    assert TailRules.of(ElasticConfig(consolidate_across=True), 1).across
+    assert TailRules.of(ElasticConfig(), 2) is None  # off by default
+    assert TailRules.of(ElasticConfig(consolidate=True), 2) == TailRules(
+        max_requests=8, reserve_blocks=0, floor=2)
+    assert TailRules.of(ElasticConfig(consolidate=True, consolidate_across=True), 1).across

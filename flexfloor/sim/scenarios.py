@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from flexfloor.config import MODEL_PRESETS, PlacementPolicy
+from flexfloor.config import MODEL_PRESETS, ElasticConfig, PlacementPolicy
 from flexfloor.rollout.consolidate import ConsolidationRules, MovePrices, remaining_estimate
 from flexfloor.rollout.release import RankLimits, ReleaseRules
 from flexfloor.rollout.metrics import (
@@ -388,7 +388,6 @@ def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
     """The engine's default consolidation on unit cost (`elastic.consolidate`, inside each
     replica only: flexfloor/rollout/tails.py): a request's remaining tokens up to its cap, each
     rank a giver or taker of its own; never across replicas (`min_replicas`: all stay)."""
-    from flexfloor.config import ElasticConfig
     from flexfloor.rollout.tails import TailRules
 
     cfg = ElasticConfig()
@@ -418,7 +417,7 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
                    for q in assignment.get(r, [])] for r in ranks}
         runs.append({"assignment": sub, "rules": rules, "placement": placement})
     if (tails is None and mode == Mode.ELASTIC and sc.accelerator is None
-            and not sc.migrate_max_requests):  # the engine: migration or consolidation
+            and not sc.migrate_max_requests and ElasticConfig().consolidate):  # as the engine
         tails = engine_tails(sc, len(topo.groups))
     if tails is not None:
         outs = simulate_replicas(runs, cost, limits=topo.limits,

@@ -33,10 +33,10 @@ WORLD = {0: [26, 4, 4], 1: [30, 24, 18], 2: [28, 22, 16], 3: [20]}
 # (long enough that replica 1 retries for many boundaries when replica 0 starts late on a
 # loaded machine)
 REPLICAS = {0: [40, 38, 36], 1: [39, 37, 35], 2: [[2, 2, 30]], 3: [[2, 2, 28]]}
-CONSOLIDATE = {1: ElasticConfig(consolidate_max_requests=2),
+CONSOLIDATE = {1: ElasticConfig(consolidate=True, consolidate_max_requests=2),
                # two ranks per replica stay: replica 1 can only give to replica 0, whenever its
                # leader sees replica 0's state (the replicas run on their own clocks)
-               2: ElasticConfig(consolidate_max_requests=2, min_active_ranks=2,
+               2: ElasticConfig(consolidate=True, consolidate_max_requests=2, min_active_ranks=2,
                                 consolidate_across=True)}
 MAX_NEW = 48
 
