@@ -75,14 +75,22 @@ def test_a_request_moves_twice_inside_one_group(res, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_replica_hands_its_requests_to_the_other_and_leaves(res, kind):
+    """Replica 1 is meant to give (its last two requests are predicted short from their
+    siblings); on a loaded machine replica 0 can run far ahead and reach its own tail first,
+    and then it gives: either way requests cross replicas and the giver leaves whole early."""
     parts = res[f"r2_{kind}"]
     recs = [p["elastic"]["record"] for p in parts]
     across = [m for m in moves(parts) if m["across"]]
-    assert across and all(m["src"] in (2, 3) and m["dst"] in (0, 1) for m in across), across
-    assert sum(r["migrated_across"] for r in recs) == sum(r["adopted_across"] for r in recs) == 2
-    assert sorted(m["request_id"] for m in across) == ["20/2", "30/2"]
-    # replica 1 left whole when it handed over, before its own requests would have ended
-    assert recs[2]["steps"] == recs[3]["steps"] < parts[2]["static"]["record"]["steps"]
+    assert across and all(m["src"] // 2 != m["dst"] // 2 for m in across), across
+    assert sum(r["migrated_across"] for r in recs) == sum(r["adopted_across"] for r in recs) == len(
+        across)
+    giver = across[0]["src"] // 2
+    assert all(m["src"] // 2 == giver for m in across)  # one replica gave, the other took
+    mine = [2 * giver, 2 * giver + 1]
+    # it left whole when it handed over, before its own requests would have ended
+    assert recs[mine[0]]["steps"] == recs[mine[1]]["steps"] < max(
+        parts[r]["static"]["record"]["steps"] for r in mine)
+    assert all(p["elastic"]["timeline"][-1].get("handed_over") for p in (parts[r] for r in mine))
 
 
 def test_the_simulator_takes_the_engines_steps_with_consolidation(res):
@@ -101,7 +109,7 @@ def test_the_simulator_takes_the_engines_steps_with_consolidation(res):
                            for i, n in enumerate(ls)] for r, ls in lengths.items()}
     limits = RankLimits(kv_bytes_per_token=1, max_seq_len=64, max_batch_size=8,
                         kv_budget_bytes=None, expert_nbytes=1)
-    rules = TailRules.of(ElasticConfig(consolidate_max_requests=2), floor=1)
+    rules = TailRules.of(ElasticConfig(consolidate=True, consolidate_max_requests=2), floor=1)
     tc = TailConsolidation(ConsolidationRules(), None, None,
                            lambda req, produced, finished: remaining_tokens(cap, produced, ()),
                            within=rules)
@@ -170,5 +178,7 @@ def test_the_config_names_a_bad_consolidation_field():
         ElasticConfig(consolidate_reserve_blocks=-1).validate()
     assert TailRules.of(ElasticConfig(consolidate=False), 1) is None
     assert TailRules.of(None, 1) is None
-    assert TailRules.of(ElasticConfig(), 2) == TailRules(max_requests=8, reserve_blocks=0, floor=2)
-    assert TailRules.of(ElasticConfig(consolidate_across=True), 1).across
+    assert TailRules.of(ElasticConfig(), 2) is None  # off by default
+    assert TailRules.of(ElasticConfig(consolidate=True), 2) == TailRules(
+        max_requests=8, reserve_blocks=0, floor=2)
+    assert TailRules.of(ElasticConfig(consolidate=True, consolidate_across=True), 1).across

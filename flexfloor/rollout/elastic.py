@@ -118,7 +118,8 @@ class ElasticMembership:
         placement, limits = engine.moe.placement, RankLimits.of(engine)
         self._boundaries += 1
         decision = self._decide_at(placement, report, limits)
-        if (self.tails is not None and not arrivals and not decision.migrate
+        # migration (scheduler.migrate) is the older form of the same move: not both at once
+        if (self.tails is not None and not arrivals and not self.migrate_max_requests
                 and may_give_within(report, self.tails)):
             decision = self._within(engine, report, decision, states, placement, limits)
         if decision.migrate:
@@ -137,7 +138,10 @@ class ElasticMembership:
         rank, and the release decision once they are done; kept only when every giver then
         leaves, else `decision` as it was."""
         if states is None:
-            states = gather_objects(engine.moe.group, rank_state(engine, self._replica(engine)))
+            # one clock: the bound always holds, so each request's cap is prediction enough
+            # (and what the simulator reproduces: tools/simulate.py's tiny-cpu)
+            states = gather_objects(engine.moe.group,
+                                    rank_state(engine, self._replica(engine), siblings=False))
         cons = within_replica(states, self.tails, max_batch=engine.max_batch_size,
                               block_tokens=engine.block_tokens)
         if not cons.moves:

@@ -145,12 +145,14 @@ def after_moves(report, ranks: Sequence[int], moves: Sequence[Move], cached: dic
     return replace(report, has_work=has, running=running, remaining=remaining, kv_free=kv_free)
 
 
-def rank_state(engine, replica: int) -> RankState:
-    """This rank's running requests, queue and free KV blocks, as the decision reads them."""
+def rank_state(engine, replica: int, *, siblings: bool = True) -> RankState:
+    """This rank's running requests, queue and free KV blocks, as the decision reads them;
+    `siblings`: predict from the siblings finished on this rank (else each request's cap)."""
     st = engine.rollout
-    siblings: dict[int, list[int]] = {}
-    for res in st.results:
-        siblings.setdefault(res.prompt_uid, []).append(len(res.token_ids))
+    finished: dict[int, list[int]] = {}
+    for res in st.results if siblings else ():
+        finished.setdefault(res.prompt_uid, []).append(len(res.token_ids))
+    siblings = finished
     running = tuple(Running(r.request.request_id, r.position,
                             remaining_tokens(r.request.max_new_tokens, len(r.tokens),
                                              siblings.get(r.request.prompt_uid, ())))

@@ -397,12 +397,11 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
 
     def export(rank: int) -> list:
         """Its running requests leave the rank (their tokens so far stay counted here)."""
-        if exact:
-            raise SimError("consolidation runs with the accelerator block model, not exact blocks")
         nonlocal requests_total
         x = ranks[rank]
         out = [(run.req, step - run.start) for run in sorted(x.running, key=lambda r: r.seq)]
         requests_total -= len(out)
+        x.used_blocks -= sum(run.blocks for run in x.running)  # exact blocks: the pool's free
         for run in x.running:
             x.kv_used -= reserve(run.req)
         x.record.migrated_out += len(out)
@@ -593,8 +592,8 @@ class TailConsolidation:
 
 
 def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
-                      kv_block_tokens: Optional[int], consolidation: TailConsolidation
-                      ) -> list[SimOutput]:
+                      kv_block_tokens: Optional[int], consolidation: TailConsolidation,
+                      exact_blocks: bool = False) -> list[SimOutput]:
     """Several replicas, each an EP group on its own clock (`rollout_steps`), with their tails
     consolidated: the replica whose clock is earliest is advanced to its next boundary; there
     `flexfloor.rollout.consolidate.decide` runs on every replica's latest state with that
@@ -603,6 +602,7 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
     placement. Returns each replica's `SimOutput`, in order."""
     gens = [rollout_steps(g["assignment"], g["rules"], cost, limits=limits,
                           placement=g["placement"], kv_block_tokens=kv_block_tokens,
+                          exact_blocks=exact_blocks,
                           every_boundary=consolidation.within is not None)
             for g in groups]
     replica_of = {r: i for i, g in enumerate(groups) for r in g["assignment"]}

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from flexfloor.config import MODEL_PRESETS, PlacementPolicy
+from flexfloor.config import MODEL_PRESETS, ElasticConfig, PlacementPolicy
 from flexfloor.rollout.consolidate import ConsolidationRules, MovePrices, remaining_estimate
 from flexfloor.rollout.release import RankLimits, ReleaseRules
 from flexfloor.rollout.metrics import (
@@ -390,6 +390,21 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
                              sc.kv_block_tokens or 1)
 
 
+def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
+    """The engine's default consolidation on unit cost (`elastic.consolidate`, inside each
+    replica only: flexfloor/rollout/tails.py): a request's remaining tokens up to its cap, each
+    rank a giver or taker of its own; never across replicas (`min_replicas`: all stay)."""
+    from flexfloor.rollout.tails import TailRules
+
+    cfg = ElasticConfig()
+    within = TailRules(max_requests=cfg.consolidate_max_requests,
+                       reserve_blocks=cfg.consolidate_reserve_blocks,
+                       floor=min(sc.min_active_ranks, sc.gpus // max(1, replicas)))
+    return TailConsolidation(ConsolidationRules(min_replicas=replicas), None, None,
+                             lambda req, produced, finished: float(max(1, sc.max_len - produced)),
+                             sc.kv_block_tokens or 16, within=within)
+
+
 def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scenario,
                   tails: Optional[TailConsolidation] = None):
     """One rollout of `mode`: each EP group on its own (or, with `tails`, together: their tails
@@ -407,9 +422,13 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
         sub = {r: [SimRequest(q.request_id, q.prompt_uid, len(q.prompt_ids), q.target_len)
                    for q in assignment.get(r, [])] for r in ranks}
         runs.append({"assignment": sub, "rules": rules, "placement": placement})
+    if (tails is None and mode == Mode.ELASTIC and sc.accelerator is None
+            and not sc.migrate_max_requests and ElasticConfig().consolidate):  # as the engine
+        tails = engine_tails(sc, len(topo.groups))
     if tails is not None:
         outs = simulate_replicas(runs, cost, limits=topo.limits,
-                                 kv_block_tokens=sc.kv_block_tokens, consolidation=tails)
+                                 kv_block_tokens=sc.kv_block_tokens, consolidation=tails,
+                                 exact_blocks=sc.kv_exact_blocks)
     else:
         outs = [simulate_rollout(g["assignment"], g["rules"], cost, limits=topo.limits,
                                  placement=g["placement"], kv_block_tokens=sc.kv_block_tokens,

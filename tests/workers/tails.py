@@ -29,13 +29,15 @@ WORLD = {0: [26, 4, 4], 1: [30, 24, 18], 2: [28, 22, 16], 3: [20]}
 # R = 2, replicas (0, 1) and (2, 3): replica 0 runs six long requests; ranks 2 and 3 run one
 # prompt of three samples each (a list: one prompt's samples): two end after 2 tokens, so the
 # third is predicted short from its siblings and replica 1 hands the two over
-REPLICAS = {0: [30, 28, 26], 1: [29, 27, 25], 2: [[2, 2, 12]], 3: [[2, 2, 10]]}
-CONSOLIDATE = {1: ElasticConfig(consolidate_max_requests=2),
+# (long enough that replica 1 retries for many boundaries when replica 0 starts late on a
+# loaded machine)
+REPLICAS = {0: [40, 38, 36], 1: [39, 37, 35], 2: [[2, 2, 30]], 3: [[2, 2, 28]]}
+CONSOLIDATE = {1: ElasticConfig(consolidate=True, consolidate_max_requests=2),
                # two ranks per replica stay: replica 1 can only give to replica 0, whenever its
                # leader sees replica 0's state (the replicas run on their own clocks)
-               2: ElasticConfig(consolidate_max_requests=2, min_active_ranks=2,
+               2: ElasticConfig(consolidate=True, consolidate_max_requests=2, min_active_ranks=2,
                                 consolidate_across=True)}
-MAX_NEW = 40
+MAX_NEW = 48
 
 
 def requests(lengths, rank, sampling, step):
