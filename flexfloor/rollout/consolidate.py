@@ -23,7 +23,9 @@ The rules, in order:
   predicted end before the move: a release never lengthens the rollout;
 - hedges against wrong estimates: the replica that ends the rollout never gives, takers have
   nothing queued (their queue's lengths are unknown here), and a replica gives only when each
-  of its requests has at most `TAIL_SHARE` of the rollout's longest remaining tokens left;
+  of its requests has at most `TAIL_SHARE` of the rollout's longest remaining tokens left
+  (`ConsolidationRules.hedged`; off where the estimates are bounds on one clock: inside one
+  replica the engine estimates each request up to its cap);
 - takers from the replica planned to stay longest (latest predicted end): each takes the most
   of the giver's longest requests that keep its bound, each on its least loaded rank.
 """
@@ -98,6 +100,9 @@ class ConsolidationRules:
     min_replicas: int = 1  # replicas that stay whatever fits
     reserve_blocks: int = 0  # KV blocks a taker keeps free (the memory floor)
     max_requests: int = 256  # most requests one replica hands over to leave
+    # the hedges against wrong estimates (module doc); off where every remaining estimate is a
+    # bound (a request's cap) and the givers and takers step on one clock (inside one replica)
+    hedged: bool = True
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,7 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
     candidates = [i for i in live if (givers is None or i in givers)
                   and not any(r.queued for r in by_replica[i])
                   and 0 < size[i] <= rules.max_requests
-                  and ends[i] < rollout_end]  # the replica that ends the rollout stays
+                  and (ends[i] < rollout_end or not rules.hedged)]  # the rollout's ender stays
     candidates.sort(key=lambda i: (size[i], ends[i], i))
     giving: list[int] = []
     moves: list[Move] = []
@@ -188,10 +193,11 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
             continue  # it takes requests in this decision: it stays
         # takers: replicas with nothing queued (their queue's lengths are not known here), the
         # one planned to stay longest first
-        if any(q.remaining > TAIL_SHARE * longest for r in by_replica[g] for q in r.running):
+        if rules.hedged and any(q.remaining > TAIL_SHARE * longest
+                                for r in by_replica[g] for q in r.running):
             continue
         staying = sorted((i for i in live if i != g and i not in giving
-                          and not any(r.queued for r in by_replica[i])),
+                          and not (rules.hedged and any(r.queued for r in by_replica[i]))),
                          key=lambda i: (-ends[i], i))
         trial = load.copy()
         got = _evacuate(by_replica[g], state.now_s[g], staying, by_replica, trial, end,

@@ -90,9 +90,9 @@ class TailRules:
                    reserve_blocks=elastic_cfg.consolidate_reserve_blocks, floor=floor,
                    across=elastic_cfg.consolidate_across)
 
-    def decision_rules(self, min_replicas: int) -> ConsolidationRules:
+    def decision_rules(self, min_replicas: int, *, hedged: bool = True) -> ConsolidationRules:
         return ConsolidationRules(min_replicas=min_replicas, reserve_blocks=self.reserve_blocks,
-                                  max_requests=self.max_requests)
+                                  max_requests=self.max_requests, hedged=hedged)
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,7 +123,9 @@ def within_replica(states: Sequence[RankState], rules: TailRules, *, max_batch: 
     `leaving_replicas` are then the giving ranks."""
     ranks = tuple(replace(s, replica=s.rank) for s in states)
     state = ConsolidationState(ranks, {s.rank: 0.0 for s in ranks}, max_batch, block_tokens)
-    return decide(state, rules.decision_rules(rules.floor), UNIT_STEP, REPREFILL_ONLY)
+    # every estimate is the request's cap (a bound) on one clock: no hedge is needed
+    return decide(state, rules.decision_rules(rules.floor, hedged=False), UNIT_STEP,
+                  REPREFILL_ONLY)
 
 
 def after_moves(report, ranks: Sequence[int], moves: Sequence[Move], cached: dict,
