@@ -101,3 +101,39 @@ def test_rollout_rope_is_megatrons_bit_for_bit(rot):
         cos, sin = rope_terms(freqs, dtype)
         ref = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs.unsqueeze(1))[:, 0]
         assert torch.equal(_rope(t, cos, sin), ref)
+
+
+@pytest.mark.parametrize("norms", ["per_head", "none", "full_width", "q_only"])
+def test_qk_norm_rope_over_heads_and_keys_together_is_bit_for_bit_apart(norms):
+    """The rollout step's q/k norms and RoPE over every query head and key of a group at once
+    (`qk_norm_rope`) give exactly each norm's own call and one RoPE per tensor, in float32 and
+    float64, GQA with 3 query heads per group and a partial rotary dimension."""
+    from flexfloor.model import FullWidthRMSNorm
+    from flexfloor.rollout.engine import _rope, qk_norm_rope, rope_terms
+
+    torch.manual_seed(3)
+    T, G, r, D = 7, 2, 3, 16
+    for dtype in (torch.float32, torch.float64):
+        for rot in (16, 8):
+            mixed = torch.randn(T, G, r + 2, D, dtype=dtype)
+            cos, sin = rope_terms(torch.randn(T, 1, rot) * 3, dtype)
+            q_norm = k_norm = None
+            if norms in ("per_head", "q_only"):
+                q_norm = torch.nn.RMSNorm(D, eps=1e-6, dtype=dtype)
+            if norms == "per_head":
+                k_norm = torch.nn.RMSNorm(D, eps=1e-6, dtype=dtype)
+            if norms == "full_width":
+                q_norm = FullWidthRMSNorm(None, D, eps=1e-6, heads=G * r).to(dtype)
+                k_norm = FullWidthRMSNorm(None, D, eps=1e-6, heads=G).to(dtype)
+            with torch.no_grad():
+                for m in (q_norm, k_norm):
+                    if m is not None:
+                        m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape))
+                q, k, v = qk_norm_rope(mixed, q_norm, k_norm, cos, sin)
+                ref_q = mixed[:, :, :r].reshape(T, G * r, D)
+                ref_k = mixed[:, :, r]
+                ref_q = ref_q if q_norm is None else q_norm(ref_q)
+                ref_k = ref_k if k_norm is None else k_norm(ref_k)
+            assert torch.equal(q, _rope(ref_q, cos, sin))
+            assert torch.equal(k, _rope(ref_k, cos, sin))
+            assert torch.equal(v, mixed[:, :, r + 1])

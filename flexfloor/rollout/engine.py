@@ -91,6 +91,36 @@ def _norm(module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _paired_norms(q_norm, k_norm, head_dim: int) -> bool:
+    """Whether the q and k norms are both a torch `RMSNorm` over one head with the same eps:
+    then they run as one normalisation of q and k together and a multiply by each's weight,
+    bit for bit the two calls (`F.rms_norm` scales by its weight last)."""
+    return (type(q_norm) is torch.nn.RMSNorm and type(k_norm) is torch.nn.RMSNorm
+            and tuple(q_norm.normalized_shape) == tuple(k_norm.normalized_shape) == (head_dim,)
+            and q_norm.eps == k_norm.eps and q_norm.weight is not None
+            and k_norm.weight is not None)
+
+
+def qk_norm_rope(mixed: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor):
+    """The fused projection's rows per query group, mixed [T, G, r+2, D] ([r query heads, k, v]
+    of each group), -> q [T, G*r, D] and k [T, G, D] after their norms (None: none) and RoPE
+    (cos, signed sin [T, 1, rot]), and v [T, G, D]; k and v are strided views. Per-head norms
+    (`_paired_norms`) and RoPE run once over the query heads and keys together (the same
+    products as apart, bit for bit: tests/test_experts.py); other norms apart."""
+    r, D = mixed.shape[2] - 2, mixed.shape[3]
+    qk, v = mixed[:, :, : r + 1], mixed[:, :, r + 1]  # [T, G, r+1, D]: q heads, then k
+    if q_norm is not None or k_norm is not None:
+        if not _paired_norms(q_norm, k_norm, D):  # e.g. full-width norms (OLMoE): apart
+            q, k = qk[:, :, :r].reshape(mixed.shape[0], -1, D), qk[:, :, r]
+            q = q if q_norm is None else _norm(q_norm, q)
+            k = k if k_norm is None else _norm(k_norm, k)
+            return _rope(q, cos, sin), _rope(k, cos, sin), v
+        weight = torch.cat([q_norm.weight.expand(r, D), k_norm.weight.view(1, D)])  # [r+1, D]
+        qk = F.rms_norm(qk, (D,), None, q_norm.eps) * weight
+    qk = _rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))  # one RoPE for q and k
+    return qk[:, :, :r].reshape(mixed.shape[0], -1, D), qk[:, :, r], v
+
+
 def rope_terms(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's RoPE frequencies [..., rot] -> (cos, signed sin) in `dtype` for `_rope`: the
     sine with the sign of its first half flipped."""
@@ -100,7 +130,7 @@ def rope_terms(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Megatron's non-interleaved RoPE (`_apply_rotary_pos_emb_bshd`) on t [T, n, D] with the
+    """Megatron's non-interleaved RoPE (`_apply_rotary_pos_emb_bshd`) on t [T, ..., D] with the
     terms of `rope_terms` (cos, signed sin [T, 1, rot]): rotate_half(t) * sin equals
     roll(t, rot/2) * signed sin, the same products bit for bit, in one op instead of three."""
     rot = cos.shape[-1]
@@ -449,13 +479,13 @@ class RolloutEngine:
         blocks = pool.k.shape[1] // self.block_tokens
         x = self.model.embedding(input_ids=batch.tokens, position_ids=batch.positions)
         x = x.view(-1, self.config.hidden_size)  # [T, H]
-        cos, sin = self._rotary(batch.positions[0])  # [T, 1, rot] x2, for every layer
+        rope = self._rotary(batch.positions[0])  # cos, signed sin [T, 1, rot], every layer
         keys_of = pool.k.view(-1, blocks, self.block_tokens, G, D).unbind(0)  # per layer
         values_of = pool.v.view(-1, blocks, self.block_tokens, G, D).unbind(0)
         for li, layer in enumerate(self.model.decoder.layers):
             attn = layer.self_attention
-            q, k, v = self._qkv(attn, _norm(layer.input_layernorm, x))  # [T, heads|groups, D]
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            # q [T, heads, D], k and v [T, groups, D], RoPE applied
+            q, k, v = self._qkv(attn, _norm(layer.input_layernorm, x), *rope)
             kb, vb = keys_of[li], values_of[li]  # [blocks, block_tokens, G, D]
             kb.view(-1, G, D).index_copy_(0, batch.new_slots, k)
             vb.view(-1, G, D).index_copy_(0, batch.new_slots, v)
@@ -482,25 +512,18 @@ class RolloutEngine:
             logits = logits[:, : self.valid_vocab]
         return logits.float() if logits.dtype != torch.float64 else logits
 
-    def _qkv(self, attn, h: torch.Tensor):
-        """Megatron's `get_query_key_value_tensors` at TP=1 as raw ops on `linear_qkv`'s weight
-        (h [T, H] -> q [T, heads, D], k and v [T, groups, D]): the fused projection viewed per
-        query group as [q heads..., k, v], then the q/k norms. A transformer-engine projection
-        (its input norm fused in) goes through Megatron's call."""
+    def _qkv(self, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Megatron's `get_query_key_value_tensors` at TP=1 and RoPE as raw ops on `linear_qkv`'s
+        weight (h [T, H], cos and signed sin [T, 1, rot] -> q [T, heads, D], k and v [T, groups,
+        D], k and v possibly strided views): the fused projection viewed per query group as
+        [q heads..., k, v], then `qk_norm_rope`. A transformer-engine projection (its input
+        norm fused in) goes through Megatron's call."""
         if not _is_plain_linear(attn.linear_qkv):
             q, k, v = attn.get_query_key_value_tensors(h.unsqueeze(1), None)[:3]
-            return q[:, 0], k[:, 0], v[:, 0]
-        mixed = _linear(attn.linear_qkv, h)  # [T, groups * (heads/groups + 2) * D]
-        per_group = self.heads // self.groups
-        D = self.head_dim
-        q, k, v = torch.split(mixed.view(-1, self.groups, (per_group + 2) * D),
-                              [per_group * D, D, D], dim=2)
-        q = q.reshape(-1, self.heads, D)
-        if attn.q_layernorm is not None:
-            q = _norm(attn.q_layernorm, q)
-        if attn.k_layernorm is not None:
-            k = _norm(attn.k_layernorm, k)
-        return q, k, v
+            return _rope(q[:, 0], cos, sin), _rope(k[:, 0], cos, sin), v[:, 0]
+        r, D = self.heads // self.groups, self.head_dim
+        mixed = _linear(attn.linear_qkv, h).view(-1, self.groups, r + 2, D)  # [T, G, r+2, D]
+        return qk_norm_rope(mixed, attn.q_layernorm, attn.k_layernorm, cos, sin)
 
     def _output_weight(self) -> torch.Tensor:
         if self.model.share_embeddings_and_output_weights:
