@@ -800,7 +800,8 @@ class Scheduler:
                     and self._hedged(reqs, share, cap) <= bound[1])
 
         best, best_occupied = (static, static_finish), sum(static_release.values())
-        for candidate in (self._staggered(order, ranks, within), self._filled(order, replicas, within)):
+        for candidate in (self._staggered(order, ranks, within),
+                          self._filled(order, replicas, within)):
             finish, release = self._releases(candidate, replicas)
             if max(finish.values(), default=0.0) > bound[0]:
                 continue
@@ -953,9 +954,9 @@ class Scheduler:
         """Longest predicted groups on the replicas meant to stay (the lowest), each group's
         samples spread over the replica's ranks (each to the rank with the fewest requests: a
         rank holding a long prompt's samples together would run them in waves under a tight KV
-        budget), while every rank of it stays `within` the bound; a replica that refuses `refusals` groups in a row is full. The ranks of a
-        replica end together: where the memory floor keeps a replica from shrinking, only whole
-        replicas leave early."""
+        budget), while every rank of it stays `within` the bound; a replica that refuses
+        `refusals` groups in a row is full. The ranks of a replica end together: where the
+        memory floor keeps a replica from shrinking, only whole replicas leave early."""
         placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
 
         def spread(ranks, g) -> dict[int, list[Request]]:
