@@ -6,7 +6,7 @@ import pytest
 from flexfloor.config import ModelConfig, PlacementPolicy
 from flexfloor.rollout.scheduler import (
     LengthHistory, MemoryModel, PromptGroup, Predictor, Scheduler, prediction_accuracy,
-    _profile_by_events, rank_profile, simulate_rank_steps,
+    _profile_by_events, pool_trace, rank_profile, simulate_rank_steps,
 )
 from flexfloor.rollout.types import Request
 
@@ -159,3 +159,152 @@ def test_rank_profile_shortcut_equals_the_event_simulation():
             fast, slow = rank_profile(lengths, prompts, kv, batch), _profile_by_events(
                 lengths, prompts, kv, batch)
             assert fast == pytest.approx(slow), (lengths, prompts, kv, batch)
+
+
+# ---------------------------------------------------------------- tight KV budget: blocks
+
+
+def test_pool_trace_counts_blocks_as_the_engine_step_for_step():
+    """The scheduler's prediction of one rank is the engine's block pool (as the simulator
+    counts it, which is held to the real engine step for step in test_sim): admission over
+    the watermark, blocks as tokens are produced, the youngest preempted when the pool runs
+    out, borrowed experts' room withheld after a release."""
+    import random
+
+    from flexfloor.rollout.release import RankLimits
+    from flexfloor.sim.cost import UnitCost
+    from flexfloor.sim.rollout import SimError, SimRequest, simulate_rollout
+    from megatron_ext.placement import balanced_placement
+
+    rng = random.Random(1)
+    preempted = 0
+    # first by hand: 25 one-block prompts in a 25-block pool, admission keeping one block free
+    # (the watermark) admits 24, the last a step later
+    cases = [([1] * 25, [16] * 25, 16, 400, 64)]
+    for _ in range(120):
+        n = rng.randint(1, 40)
+        lengths = [rng.randint(1, 120) for _ in range(n)]
+        prompts = [rng.randint(1, 20) for _ in range(n)]
+        longest = max(a + b for a, b in zip(lengths, prompts))
+        cases.append((lengths, prompts, rng.choice([1, 4, 16]),
+                      rng.choice([None, longest + rng.randint(0, 200), 3 * longest]),
+                      rng.choice([n, max(1, n // 3)])))
+    for case, (lengths, prompts, bt, tokens, batch) in enumerate(cases):
+        limits = RankLimits(kv_bytes_per_token=8, max_seq_len=200, max_batch_size=batch,
+                            kv_budget_bytes=None if tokens is None else tokens // bt * bt * 8,
+                            expert_nbytes=1 << 40)
+        reqs = [SimRequest(f"r{i}", i, p, a) for i, (a, p) in enumerate(zip(lengths, prompts))]
+        blocks = None if tokens is None else tokens // bt
+        try:
+            out = simulate_rollout({0: reqs}, None, UnitCost(), limits=limits,
+                                   placement=balanced_placement(2, [0]), kv_block_tokens=bt,
+                                   exact_blocks=True).records[0]
+        except SimError:  # a preempted request outgrew the pool: the engine fails too
+            with pytest.raises(ValueError, match="nothing running"):
+                pool_trace(lengths, prompts, blocks, bt, batch)
+            continue
+        got = pool_trace(lengths, prompts, blocks, bt, batch)
+        assert got.steps == out["local_finish_step"], (case, lengths, prompts, tokens, bt)
+        assert rank_profile(lengths, prompts, tokens, batch, block_tokens=bt)[0] == got.steps
+        assert len(got.used) == len(got.queued) == len(got.running) == got.steps
+        preempted += out["preempted"]
+    assert preempted > 0  # the cases reach preemption
+    assert pool_trace(*cases[0][:2], 25, 16, 64).steps == 2
+    # room withheld after a release (a survivor's borrowed experts) delays the same requests
+    free = pool_trace([60] * 6, [4] * 6, 25, 16, 64)
+    shrunk = pool_trace([60] * 6, [4] * 6, 25, 16, 64, withheld=[(10, 12)])
+    assert shrunk.steps > free.steps and shrunk.used[10] <= 25 - 12
+
+
+def _tight_case(n_groups=16, samples=8):
+    lengths = [150, 120, 100, 90, 80, 70, 60, 50, 40, 30, 25, 20, 16, 12, 10, 8][:n_groups]
+    h = LengthHistory()
+    for uid, n in enumerate(lengths):
+        h.record(uid, [n] * samples)  # the history is what will happen
+    gs = [PromptGroup(uid, tuple(Request(prompt_uid=uid, sample_index=s, prompt_ids=(1, 2, 3, 4),
+                                         max_new_tokens=200) for s in range(samples)))
+          for uid in range(len(lengths))]
+    return lengths, h, gs
+
+
+def _steps(assignment, lengths, blocks):
+    """Each rank's steps under the engine's pool with the lengths that happen."""
+    return {r: pool_trace([lengths[q.prompt_uid] for q in reqs], [4] * len(reqs), blocks, 16,
+                          64).steps for r, reqs in assignment.items()}
+
+
+@pytest.mark.parametrize("replicas", [None, [(0, 1), (2, 3)]])
+def test_tight_kv_placement_never_plans_past_the_static_end(replicas):
+    """25 KV blocks per rank: static (least outstanding) admits in waves. Piling the long work
+    on the ranks meant to stay (the placement before the bound: its rank 0 alone takes 948
+    steps, and the others leave early, so it occupies no more steps than static) runs it far
+    past static's end; the plan keeps every rank within static's end."""
+    from flexfloor.rollout.replicas import route_least_outstanding
+
+    lengths, h, gs = _tight_case()
+    # 1 block per expert: survivors can host a leaver's experts (R = 1, four ranks)
+    mem = MemoryModel(kv_bytes_per_token=1, expert_bytes=16, kv_budget_bytes=400,
+                      block_tokens=16, num_experts=4)
+    sched = Scheduler(PlacementPolicy.FLEXFLOOR, h, memory=mem)
+    groups_of = [tuple(range(4))] if replicas is None else replicas
+    static = _steps(route_least_outstanding(gs, groups_of), lengths, 25)
+    plan = sched.plan(gs, range(4), replicas=replicas)
+    piled = sched._staggered(sorted(gs, key=lambda g: -lengths[g.uid]), range(4), lambda r: True)
+    assert max(_steps(piled, lengths, 25).values()) > 2 * max(static.values())
+    assert max(plan.expected_finish.values()) <= max(static.values())  # history = what happens
+    assert max(_steps(plan.assignment, lengths, 25).values()) <= max(static.values())
+    placed = sorted(q.request_id for reqs in plan.assignment.values() for q in reqs)
+    assert placed == sorted(q.request_id for g in gs for q in g.requests)
+
+
+def test_tight_kv_concentrates_only_within_the_bound():
+    """With no margin for mispredictions (pace_margin 1), the long work gathers on the replica
+    meant to stay as far as static's predicted end allows: the plan differs from static's,
+    every rank still within static's end."""
+    from flexfloor.rollout.replicas import route_least_outstanding
+
+    lengths, h, gs = _tight_case()
+    mem = MemoryModel(kv_bytes_per_token=1, expert_bytes=192, kv_budget_bytes=400,
+                      block_tokens=16, num_experts=8)
+    replicas = [(0, 1), (2, 3)]
+    plan = Scheduler(PlacementPolicy.FLEXFLOOR, h, memory=mem, pace_margin=1.0).plan(
+        gs, range(4), replicas=replicas)
+    static = route_least_outstanding(gs, replicas)
+    assert [len(plan.assignment[r]) for r in range(4)] != [len(static[r]) for r in range(4)]
+    end = max(_steps(static, lengths, 25).values())
+    assert max(_steps(plan.assignment, lengths, 25).values()) <= end
+    # the replica meant to stay holds the longest prompt's samples
+    assert {q.prompt_uid for r in (0, 1) for q in plan.assignment[r]} >= {0}
+
+
+def test_release_keeps_the_kv_room_running_requests_still_need():
+    """A survivor borrows an expert only from room its running requests will not write: with
+    requests running that still produce tokens, the same free room hosts nothing more, and the
+    group holds at its floor instead of shrinking into their KV."""
+    from types import SimpleNamespace
+
+    from flexfloor.rollout.release import RankLimits, ReleaseRules, capacity_now, decide
+    from megatron_ext.placement import balanced_placement
+
+    limits = RankLimits(kv_bytes_per_token=10, max_seq_len=100, max_batch_size=8,
+                        kv_budget_bytes=10_000, expert_nbytes=1_000)
+    placement = balanced_placement(4, [0, 1])
+    idle = SimpleNamespace(kv_free=[2_000, 10_000], queued=[0, 0], running=[0, 0],
+                           remaining=[0, 0])
+    busy = SimpleNamespace(kv_free=[2_000, 10_000], queued=[0, 0], running=[3, 0],
+                           remaining=[40, 0])  # 3 requests x 40 tokens x 10 bytes = 1200
+    assert capacity_now(ReleaseRules(), placement, idle, limits)[0] == 2 + 2
+    assert capacity_now(ReleaseRules(), placement, busy, limits)[0] == 2 + 0
+    report = StepReportLike(has_work=[True, False], running=[3, 0], queued=[0, 0],
+                            remaining=[40, 0], kv_free=[2_000, 10_000])
+    d = decide(ReleaseRules(), placement, report, limits, 1)
+    assert d.leaving == [] and d.floor_hit  # rank 1 is done but rank 0 cannot host its experts
+    roomy = StepReportLike(has_work=[True, False], running=[1, 0], queued=[0, 0],
+                           remaining=[40, 0], kv_free=[2_500, 10_000])
+    assert decide(ReleaseRules(), placement, roomy, limits, 1).leaving == [1]
+
+
+def StepReportLike(**kw):
+    from flexfloor.rollout.engine import StepReport
+
+    return StepReport(finished=0, tokens=0, requests=0, **kw)

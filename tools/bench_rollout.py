@@ -438,10 +438,12 @@ class Bench:
 
         args, t0 = self.args, time.perf_counter()
         groups = self.prompt_groups(epoch)
-        chunks, plan = (self.schedulers[s].plan(groups, range(self.world))
-                        for s in ("chunks", "flexfloor"))
-        assignment = mode_assignments(groups, self.stack.layout.topology.replicas,
-                                      chunks=chunks, flexfloor=plan)
+        replicas = self.stack.layout.topology.replicas
+        chunks = self.schedulers["chunks"].plan(groups, range(self.world))
+        # FlexFloor plans inside each replica (its static bound, releases and memory floor), as
+        # the simulator does
+        plan = self.schedulers["flexfloor"].plan(groups, range(self.world), replicas=replicas)
+        assignment = mode_assignments(groups, replicas, chunks=chunks, flexfloor=plan)
         expected = {Mode.STATIC_CHUNKS: chunks.expected_finish,
                     Mode.SINGLE_GROUP: chunks.expected_finish, Mode.ELASTIC: plan.expected_finish}
         runs = {m: [] for m in args.modes}

@@ -135,13 +135,24 @@ def migration_plan(rules: ReleaseRules, ranks, report, limits: RankLimits) -> di
 def capacity_now(rules: ReleaseRules, placement, report, limits: RankLimits
                  ) -> Optional[dict[int, int]]:
     """Most experts each active rank can host now: a fixed `capacity`, or, under a KV budget,
-    what it hosts plus what its free KV memory can hold (a borrowed expert takes KV room from
-    the survivor's requests). A rank with queued requests borrows nothing: the room is theirs.
-    None: unbounded."""
+    what it hosts plus what its free KV memory can hold beyond what its running requests will
+    still write (a borrowed expert takes KV room from the survivor's requests; taking room they
+    need would preempt them and lengthen the rollout for the release: the group then stays at
+    its floor). A rank with queued requests borrows nothing: the room is theirs. None:
+    unbounded."""
     if rules.capacity is not None:
         return rules.capacity
     if limits.kv_budget_bytes is None:
         return None
     per = limits.expert_nbytes
-    return {r: len(placement.experts_of(r)) + (max(0, free) // per if queued == 0 else 0)
-            for r, free, queued in zip(placement.ranks, report.kv_free, report.queued)}
+    return {r: len(placement.experts_of(r)) + (
+                max(0, free - running_need(running, remaining, limits)) // per
+                if queued == 0 else 0)
+            for r, free, queued, running, remaining in zip(
+                placement.ranks, report.kv_free, report.queued, report.running, report.remaining)}
+
+
+def running_need(running: int, remaining: int, limits: RankLimits) -> int:
+    """KV bytes a rank's running requests may still write: each at most `remaining` tokens
+    more (the report's bound for the longest of them)."""
+    return running * remaining * limits.kv_bytes_per_token

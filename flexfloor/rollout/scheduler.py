@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -60,6 +61,23 @@ class LengthHistory:
             return None
         i = min(len(self._all) - 1, max(0, int(round(q * (len(self._all) - 1)))))
         return float(self._all[i])
+
+    def surprise_share(self, cap: float) -> float:
+        """How often a sample runs to `cap` against its prompt's history: over the prompts seen
+        in two epochs or more, the samples at the cap in the last epoch beyond those of the
+        epoch before, per sample; with no such prompt, the share of every length seen that
+        reached the cap (0 when nothing was seen)."""
+        surprises = samples = 0
+        for epochs in self.lengths.values():
+            if len(epochs) >= 2:
+                before = sum(n >= cap for n in epochs[-2])
+                surprises += max(0, sum(n >= cap for n in epochs[-1]) - before)
+                samples += len(epochs[-1])
+        if samples:
+            return surprises / samples
+        if not self._all:
+            return 0.0
+        return (len(self._all) - bisect.bisect_left(self._all, cap)) / len(self._all)
 
     def state_dict(self) -> dict:
         return {"lengths": {int(k): v for k, v in self.lengths.items()}, "all": list(self._all),
@@ -152,6 +170,7 @@ class MemoryModel:
     expert_bytes: int
     kv_budget_bytes: Optional[int] = None  # None: unbounded
     block_tokens: int = 1
+    num_experts: Optional[int] = None  # routed experts per layer (None: not known)
 
     @classmethod
     def of_model(cls, model, *, kv_budget_tokens: Optional[int] = None,
@@ -165,7 +184,8 @@ class MemoryModel:
         for layer in model.decoder.layers:
             first = layer.mlp.experts.local_experts[0]
             expert += sum(p.nbytes for p in first.parameters())
-        return cls._with_budget(kv, expert, kv_budget_tokens, block_tokens)
+        return cls._with_budget(kv, expert, kv_budget_tokens, block_tokens,
+                                model.config.num_moe_experts)
 
     @classmethod
     def from_model_config(cls, model_cfg, *, kv_budget_tokens: Optional[int] = None,
@@ -181,18 +201,19 @@ class MemoryModel:
         # gated MLP expert: fc1 [2F, H] + fc2 [H, F], per layer
         expert = 3 * model_cfg.moe_ffn_hidden_size * model_cfg.hidden_size * dtype_bytes
         expert *= model_cfg.num_layers
-        return cls._with_budget(kv, expert, kv_budget_tokens, block_tokens)
+        return cls._with_budget(kv, expert, kv_budget_tokens, block_tokens,
+                                getattr(model_cfg, "num_experts", None))
 
     @classmethod
     def _with_budget(cls, kv: int, expert: int, kv_budget_tokens: Optional[int],
-                     block_tokens: int) -> "MemoryModel":
+                     block_tokens: int, num_experts: Optional[int]) -> "MemoryModel":
         if block_tokens < 1:
             raise ValueError(f"KV block size must be at least 1 token, got {block_tokens}")
         budget = None
         if kv_budget_tokens is not None:  # whole blocks: the budget in tokens, rounded down
             budget = (kv_budget_tokens // block_tokens) * block_tokens * kv
         return cls(kv_bytes_per_token=kv, expert_bytes=expert, kv_budget_bytes=budget,
-                   block_tokens=block_tokens)
+                   block_tokens=block_tokens, num_experts=num_experts)
 
     @property
     def block_bytes(self) -> int:
@@ -246,7 +267,8 @@ class RolloutPlan:
     # seconds: the planned order in which ranks and replicas leave
     expected_finish: dict[int, float]
     per_request: dict[str, float] = field(default_factory=dict)  # request id -> predicted length
-    finish_bound: Optional[float] = None  # with a step cost: the static baseline's predicted end
+    # FlexFloor: the static baseline's predicted end (with a step cost in seconds, else in steps)
+    finish_bound: Optional[float] = None
 
     def leaving_order(self, replicas: Sequence[Sequence[int]]) -> list[int]:
         """Replica indices in the order they are planned to leave (first to leave first): the
@@ -306,31 +328,180 @@ def _worst_end(lengths: Sequence[Sequence[float]], prompt_lens: Sequence[Sequenc
 
 
 def simulate_rank_steps(lengths: Sequence[float], prompt_lens: Sequence[int], kv_tokens: Optional[int],
-                        max_batch: int) -> float:
+                        max_batch: int, *, block_tokens: Optional[int] = None,
+                        withheld: Sequence[tuple[int, int]] = ()) -> float:
     """Predicted steps for one rank to finish `lengths` (admitted in this order) under its KV room
-    and batch limit: a small event simulation of the engine's admission."""
-    return rank_profile(lengths, prompt_lens, kv_tokens, max_batch)[0]
+    and batch limit: a small event simulation of the engine's admission (`rank_profile`)."""
+    return rank_profile(lengths, prompt_lens, kv_tokens, max_batch, block_tokens=block_tokens,
+                        withheld=withheld)[0]
 
 
 def rank_profile(lengths: Sequence[float], prompt_lens: Sequence[int], kv_tokens: Optional[int],
-                 max_batch: int) -> tuple[float, float]:
+                 max_batch: int, *, block_tokens: Optional[int] = None,
+                 withheld: Sequence[tuple[int, int]] = ()) -> tuple[float, float]:
     """(steps to finish, peak KV tokens in use) of one rank: requests admitted in this order
-    while a batch slot and KV room (a request reserves prompt + response) are free. The peak
-    counts the tokens cached, which a decode step reads: where decoding is bound by memory
-    bandwidth (accelerators), the step time of the lockstep group follows the fullest rank."""
+    while a batch slot and KV room are free. The room is counted one of two ways:
+    - `block_tokens` None: a request reserves prompt + response at admission;
+    - blocks of `block_tokens` tokens: the engine's pool exactly (`pool_trace`: blocks taken as
+      tokens are produced, admission over the watermark, the youngest preempted when the pool
+      runs out), `kv_tokens` in whole blocks, less what borrowed experts take after a release
+      (`withheld`: (after step t, blocks) each).
+    The peak counts the tokens cached, which a decode step reads: where decoding is bound by
+    memory bandwidth (accelerators), the step time of the lockstep group follows the fullest rank."""
     if not lengths:
         return 0.0, 0.0
-    if len(lengths) <= max_batch and (
-            kv_tokens is None or sum(int(n) + p for n, p in zip(lengths, prompt_lens)) <= kv_tokens):
-        # everything admitted at once: just before the k-th longest finishes, it and every longer
-        # one hold their prompt plus that many tokens
-        peak, prompts = 0.0, 0
-        ordered = sorted(zip((max(1.0, n) for n in lengths), prompt_lens), reverse=True)
-        for k, (n, p) in enumerate(ordered, start=1):
-            prompts += p
-            peak = max(peak, prompts + k * n)
-        return ordered[0][0], peak
-    return _profile_by_events(lengths, prompt_lens, kv_tokens, max_batch)
+    if block_tokens is not None:
+        from flexfloor.rollout.kv import blocks_for, watermark_blocks
+
+        capacity = None if kv_tokens is None else kv_tokens // block_tokens
+        # every request's last block taken with the watermark still free: no wave, no preemption
+        fits = capacity is None or sum(
+            blocks_for(math.ceil(n - 1e-9) + p, block_tokens) for n, p in zip(lengths, prompt_lens)
+        ) + sum(b for _, b in withheld) + watermark_blocks(capacity) <= capacity
+        if not (fits and len(lengths) <= max_batch):
+            t = pool_trace(lengths, prompt_lens, capacity, block_tokens, max_batch, withheld,
+                           trace=False)
+            return float(t.steps), t.peak
+        lengths = [max(1, math.ceil(n - 1e-9)) for n in lengths]
+    elif not (len(lengths) <= max_batch and (
+            kv_tokens is None or sum(int(n) + p for n, p in zip(lengths, prompt_lens)) <= kv_tokens)):
+        return _profile_by_events(lengths, prompt_lens, kv_tokens, max_batch)
+    # everything admitted at once: just before the k-th longest finishes, it and every longer
+    # one hold their prompt plus that many tokens
+    peak, prompts = 0.0, 0
+    ordered = sorted(zip((max(1.0, n) for n in lengths), prompt_lens), reverse=True)
+    for k, (n, p) in enumerate(ordered, start=1):
+        prompts += p
+        peak = max(peak, prompts + k * n)
+    return ordered[0][0], peak
+
+@dataclass(frozen=True)
+class PoolTrace:
+    """A rank's predicted run through its KV block pool (`rank_profile` with blocks): steps to
+    its local finish, the peak of cached tokens, and after each step t (index t - 1) the blocks in
+    use, the requests queued and running, and the most tokens a running one may still produce:
+    what the release decision sees of the rank at that boundary (`StepReport`)."""
+
+    steps: int
+    peak: float
+    used: tuple[int, ...] = ()
+    queued: tuple[int, ...] = ()
+    running: tuple[int, ...] = ()
+    remaining: tuple[int, ...] = ()
+
+
+def pool_trace(lengths: Sequence[float], prompt_lens: Sequence[int], capacity: Optional[int],
+               block_tokens: int, max_batch: int, withheld: Sequence[tuple[int, int]] = (),
+               *, trace: bool = True) -> PoolTrace:
+    """One rank's requests (admitted in this order) through the engine's KV block pool, step by
+    step as `RolloutEngine.generate` runs them (flexfloor/rollout/kv.py): admission while a batch
+    slot and the prefill's blocks are free over the watermark, each running request then takes
+    the blocks its next token needs in admission order, and when the pool runs out the youngest
+    is preempted (re-queued first; re-admitted later with prompt + what it had produced, its
+    progress kept). `capacity`: the pool's blocks (None: unbounded); `withheld`: (after step t,
+    blocks) borrowed experts take from the room from then on (a survivor after a release).
+    Lengths are rounded up to whole tokens (at least one). Raises ValueError where the engine
+    would fail: a request whose prefill does not fit with nothing running. `trace` False: the
+    steps and peak only (`used` and `queued` left empty)."""
+    from flexfloor.rollout.kv import watermark_blocks
+
+    bt = block_tokens
+    todo = [(max(1, math.ceil(n - 1e-9)), int(p)) for n, p in zip(lengths, prompt_lens)]
+    # each request: [target length, prompt, tokens produced, blocks held]
+    queue = deque([n, p, 0, 0] for n, p in todo)
+    running: list[list[int]] = []
+    mark = watermark_blocks(capacity)
+    held = step = 0
+    peak = 0.0
+    extra = sorted(withheld)
+    taken = 0  # blocks withheld so far
+    used_after, queued_after, running_after, remaining_after = [], [], [], []
+    while queue or running:
+        while extra and extra[0][0] <= step:
+            taken += extra.pop(0)[1]
+        free = None if capacity is None else capacity - taken - held
+        while queue and len(running) < max_batch:  # admit
+            r = queue[0]
+            need = -(-(r[1] + r[2]) // bt)
+            if free is not None and free - need < (mark if running else 0):
+                if not running:
+                    raise ValueError(f"a request of {r[1] + r[2]} tokens needs {need} KV "
+                                     f"blocks and only {free} are free with nothing running")
+                break
+            queue.popleft()
+            r[3] = need
+            held += need
+            free = None if free is None else free - need
+            running.append(r)
+        i, preempted = 0, False
+        while i < len(running):  # the blocks this step's tokens need, the youngest preempted
+            r = running[i]
+            need = -(-(r[1] + r[2]) // bt) - r[3]  # its context with the token it feeds
+            if need <= 0 or free is None or free >= need:
+                if need > 0:
+                    r[3] += need
+                    held += need
+                    free = None if free is None else free - need
+                i += 1
+                continue
+            victim = running.pop()
+            held -= victim[3]
+            free += victim[3]
+            victim[3] = 0
+            queue.appendleft(victim)
+            preempted = True
+        step += 1
+        peak = max(peak, sum(r[1] + r[2] + 1 for r in running))
+        still = []
+        for r in running:  # forward: every running request samples one token
+            r[2] += 1
+            if r[2] >= r[0]:
+                held -= r[3]
+            else:
+                still.append(r)
+        finished = len(still) < len(running)
+        running = still
+        if trace:
+            used_after.append(held)
+            queued_after.append(len(queue))
+            running_after.append(len(running))
+            remaining_after.append(max((r[0] - r[2] for r in running), default=0))
+        if finished or preempted or not running:
+            continue
+        # nothing finished or was preempted: until the next finish (or withheld room) nobody is
+        # admitted either (the room only shrinks), so jump over the steps whose blocks fit
+        jump = min(r[0] - r[2] for r in running) - 1
+        if extra:
+            jump = min(jump, extra[0][0] - step)
+
+        def blocks_at(j: int) -> int:  # blocks held once the j-th step from here took its own
+            return sum(-(-(r[1] + r[2] + j - 1) // bt) for r in running)
+
+        if capacity is not None and jump > 1:
+            lo, hi = 0, jump  # the largest j whose blocks fit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if blocks_at(mid) <= capacity - taken:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            jump = lo
+        if jump < 2:
+            continue
+        if trace:
+            used_after.extend(blocks_at(j) for j in range(1, jump + 1))
+            queued_after.extend([len(queue)] * jump)
+            running_after.extend([len(running)] * jump)
+            left = max(r[0] - r[2] for r in running)
+            remaining_after.extend(left - j for j in range(1, jump + 1))
+        for r in running:
+            r[2] += jump
+            r[3] = -(-(r[1] + r[2] - 1) // bt)
+        held = sum(r[3] for r in running)
+        step += jump
+        peak = max(peak, sum(r[1] + r[2] for r in running))
+    return PoolTrace(step, peak, tuple(used_after), tuple(queued_after), tuple(running_after),
+                     tuple(remaining_after))
 
 
 def _profile_by_events(lengths, prompt_lens, kv_tokens, max_batch) -> tuple[float, float]:
@@ -387,6 +558,13 @@ def least_outstanding(events: Sequence[tuple[str, str]], targets: int) -> dict[s
     return where
 
 
+def _longest_first(groups: Sequence[PromptGroup], per_request: dict[str, float]) -> list[Request]:
+    """The groups' requests in the order a rank admits them: longest predicted first."""
+    reqs = [q for g in groups for q in g.requests]
+    reqs.sort(key=lambda q: (-per_request[q.request_id], q.prompt_uid, q.sample_index))
+    return reqs
+
+
 @dataclass
 class Scheduler:
     """Places prompt groups on ranks for one rollout, and learns lengths from its results."""
@@ -437,18 +615,16 @@ class Scheduler:
                 raise ValueError(f"replicas {replicas} must partition the ranks {ranks} exactly")
             assignment, bound = self._across_replicas(groups, replicas, predicted, step_cost)
         else:
-            assignment = self._flexfloor(groups, ranks, predicted)
+            groups_of = [sorted(g) for g in replicas] if replicas else [ranks]
+            if sorted(r for g in groups_of for r in g) != ranks:
+                raise ValueError(f"replicas {groups_of} must partition the ranks {ranks} exactly")
+            assignment, expected, bound = self._flexfloor(groups, ranks, predicted, groups_of)
         if step_cost is not None and self.policy != PlacementPolicy.BASELINE:
             expected = {}
             for g in replicas:
                 expected.update(zip(g, self._finish([assignment[r] for r in g], step_cost)))
-        else:
-            kv = self.memory.kv_tokens() if self.memory else None
-            expected = {
-                r: simulate_rank_steps([self._per_request[q.request_id] for q in reqs],
-                                       [len(q.prompt_ids) for q in reqs], kv, self.max_batch_size)
-                for r, reqs in assignment.items()
-            }
+        elif self.policy == PlacementPolicy.BASELINE:
+            expected = {r: self._profile(reqs)[0] for r, reqs in assignment.items()}
         return RolloutPlan(assignment, predicted, sources, expected, dict(self._per_request),
                            bound)
 
@@ -567,50 +743,198 @@ class Scheduler:
             start += size
         return out
 
-    def _flexfloor(self, groups, ranks, predicted) -> dict[int, list[Request]]:
-        """Longest predicted groups on the ranks meant to stay (lowest ranks), each later rank a
-        shorter slice, so ranks leave one after another. A rank takes at most twice its fair share
-        of groups, and only while its predicted finish stays within the makespan bound (the
-        longest single group, or, when the KV budget forces waves, the baseline's predicted
-        makespan) and, with `load_cap`, its peak KV load within the cap."""
-        kv = self.memory.kv_tokens() if self.memory else None
+    def _flexfloor(self, groups, ranks, predicted, replicas
+                   ) -> tuple[dict[int, list[Request]], dict[int, float], float]:
+        """FlexFloor by predicted steps (the CPU engine; the simulator at unit cost), never
+        planned longer than static.
+
+        The bound: the predicted end of the baseline users run (`route_least_outstanding` over
+        the replicas, then their ranks; the same KV budget). Candidates place the longest
+        predicted groups first on the ranks meant to stay (`_staggered`: rank after rank, each
+        a shorter slice, so ranks leave one after another; `_filled`: replica after replica,
+        balanced over its ranks, for groups that cannot shrink under their memory floor). A
+        candidate counts only if every rank's predicted finish (`_releases`: the engine's block
+        pool, borrowed experts withheld after each planned release) stays within the bound and,
+        with `load_cap`, its peak KV load within the cap; of those, the one with the fewest
+        predicted occupied steps wins. When none fits, the plan is the baseline's placement.
+        Returns (rank -> requests, rank -> predicted local finish, the bound in steps)."""
+        from flexfloor.rollout.replicas import route_least_outstanding
+
+        for g in groups:  # a group's past lengths over its samples, rotated by prompt: spread
+            # over ranks (sample i of every prompt to the same rank, as round robin does), the
+            # longest past length of each prompt must not all land on one rank
+            past = sorted(self.history.last(g.uid) or [predicted[g.uid]], reverse=True)
+            for i, q in enumerate(g.requests):
+                self._per_request[q.request_id] = float(past[(i + g.uid) % len(past)])
+        static = route_least_outstanding(groups, [tuple(g) for g in replicas])
+        static_finish, static_release = self._releases(static, replicas)
+        cap = float(max((q.max_new_tokens for g in groups for q in g.requests), default=0))
+        share = self.history.surprise_share(cap) if cap else 0.0
+        longest = max(self._per_request.values(), default=0.0)
+
+        bounded = self.memory is not None and self.memory.kv_budget_bytes is not None
+
+        def margin(end: float, alone: float) -> float:
+            """Room for what the predictions miss (`pace_margin`), but where no KV budget binds
+            and the baseline's end is its longest request alone, that end exactly (no other
+            request can delay it there)."""
+            return end if end <= alone and not bounded else end * self.pace_margin
+
+        # hedged: the same as if a share of each rank's requests ran to the cap as often as
+        # samples ran to it against their history
+        bound = (margin(max(static_finish.values(), default=0.0), longest),
+                 margin(max((self._hedged(reqs, share, cap) for reqs in static.values()),
+                            default=0.0), cap if share else longest))
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
+        peak_bound = None
+        if self.load_cap is not None:  # the baseline chunks' fullest rank (`load_cap`)
+            peak_bound = self.load_cap * max(
+                (self._profile(reqs)[1] for reqs in self._baseline(groups, ranks).values()),
+                default=0.0)
 
-        def profile(gs):
-            reqs = [r for g in gs for r in g.requests]
-            reqs.sort(key=lambda r: -self._per_request[r.request_id])
-            return rank_profile([self._per_request[r.request_id] for r in reqs],
-                                [len(r.prompt_ids) for r in reqs], kv, self.max_batch_size)
+        def within(reqs: Sequence[Request]) -> bool:
+            """`reqs` (in admission order) on one rank keep its predicted and hedged finish
+            within the bound, and its peak within `load_cap`."""
+            steps, peak = self._profile(reqs)
+            return (steps <= bound[0] and (peak_bound is None or peak <= peak_bound)
+                    and self._hedged(reqs, share, cap) <= bound[1])
 
-        # the makespan the baseline would have (its chunks of the batch in the order given) and
-        # its fullest rank's peak KV load
-        baseline = self._baseline(groups, ranks)
-        bound = max(predicted[g.uid] for g in groups) if groups else 0.0
-        peak_bound = 0.0
-        group_of = {id(r): g for g in groups for r in g.requests}
-        for reqs in baseline.values():  # waves, when the KV budget or the batch limit forces them
-            chunk = list({id(group_of[id(r)]): group_of[id(r)] for r in reqs}.values())
-            steps, peak = profile(chunk)
-            bound, peak_bound = max(bound, steps), max(peak_bound, peak)
-        peak_bound = None if self.load_cap is None else self.load_cap * peak_bound
+        best, best_occupied = (static, static_finish), sum(static_release.values())
+        for candidate in (self._staggered(order, ranks, within),
+                          self._filled(order, replicas, within)):
+            finish, release = self._releases(candidate, replicas)
+            if max(finish.values(), default=0.0) > bound[0]:
+                continue
+            if not all(within(reqs) for reqs in candidate.values() if reqs):
+                continue
+            if sum(release.values()) < best_occupied:
+                best, best_occupied = (candidate, finish), sum(release.values())
+        return best[0], best[1], bound[0]
+
+    def _profile(self, reqs: Sequence[Request], withheld: Sequence[tuple[int, int]] = (),
+                 lengths: Optional[Sequence[float]] = None) -> tuple[float, float]:
+        """(predicted steps, peak cached tokens) of one rank running `reqs` in this order: the
+        engine's block pool under the memory model's budget (`rank_profile`); `lengths`
+        instead of the predicted ones."""
+        m = self.memory
+        kv = m.kv_tokens() if m else None
+        if lengths is None:
+            lengths = [self._per_request[q.request_id] for q in reqs]
+        return rank_profile(lengths, [len(q.prompt_ids) for q in reqs], kv, self.max_batch_size,
+                            block_tokens=m.block_tokens if kv is not None else None,
+                            withheld=withheld)
+
+    def _hedged(self, reqs: Sequence[Request], share: float, cap: float) -> float:
+        """Predicted steps of one rank if `share` of its requests (rounded) ran to `cap` against
+        their predictions: those spread evenly over the admission order among the requests
+        predicted below the cap (a sample that runs long costs a rank in proportion to how many
+        requests it runs, and where it is admitted)."""
+        lengths = [self._per_request[q.request_id] for q in reqs]
+        short = [i for i, n in enumerate(lengths) if n < cap]
+        m = min(len(short), round(share * len(reqs)))
+        for j in range(m):
+            lengths[short[int((j + 0.5) * len(short) / m)]] = cap
+        return self._profile(reqs, lengths=lengths)[0]
+
+    def _releases(self, assignment: dict[int, list[Request]], replicas
+                  ) -> tuple[dict[int, float], dict[int, float]]:
+        """Predicted (local finish, release) step of every rank. Inside each replica the ranks
+        leave in order of their finish, each at the first step boundary where the release
+        decision's memory rule (`release.capacity_now`, `plan_shrink`) lets the survivors host
+        its experts; each survivor's KV room then shrinks by what it borrows (withheld in
+        whole blocks, as the engine's pool does), which may delay its own finish. A rank the
+        floor holds leaves with the last of its replica. Without a KV budget or the expert
+        count (`MemoryModel.num_experts`) every rank leaves at its finish."""
+        m = self.memory
+        finish = {r: self._profile(reqs)[0] for r, reqs in assignment.items()}
+        if m is None or m.kv_budget_bytes is None or not m.num_experts:
+            return finish, dict(finish)
+        from types import SimpleNamespace
+
+        from flexfloor.rollout.kv import blocks_for
+        from flexfloor.rollout.release import RankLimits, ReleaseRules, capacity_now
+        from megatron_ext.placement import balanced_placement, plan_shrink
+
+        capacity = m.kv_budget_bytes // m.block_bytes
+        limits = RankLimits(kv_bytes_per_token=m.kv_bytes_per_token, max_seq_len=0,
+                            max_batch_size=self.max_batch_size, kv_budget_bytes=m.kv_budget_bytes,
+                            expert_nbytes=m.expert_bytes)
+        release = {}
+        for group in replicas:
+            group = sorted(group)
+            withheld: dict[int, list[tuple[int, int]]] = {r: [] for r in group}
+
+            def trace(r):
+                reqs = assignment[r]
+                return pool_trace([self._per_request[q.request_id] for q in reqs],
+                                  [len(q.prompt_ids) for q in reqs], capacity, m.block_tokens,
+                                  self.max_batch_size, withheld[r])
+
+            traces = {r: trace(r) for r in group}
+            placement = balanced_placement(m.num_experts, group)
+            active = list(group)
+            while len(active) > 1:
+                leaver = min(active, key=lambda r: (traces[r].steps, -r))
+                survivors = [r for r in active if r != leaver]
+                end = max(traces[r].steps for r in active)
+                at, plan = end, None
+                for t in range(traces[leaver].steps, end):  # the first boundary that lets it go
+                    report = SimpleNamespace(kv_free=[], queued=[], running=[], remaining=[])
+                    for r in placement.ranks:  # what the ranks share after step t
+                        tr, room = traces[r], capacity - sum(b for s, b in withheld[r] if s <= t)
+                        used, queued, running, remaining = (
+                            (0, len(assignment[r]), 0, 0) if t == 0 else
+                            (tr.used[t - 1], tr.queued[t - 1], tr.running[t - 1],
+                             tr.remaining[t - 1]) if t < tr.steps else (0, 0, 0, 0))
+                        report.kv_free.append((room - used) * m.block_bytes)
+                        report.queued.append(queued)
+                        report.running.append(running)
+                        report.remaining.append(remaining)
+                    try:
+                        plan = plan_shrink(placement, [leaver], capacity=capacity_now(
+                            ReleaseRules(), placement, report, limits))
+                    except ValueError:
+                        continue
+                    at = t
+                    break
+                release[leaver] = float(at)
+                active = survivors
+                if plan is None:  # the floor holds it to the end: the others leave with it
+                    continue
+                placement, transfers = plan
+                got: dict[int, int] = {}
+                for tr in transfers:
+                    got[tr.dst] = got.get(tr.dst, 0) + 1
+                for r, n in got.items():
+                    withheld[r].append((at, blocks_for(n * m.expert_bytes, m.block_bytes)))
+                    try:
+                        traces[r] = trace(r)
+                    except ValueError:  # its pool could not admit a prefill: hold everyone
+                        traces[r] = PoolTrace(int(end), 0.0)
+                    finish[r] = float(traces[r].steps)
+            for r in active:
+                release[r] = float(max([traces[x].steps for x in group]))
+            for r in group:
+                release[r] = max(release[r], finish[r])
+        return finish, release
+
+    def _staggered(self, order, ranks, within: Callable[[Sequence[Request]], bool]
+                   ) -> dict[int, list[Request]]:
+        """Longest predicted groups on the ranks meant to stay (the lowest), each later rank a
+        shorter slice, so ranks leave one after another: a rank takes at most `max_share` fair
+        shares of the groups, and only while it stays `within` the bound; what no rank takes
+        goes where the finish stays lowest."""
 
         def fits(gs):
-            steps, peak = profile(gs)
-            return steps <= bound and (peak_bound is None or peak <= peak_bound)
+            return within(_longest_first(gs, self._per_request))
 
         assigned: dict[int, list[PromptGroup]] = {r: [] for r in ranks}
-        # fill the ranks meant to stay first: each takes the longest remaining groups while its
-        # predicted finish stays within the bound; what is left goes to the next rank
         remaining = list(order)
         for i, rank in enumerate(ranks):
             left_ranks = len(ranks) - i
-            if left_ranks == 1 and self.load_cap is None:
-                assigned[rank] = remaining
-                remaining = []
-                break
-            # at most twice a fair share of the groups: the staying ranks take more of the long
-            # work (so more ranks leave early), but a lockstep step costs what the fullest rank's
-            # batch costs, so piling everything on them would slow every step
+            # at most `max_share` fair shares: the staying ranks take more of the long work (so
+            # more ranks leave early), but a lockstep step costs what the fullest rank's batch
+            # costs, so piling everything on them would slow every step
             share_cap = max(1, int(self.max_share * math.ceil(len(remaining) / left_ranks)))
             taken = []
             for g in list(remaining):
@@ -622,20 +946,64 @@ class Scheduler:
             for g in taken:
                 remaining.remove(g)
             assigned[rank] = taken
-        # groups no rank could take within the caps: each to the rank whose predicted peak load
-        # stays lowest with it, among those still within the makespan bound if any (never all
-        # onto the last rank)
+        self._place_rest(assigned, remaining, ranks, within)
+        return {r: _longest_first(gs, self._per_request) for r, gs in assigned.items()}
+
+    def _filled(self, order, replicas, within: Callable[[Sequence[Request]], bool]
+                ) -> dict[int, list[Request]]:
+        """Longest predicted groups on the replicas meant to stay (the lowest), each group's
+        samples spread over the replica's ranks (each to the rank with the fewest requests: a
+        rank holding a long prompt's samples together would run them in waves under a tight KV
+        budget), while every rank of it stays `within` the bound; a replica that refuses
+        `refusals` groups in a row is full. The ranks of a replica end together: where the
+        memory floor keeps a replica from shrinking, only whole replicas leave early."""
+        placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
+
+        def spread(ranks, g) -> dict[int, list[Request]]:
+            trial = {r: list(placed[r]) for r in ranks}
+            for q in g.requests:
+                trial[min(ranks, key=lambda r: (len(trial[r]), r))].append(q)
+            return trial
+
+        def fits(reqs) -> bool:
+            return within(_longest_first([PromptGroup(-1, tuple(reqs))], self._per_request))
+
+        remaining = list(order)
+        for group in replicas:
+            ranks = sorted(group)
+            left, refused = [], 0
+            for k, g in enumerate(remaining):
+                if refused >= self.refusals:
+                    left += remaining[k:]
+                    break
+                trial = spread(ranks, g)
+                if all(fits(trial[r]) for r in ranks if len(trial[r]) > len(placed[r])):
+                    placed.update(trial)
+                    refused = 0
+                else:
+                    left.append(g)
+                    refused += 1
+            remaining = left
+        for g in remaining:  # nothing in bound: the replica that finishes soonest with it
+            def end_with(ranks):
+                trial = spread(ranks, g)
+                return max(self._profile(_longest_first([PromptGroup(-1, tuple(trial[r]))],
+                                                        self._per_request))[0] for r in ranks)
+            placed.update(spread(min((sorted(x) for x in replicas), key=end_with), g))
+        return {r: _longest_first([PromptGroup(-1, tuple(reqs))], self._per_request)
+                for r, reqs in placed.items()}
+
+    def _place_rest(self, assigned: dict[int, list[PromptGroup]], remaining, ranks,
+                    within: Callable[[Sequence[Request]], bool]) -> None:
+        """Groups no rank took within the caps: each to the rank whose predicted finish stays
+        lowest with it, among those still `within` the bound if any (never all onto the last
+        rank)."""
         for g in remaining:
             def cost(r):
-                steps, peak = profile(assigned[r] + [g])
-                return (steps > bound, peak, steps, len(assigned[r]), -r)
+                reqs = _longest_first(assigned[r] + [g], self._per_request)
+                steps, peak = self._profile(reqs)
+                return (not within(reqs), steps, peak, len(assigned[r]), -r)
             assigned[min(ranks, key=cost)].append(g)
-        out = {}
-        for rank, gs in assigned.items():
-            reqs = [r for g in gs for r in g.requests]
-            reqs.sort(key=lambda r: (-self._per_request[r.request_id], r.prompt_uid, r.sample_index))
-            out[rank] = reqs  # within a rank: the longest first
-        return out
 
     def observe(self, results: Iterable) -> None:
         self.history.record_results(results)
