@@ -28,7 +28,6 @@ rank, the phase and the step only when nothing moves for `parallel.timeout_s`.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import time
 from collections.abc import Callable
@@ -52,7 +51,8 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
 from flexfloor.rollout.replicas import ReplicaTopology, replica_ranks
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from flexfloor.rollout.tails import (
-    Mailbox, TailRules, after_moves, mailbox_for, may_give_within, rank_state, within_replica,
+    Across, Mailbox, TailRules, after_moves, mailbox_for, may_give_within, rank_state,
+    within_replica,
 )
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import initial_placement, plan_shrink
@@ -110,9 +110,14 @@ class ElasticMembership:
         t0 = time.perf_counter()
         states, arrivals = None, []
         if self.mailbox is not None:
-            early, report, states, arrivals = self._across(engine, report)
-            if early is not None:
-                return early
+            across = self.mailbox.boundary(engine, report, self.tails)
+            if across.action == Across.WAIT:
+                return Boundary(across.report)
+            if across.action == Across.HAND_OVER:
+                self.timeline.append({"step": engine.record.steps, "handed_over": {
+                    m.request_id: m.dst for m in across.moves}})
+                return Boundary(across.report, ReleaseDecision(hand_over=across.moves))
+            report, states, arrivals = across.report, across.states, across.arrivals
         if not any(report.has_work):
             return Boundary(report, arrivals=arrivals)
         placement, limits = engine.moe.placement, RankLimits.of(engine)
@@ -141,7 +146,7 @@ class ElasticMembership:
             # one clock: the bound always holds, so each request's cap is prediction enough
             # (and what the simulator reproduces: tools/simulate.py's tiny-cpu)
             states = gather_objects(engine.moe.group,
-                                    rank_state(engine, self._replica(engine), siblings=False))
+                                    rank_state(engine, self.replica, siblings=False))
         cons = within_replica(states, self.tails, max_batch=engine.max_batch_size,
                               block_tokens=engine.block_tokens)
         if not cons.moves:
@@ -156,64 +161,10 @@ class ElasticMembership:
         after.moves = cons.moves
         return after
 
-    def _replica(self, engine) -> int:
+    @property
+    def replica(self) -> int:
+        """This rank's replica (0 without the mailbox: within a replica it is not read)."""
         return self.mailbox.replica if self.mailbox is not None else 0
-
-    def _across(self, engine, report):
-        """The replica's side of the mailbox protocol at this boundary (tails.Mailbox): read the
-        inbox, close it when this replica is done or may give, share what the leader read and
-        every rank's state in one gather, post the state, and give when the decision says so.
-        Returns (a Boundary that settles this boundary, or None: decide as usual; the report
-        with the arrivals counted; the ranks' states; this rank's arrivals). The Boundary
-        steps on idle while a giver holds the inbox busy, or hands everything over."""
-        box, rules = self.mailbox, self.tails
-        ranks = list(engine.moe.placement.ranks)
-        leader = ranks[0]
-        done = not any(report.has_work)
-        can_give = not any(report.queued) and 0 < sum(report.running) <= rules.max_requests
-        mail, closed = [], False
-        if engine.rank == leader:
-            box.open()
-            mail = box.take_mail()
-            if done or (can_give and not mail):
-                closed = box.close()
-                if closed:
-                    mail += box.take_mail()  # committed before the close
-        everyone = gather_objects(engine.moe.group, (rank_state(engine, box.replica),
-                                                     (mail, closed, box.consumed)))
-        states = [s for s, _ in everyone]
-        mail, closed, box.consumed = everyone[0][1]
-        dst = [t if t in ranks else leader for t, _ in mail]  # a taker since released: leader
-        arrivals = [p for t, (_, p) in zip(dst, mail) if t == engine.rank]
-        if mail:
-            has = list(report.has_work)
-            queued = list(report.queued)
-            for t in dst:
-                has[ranks.index(t)] = True
-                queued[ranks.index(t)] += 1
-            report = dataclasses.replace(report, has_work=has, queued=queued)
-        if engine.rank == leader:
-            box.post(engine.record.steps, states)
-            if closed and (mail or not (done or can_give)):
-                box.reopen()  # work arrived: this replica stays
-        usual = (None, report, states, arrivals)
-        if mail:
-            return usual
-        if done and not closed:  # a giver holds the inbox: step on (idle) and retry
-            idle = dataclasses.replace(report, has_work=[r == leader for r in ranks])
-            return Boundary(idle), idle, states, []
-        if not (can_give and closed) or done:
-            return usual
-        moves = (box.plan(engine.record.steps, states, rules, max_batch=engine.max_batch_size,
-                          block_tokens=engine.block_tokens) if engine.rank == leader else None)
-        moves = gather_objects(engine.moe.group, moves)[0]
-        if not moves:
-            if engine.rank == leader:
-                box.reopen()
-            return usual
-        self.timeline.append({"step": engine.record.steps, "handed_over": {
-            m.request_id: m.dst for m in moves}})
-        return Boundary(report, ReleaseDecision(hand_over=moves)), report, states, []
 
     def hand_over(self, engine, payloads: list[dict], moves) -> None:
         """A giving replica's ranks pass their exported requests to the leader (one gather),
@@ -222,7 +173,6 @@ class ElasticMembership:
         everyone = gather_objects(engine.moe.group, payloads)
         if engine.rank == engine.moe.placement.ranks[0]:
             self.mailbox.send(moves, [p for part in everyone for p in part])
-
 
     @property
     def rules(self) -> ReleaseRules:
