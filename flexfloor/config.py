@@ -279,9 +279,9 @@ class ElasticConfig:
     # tail consolidation (flexfloor/rollout/tails.py): at a step boundary a rank (within its
     # replica) or a whole replica (across replicas) with no queued request and at most
     # consolidate_max_requests running hands them to ranks that stay, re-prefilled there with
-    # the same position-keyed randomness (the same tokens), and leaves now. Off by default for
-    # now: the paper's release (and the tests that pin its steps) stay as they were
-    consolidate: bool = False
+    # the same position-keyed randomness (the same tokens), and leaves now. Inside a replica
+    # its steps are a function of the requests (one clock); false: the paper's release alone
+    consolidate: bool = True
     consolidate_max_requests: int = 8  # most running requests a rank or replica hands over
     consolidate_reserve_blocks: int = 0  # KV blocks a taker keeps free beyond what it takes
     # also across replicas (rollout.replicas > 1), through an inbox per replica on the job's

@@ -123,3 +123,39 @@ def test_the_stack_hands_its_config_sections_to_each_rollout(res):
     assert got["elastic"] == {"membership": "ElasticMembership", "step": 7, "min_active_ranks": 3,
                               "check_interval_steps": 4, "migrate_max_requests": 5}
     assert got["static"]["membership"] == "StaticMembership"
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_the_jobs_static_policy_is_the_baseline_step_for_step(res, kind):
+    """elastic.release_policy=static in the job (its plan and its section's policy): the
+    benchmark's `static` mode: least-outstanding routing over the replicas whatever
+    scheduler.placement, every rank held to its replica's end, nothing consolidated."""
+    parts = res[kind]
+    assert tokens(parts, "job_static") == tokens(parts, "single_group")
+    for p in parts:
+        job, static = p["job_static"], p["static"]
+        assert job["membership"] == "ReplicaStaticMembership"
+        assert sorted(job["tokens"]) == sorted(static["tokens"])  # the same requests per rank
+        assert job["record"]["steps"] == static["record"]["steps"]
+        assert job["record"]["release_step"] == job["record"]["steps"]  # held to its end
+        assert job["timeline"] == [] and job["record"]["trace"]["moves"] == []
+    assert [p["job_static"]["record"]["steps"] for p in parts] != [
+        p["elastic"]["record"]["steps"] for p in parts]  # not FlexFloor's placement
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_the_jobs_default_consolidates_inside_replicas_with_the_same_tokens(res, kind):
+    """The default elastic section (tail consolidation on) on FlexFloor's placement: requests
+    move inside a replica, the tokens stay, the givers leave earlier than under the paper's
+    release alone (mode `elastic` here, consolidation off) and no replica ends later."""
+    parts = res[kind]
+    assert tokens(parts, "job_default") == tokens(parts, "single_group")
+    recs = [p["job_default"]["record"] for p in parts]
+    moved = [m for r in recs for m in r["trace"]["moves"] if m["src"] == r["rank"]]
+    assert moved and not any(m["across"] for m in moved)
+    assert all(m["src"] // 2 == m["dst"] // 2 for m in moved)
+    assert sum(r["migrated_out"] for r in recs) == sum(r["adopted"] for r in recs) == len(moved)
+    paper = [p["elastic"]["record"]["steps"] for p in parts]
+    steps = [r["steps"] for r in recs]
+    assert sum(steps) < sum(paper)
+    assert [max(steps[:2]), max(steps[2:])] == [max(paper[:2]), max(paper[2:])]
