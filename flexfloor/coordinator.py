@@ -101,7 +101,7 @@ def gather_all(parallel, items: list) -> list:
 class Rollout:
     """One rollout's results (every rank's, on every rank) and how it ran."""
 
-    results: list  # flexfloor.rollout.types.Result
+    results: list  # flexfloor.rollout.types.Result, in request order
     records: list[dict]  # RankRecord.as_dict() of each rank
     plan: RolloutPlan
     membership: object  # the release policy's membership of this rollout
@@ -254,7 +254,10 @@ class Job:
             resync_s = run.resync()
             if isinstance(run.on_event, OffloadOnRelease):
                 out.record.note(**run.on_event.take_stats())
-            results = gather_all(self.parallel, out.results)
+            # in request order, not rank order: every metric then is the same whatever the
+            # placement (a mean over rank order would round differently per layout)
+            results = sorted(gather_all(self.parallel, out.results),
+                             key=lambda r: (r.prompt_uid, r.sample_index))
             records = gather_all(self.parallel, [out.record.as_dict()])
             if not run.elastic and self.stack.layout.replicated:
                 records = held_to_end(records)  # a replica done waits for the slowest one
