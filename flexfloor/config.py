@@ -271,7 +271,7 @@ class RolloutConfig:
 @dataclass
 class ElasticConfig:
     release_policy: ReleasePolicy = ReleasePolicy.ELASTIC  # static EP or early release
-    min_active_ranks: int = 1  # the EP group never shrinks below this many ranks
+    min_active_ranks: int = 1  # an EP group (each replica's) never shrinks below this many ranks
     check_interval_steps: int = 1  # engine steps between agreements on who is done
     # a released rank parks its weights, gradient buffers and optimizer state in host memory
     # until resync, freeing its accelerator; None = on with CUDA, off on CPU
