@@ -53,11 +53,24 @@ def test_a_replica_done_is_released_whole(res, kind):
 def test_each_replica_shrinks_inside_itself(res):
     parts = res["shrink"]
     assert tokens(parts, "elastic") == tokens(parts, "static")
-    lines = [[(t["leaving"], t["active"]) for t in p["elastic"]["timeline"]] for p in parts]
+    lines = [[(t["leaving"], t["active"]) for t in p["elastic"]["timeline"] if "leaving" in t]
+             for p in parts]
     assert lines[0] == [([1], [0])] and lines[2] == [([3], [2])]
     assert lines[1] == [([1], [0])] and lines[3] == [([3], [2])]  # a leaver sees its own shrink
     steps = [p["elastic"]["record"]["steps"] for p in parts]
     assert steps[1] < steps[0] and steps[3] < steps[2]
+    # every leaver heard its release, once, at its shrink's step, and its rejoin at resync
+    for r in (1, 3):
+        assert parts[r]["elastic"]["events"] == [["released", steps[r]], ["rejoined", -1]]
+    # the replica that ended first left whole while the other decoded: its survivor was
+    # released (timeline, listener) as a leaver is; the last one to end was not
+    left = [[t for t in parts[r]["elastic"]["timeline"] if "replica_left" in t] for r in (0, 2)]
+    assert sorted(map(len, left)) == [0, 1], left
+    first = 0 if left[0] else 2
+    assert left[first // 2][0]["replica_left"] == [first]
+    assert left[first // 2][0]["step"] == steps[first]
+    assert parts[first]["elastic"]["events"] == [["released", steps[first]], ["rejoined", -1]]
+    assert parts[2 - first]["elastic"]["events"] == [["rejoined", -1]]
     # the survivor groups were planned per replica: none created while decoding
     assert all(p["elastic"]["groups"]["groups_created_during_rollout"] == 0 for p in parts)
 

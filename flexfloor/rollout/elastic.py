@@ -83,6 +83,7 @@ class ElasticMembership:
     migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
     step: Optional[int] = None  # the training step (names errors and faults)
     heartbeat_key: str = ""  # store counter the active ranks bump; released ranks watch it
+    replicas: int = 1  # the rollout's replicas (rollout.replicas); this is one of them
     on_event: ReleaseListener | None = None  # told "released" when this rank leaves
     timeline: list[dict] = field(default_factory=list)  # one entry per shrink
     groups: Optional[SurvivorGroups] = None  # the layout's survivor groups (None: the simulator)
@@ -119,6 +120,7 @@ class ElasticMembership:
                 return Boundary(across.report, ReleaseDecision(hand_over=across.moves))
             report, states, arrivals = across.report, across.states, across.arrivals
         if not any(report.has_work):
+            self._replica_leaves(engine)
             return Boundary(report, arrivals=arrivals)
         placement, limits = engine.moe.placement, RankLimits.of(engine)
         self._boundaries += 1
@@ -133,6 +135,24 @@ class ElasticMembership:
             self.timeline.append({"step": engine.record.steps, "consolidated": {
                 m.request_id: m.dst for m in decision.moves}})
         return Boundary(report, decision, plan_s=time.perf_counter() - t0, arrivals=arrivals)
+
+    def _replica_leaves(self, engine) -> None:
+        """This replica's requests are done: it leaves the rollout whole. Unless it is the last
+        replica to end (the rollout ends with it), its ranks are released as a shrink's leavers
+        are: the timeline says so (resync names it) and `on_event` hears it (a launcher lends
+        the workers, offload parks their weights). The replicas' leaders count the replicas
+        done on the job's store. Collective over the replica's group."""
+        if self.replicas <= 1:
+            return
+        ranks = list(engine.moe.placement.ranks)
+        done = (_store().add(f"flexfloor/replicas_done/{self.rollout_id}", 1)
+                if engine.rank == ranks[0] else None)
+        if gather_objects(engine.moe.group, done)[0] >= self.replicas:
+            return
+        now, step = engine.rollout.elapsed(), engine.record.steps
+        self.timeline.append({"step": step, "time_s": now, "replica_left": ranks})
+        if self.on_event is not None:
+            self.on_event("released", engine.rank, now, step)
 
     # ---------------------------------------------------------------- tail consolidation
 
@@ -390,6 +410,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
                               if scheduler_cfg is not None and scheduler_cfg.migrate else 0),
         step=step,
         heartbeat_key=layout.heartbeat_key,
+        replicas=topo.count if topo is not None else 1,
         on_event=on_event,
     )
 
@@ -432,7 +453,7 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
     t0 = time.perf_counter()
     moe.drop_borrowed()
     released = [t["step"] for t in getattr(membership, "timeline", [])
-                if parallel.rank in t.get("leaving", ())]
+                if parallel.rank in t.get("leaving", t.get("replica_left", ()))]
     if released:
         inject(FaultPhase.RESYNC, parallel.rank, step)
     layout.resyncs += 1

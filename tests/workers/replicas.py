@@ -47,13 +47,15 @@ def hosted(moe):
 def rollout(stack, policy, requests, expected_finish=None):
     """One rollout of this rank's requests on `stack` (`policy` None: its elastic section's, as
     the job starts its rollouts); this rank's view."""
-    run = stack.start(policy, expected_finish=expected_finish)
+    events = []  # what a launcher hears: this rank's release and rejoin
+    run = stack.start(policy, expected_finish=expected_finish,
+                      on_event=lambda event, rank, time_s, step: events.append([event, step]))
     during = {"hosted": hosted(stack.moe), "group": dist.get_process_group_ranks(stack.moe.group)}
     out = run.generate(requests)
     run.resync(timeout_s=60)
     view = {"tokens": {r.request_id: r.token_ids for r in out.results},
             "record": out.record.as_dict(), "start": run.started, "during": during,
-            "timeline": getattr(run.membership, "timeline", []),
+            "timeline": getattr(run.membership, "timeline", []), "events": events,
             "after": {"hosted": hosted(stack.moe),
                       "group": dist.get_process_group_ranks(stack.moe.group),
                       "placement": stack.moe.placement.as_dict()}}
