@@ -141,7 +141,9 @@ class ElasticMembership:
         replica to end (the rollout ends with it), its ranks are released as a shrink's leavers
         are: the timeline says so (resync names it) and `on_event` hears it (a launcher lends
         the workers, offload parks their weights). The replicas' leaders count the replicas
-        done on the job's store. Collective over the replica's group."""
+        done on the job's store, so which one ends last is the wall clock's call (a replica of
+        fewer steps may end after a faster one); the tokens and step counts never depend on it.
+        Collective over the replica's group."""
         if self.replicas <= 1:
             return
         ranks = list(engine.moe.placement.ranks)
