@@ -271,7 +271,7 @@ class RolloutConfig:
 @dataclass
 class ElasticConfig:
     release_policy: ReleasePolicy = ReleasePolicy.ELASTIC  # static EP or early release
-    min_active_ranks: int = 1  # the EP group never shrinks below this many ranks
+    min_active_ranks: int = 1  # an EP group (each replica's) never shrinks below this many ranks
     check_interval_steps: int = 1  # engine steps between agreements on who is done
     # a released rank parks its weights, gradient buffers and optimizer state in host memory
     # until resync, freeing its accelerator; None = on with CUDA, off on CPU
@@ -279,9 +279,9 @@ class ElasticConfig:
     # tail consolidation (flexfloor/rollout/tails.py): at a step boundary a rank (within its
     # replica) or a whole replica (across replicas) with no queued request and at most
     # consolidate_max_requests running hands them to ranks that stay, re-prefilled there with
-    # the same position-keyed randomness (the same tokens), and leaves now. Off by default for
-    # now: the paper's release (and the tests that pin its steps) stay as they were
-    consolidate: bool = False
+    # the same position-keyed randomness (the same tokens), and leaves now. Inside a replica
+    # its steps are a function of the requests (one clock); false: the paper's release alone
+    consolidate: bool = True
     consolidate_max_requests: int = 8  # most running requests a rank or replica hands over
     consolidate_reserve_blocks: int = 0  # KV blocks a taker keeps free beyond what it takes
     # also across replicas (rollout.replicas > 1), through an inbox per replica on the job's

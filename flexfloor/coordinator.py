@@ -30,7 +30,7 @@ import numpy as np
 import torch.distributed as dist
 
 from flexfloor.checkpoint import hold_checkpoint_dir, iter_name
-from flexfloor.config import Algorithm, Config, NanPolicy, config_to_dict
+from flexfloor.config import Algorithm, Config, NanPolicy, ReleasePolicy, config_to_dict
 from flexfloor.data import Scorer, load_data
 from flexfloor.data.cursor import DataCursor
 from flexfloor.faults import FaultPhase, inject
@@ -39,6 +39,7 @@ from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import ReleaseListener
 from flexfloor.rollout.metrics import rollout_metrics
 from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
+from flexfloor.rollout.replicas import held_to_end, route_least_outstanding
 from flexfloor.rollout.scheduler import PromptGroup, RolloutPlan, Scheduler, prediction_accuracy
 from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
@@ -73,6 +74,22 @@ def _phase(rank: int, name: str, step: int):
         raise
 
 
+def plan_rollout(scheduler: Scheduler, groups: list[PromptGroup], *, policy: ReleasePolicy,
+                 replicas) -> RolloutPlan:
+    """Where each request runs. Elastic: the scheduler's placement (`scheduler.placement`).
+    Static (`elastic.release_policy=static`): the baseline users run, the benchmark's `static`
+    mode: each sample to the replica, then the rank, with the fewest outstanding requests
+    (`route_least_outstanding` over `replicas`, the rollout's EP groups), whatever
+    `scheduler.placement`; the scheduler's predictions stay in the plan (its accuracy metrics),
+    its expected finishes do not (a static rollout builds no survivor group)."""
+    ranks = [r for g in replicas for r in g]
+    plan = scheduler.plan(groups, ranks)
+    if policy == ReleasePolicy.STATIC:
+        plan = dataclasses.replace(plan, assignment=route_least_outstanding(groups, replicas),
+                                   expected_finish={})
+    return plan
+
+
 def gather_all(parallel, items: list) -> list:
     """Every rank's list, concatenated in rank order, on every rank."""
     parts = [None] * parallel.world_size
@@ -84,7 +101,7 @@ def gather_all(parallel, items: list) -> list:
 class Rollout:
     """One rollout's results (every rank's, on every rank) and how it ran."""
 
-    results: list  # flexfloor.rollout.types.Result
+    results: list  # flexfloor.rollout.types.Result, in request order
     records: list[dict]  # RankRecord.as_dict() of each rank
     plan: RolloutPlan
     membership: object  # the release policy's membership of this rollout
@@ -225,9 +242,11 @@ class Job:
     def rollout(self, groups: list[PromptGroup], k: int) -> Rollout:
         """Plan the groups onto the ranks, generate (ranks released as their work ends), resync;
         every rank gets every result."""
+        policy = self.cfg.elastic.release_policy
         with self.phase("plan", k):
-            plan = self.scheduler.plan(groups, range(self.parallel.world_size))
-            run = self.stack.start(step=k, on_event=self._release_listener(),
+            plan = plan_rollout(self.scheduler, groups, policy=policy,
+                                replicas=self.stack.layout.topology.replicas)
+            run = self.stack.start(policy, step=k, on_event=self._release_listener(),
                                    expected_finish=plan.expected_finish)
         with self.phase("rollout", k):
             out = run.generate(plan.assignment[self.rank])
@@ -235,8 +254,13 @@ class Job:
             resync_s = run.resync()
             if isinstance(run.on_event, OffloadOnRelease):
                 out.record.note(**run.on_event.take_stats())
-            results = gather_all(self.parallel, out.results)
+            # in request order, not rank order: every metric then is the same whatever the
+            # placement (a mean over rank order would round differently per layout)
+            results = sorted(gather_all(self.parallel, out.results),
+                             key=lambda r: (r.prompt_uid, r.sample_index))
             records = gather_all(self.parallel, [out.record.as_dict()])
+            if not run.elastic and self.stack.layout.replicated:
+                records = held_to_end(records)  # a replica done waits for the slowest one
         return Rollout(results, records, plan, run.membership, resync_s)
 
     # ------------------------------------------------------------------ phases

@@ -12,6 +12,7 @@ from flexfloor.config import (
     Backend,
     Config,
     ConfigError,
+    ElasticConfig,
     KLEstimator,
     LossAgg,
     NanPolicy,
@@ -409,6 +410,10 @@ def test_example_configs_load(name, algorithm):
     assert cfg.model.preset == "tiny" and cfg.model.num_experts == 8
     assert cfg.parallel.world_size == 4
     assert cfg.resolve_world(4).parallel.expert_parallel_size == 4
+    # the main job's rollout: 2 replicas of 2 ranks, tail consolidation inside each
+    assert cfg.rollout.replicas == 2 and cfg.elastic.consolidate
+    assert not cfg.elastic.consolidate_across
+    assert ElasticConfig().consolidate and not ElasticConfig().consolidate_across  # defaults
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(

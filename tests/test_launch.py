@@ -36,6 +36,9 @@ TINY = [  # 4 prompts x 4 samples of at most 24 tokens: ranks 2 and 3 get no wor
     "rollout.progress=false", "data.synthetic_num_prompts=8", "logging.tensorboard=false",
     "logging.timeline_plot=false", "parallel.expert_parallel_size=4",
     "data.val_size=16",  # the example validates on 256 held-out prompts: a few suffice here
+    # one EP group: the ranks released are those with fewer steps (a replica leaving whole is
+    # released only if another is still decoding: the wall clock's call)
+    "rollout.replicas=1",
 ]
 # metrics that depend only on the tokens and the weights (not on seconds)
 SAME = ("step", "reward/", "response_length/", "actor/", "rollout/occupied_worker_steps",

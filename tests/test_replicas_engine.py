@@ -53,11 +53,24 @@ def test_a_replica_done_is_released_whole(res, kind):
 def test_each_replica_shrinks_inside_itself(res):
     parts = res["shrink"]
     assert tokens(parts, "elastic") == tokens(parts, "static")
-    lines = [[(t["leaving"], t["active"]) for t in p["elastic"]["timeline"]] for p in parts]
+    lines = [[(t["leaving"], t["active"]) for t in p["elastic"]["timeline"] if "leaving" in t]
+             for p in parts]
     assert lines[0] == [([1], [0])] and lines[2] == [([3], [2])]
     assert lines[1] == [([1], [0])] and lines[3] == [([3], [2])]  # a leaver sees its own shrink
     steps = [p["elastic"]["record"]["steps"] for p in parts]
     assert steps[1] < steps[0] and steps[3] < steps[2]
+    # every leaver heard its release, once, at its shrink's step, and its rejoin at resync
+    for r in (1, 3):
+        assert parts[r]["elastic"]["events"] == [["released", steps[r]], ["rejoined", -1]]
+    # the replica that ended first left whole while the other decoded: its survivor was
+    # released (timeline, listener) as a leaver is; the last one to end was not
+    left = [[t for t in parts[r]["elastic"]["timeline"] if "replica_left" in t] for r in (0, 2)]
+    assert sorted(map(len, left)) == [0, 1], left
+    first = 0 if left[0] else 2
+    assert left[first // 2][0]["replica_left"] == [first]
+    assert left[first // 2][0]["step"] == steps[first]
+    assert parts[first]["elastic"]["events"] == [["released", steps[first]], ["rejoined", -1]]
+    assert parts[2 - first]["elastic"]["events"] == [["rejoined", -1]]
     # the survivor groups were planned per replica: none created while decoding
     assert all(p["elastic"]["groups"]["groups_created_during_rollout"] == 0 for p in parts)
 
@@ -123,3 +136,39 @@ def test_the_stack_hands_its_config_sections_to_each_rollout(res):
     assert got["elastic"] == {"membership": "ElasticMembership", "step": 7, "min_active_ranks": 3,
                               "check_interval_steps": 4, "migrate_max_requests": 5}
     assert got["static"]["membership"] == "StaticMembership"
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_the_jobs_static_policy_is_the_baseline_step_for_step(res, kind):
+    """elastic.release_policy=static in the job (its plan and its section's policy): the
+    benchmark's `static` mode: least-outstanding routing over the replicas whatever
+    scheduler.placement, every rank held to its replica's end, nothing consolidated."""
+    parts = res[kind]
+    assert tokens(parts, "job_static") == tokens(parts, "single_group")
+    for p in parts:
+        job, static = p["job_static"], p["static"]
+        assert job["membership"] == "ReplicaStaticMembership"
+        assert sorted(job["tokens"]) == sorted(static["tokens"])  # the same requests per rank
+        assert job["record"]["steps"] == static["record"]["steps"]
+        assert job["record"]["release_step"] == job["record"]["steps"]  # held to its end
+        assert job["timeline"] == [] and job["record"]["trace"]["moves"] == []
+    assert [p["job_static"]["record"]["steps"] for p in parts] != [
+        p["elastic"]["record"]["steps"] for p in parts]  # not FlexFloor's placement
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_the_jobs_default_consolidates_inside_replicas_with_the_same_tokens(res, kind):
+    """The default elastic section (tail consolidation on) on FlexFloor's placement: requests
+    move inside a replica, the tokens stay, the givers leave earlier than under the paper's
+    release alone (mode `elastic` here, consolidation off) and no replica ends later."""
+    parts = res[kind]
+    assert tokens(parts, "job_default") == tokens(parts, "single_group")
+    recs = [p["job_default"]["record"] for p in parts]
+    moved = [m for r in recs for m in r["trace"]["moves"] if m["src"] == r["rank"]]
+    assert moved and not any(m["across"] for m in moved)
+    assert all(m["src"] // 2 == m["dst"] // 2 for m in moved)
+    assert sum(r["migrated_out"] for r in recs) == sum(r["adopted"] for r in recs) == len(moved)
+    paper = [p["elastic"]["record"]["steps"] for p in parts]
+    steps = [r["steps"] for r in recs]
+    assert sum(steps) < sum(paper)
+    assert [max(steps[:2]), max(steps[2:])] == [max(paper[:2]), max(paper[2:])]

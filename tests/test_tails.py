@@ -178,7 +178,6 @@ def test_the_config_names_a_bad_consolidation_field():
         ElasticConfig(consolidate_reserve_blocks=-1).validate()
     assert TailRules.of(ElasticConfig(consolidate=False), 1) is None
     assert TailRules.of(None, 1) is None
-    assert TailRules.of(ElasticConfig(), 2) is None  # off by default
-    assert TailRules.of(ElasticConfig(consolidate=True), 2) == TailRules(
-        max_requests=8, reserve_blocks=0, floor=2)
+    # on by default (the main job's), never across replicas unless asked
+    assert TailRules.of(ElasticConfig(), 2) == TailRules(max_requests=8, reserve_blocks=0, floor=2)
     assert TailRules.of(ElasticConfig(consolidate=True, consolidate_across=True), 1).across

@@ -383,8 +383,8 @@ class Bench:
     single_group), both schedulers of one rank, and the epochs they run."""
 
     def __init__(self, args):
-        from flexfloor.config import (ModelConfig, PlacementPolicy, RolloutConfig,
-                                      SchedulerConfig)
+        from flexfloor.config import (ElasticConfig, ModelConfig, PlacementPolicy,
+                                      RolloutConfig, SchedulerConfig)
         from flexfloor.model import build_model
         from flexfloor.parallel import Parallel
         from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS
@@ -408,8 +408,11 @@ class Bench:
         # FlexFloor's migration (--migrate-max-requests; the baselines never migrate)
         migrate = SchedulerConfig(migrate=args.migrate_max_requests > 0,
                                   migrate_max_requests=args.migrate_max_requests)
-        # replicas -> rollout stack: R replicas, and R = 1 for single_group (the same at R = 1)
+        # replicas -> rollout stack: R replicas, and R = 1 for single_group (the same at R = 1);
+        # elastic runs under the job's default elastic section (tail consolidation inside each
+        # replica, as the simulator's tiny-cpu)
         self.stacks = {r: RolloutStack.build(self.par, self.model, scheduler=migrate,
+                                             elastic=ElasticConfig(),
                                              rollout=RolloutConfig(
                                                  replicas=r, max_batch_size=self.max_batch,
                                                  kv_budget_tokens=args.kv_budget_tokens,

@@ -28,7 +28,6 @@ rank, the phase and the step only when nothing moves for `parallel.timeout_s`.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import time
 from collections.abc import Callable
@@ -52,7 +51,8 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
 from flexfloor.rollout.replicas import ReplicaTopology, replica_ranks
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from flexfloor.rollout.tails import (
-    Mailbox, TailRules, after_moves, mailbox_for, may_give_within, rank_state, within_replica,
+    Across, Mailbox, TailRules, after_moves, mailbox_for, may_give_within, rank_state,
+    within_replica,
 )
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import initial_placement, plan_shrink
@@ -83,6 +83,7 @@ class ElasticMembership:
     migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
     step: Optional[int] = None  # the training step (names errors and faults)
     heartbeat_key: str = ""  # store counter the active ranks bump; released ranks watch it
+    replicas: int = 1  # the rollout's replicas (rollout.replicas); this is one of them
     on_event: ReleaseListener | None = None  # told "released" when this rank leaves
     timeline: list[dict] = field(default_factory=list)  # one entry per shrink
     groups: Optional[SurvivorGroups] = None  # the layout's survivor groups (None: the simulator)
@@ -110,10 +111,16 @@ class ElasticMembership:
         t0 = time.perf_counter()
         states, arrivals = None, []
         if self.mailbox is not None:
-            early, report, states, arrivals = self._across(engine, report)
-            if early is not None:
-                return early
+            across = self.mailbox.boundary(engine, report, self.tails)
+            if across.action == Across.WAIT:
+                return Boundary(across.report)
+            if across.action == Across.HAND_OVER:
+                self.timeline.append({"step": engine.record.steps, "handed_over": {
+                    m.request_id: m.dst for m in across.moves}})
+                return Boundary(across.report, ReleaseDecision(hand_over=across.moves))
+            report, states, arrivals = across.report, across.states, across.arrivals
         if not any(report.has_work):
+            self._replica_leaves(engine)
             return Boundary(report, arrivals=arrivals)
         placement, limits = engine.moe.placement, RankLimits.of(engine)
         self._boundaries += 1
@@ -129,6 +136,26 @@ class ElasticMembership:
                 m.request_id: m.dst for m in decision.moves}})
         return Boundary(report, decision, plan_s=time.perf_counter() - t0, arrivals=arrivals)
 
+    def _replica_leaves(self, engine) -> None:
+        """This replica's requests are done: it leaves the rollout whole. Unless it is the last
+        replica to end (the rollout ends with it), its ranks are released as a shrink's leavers
+        are: the timeline says so (resync names it) and `on_event` hears it (a launcher lends
+        the workers, offload parks their weights). The replicas' leaders count the replicas
+        done on the job's store, so which one ends last is the wall clock's call (a replica of
+        fewer steps may end after a faster one); the tokens and step counts never depend on it.
+        Collective over the replica's group."""
+        if self.replicas <= 1:
+            return
+        ranks = list(engine.moe.placement.ranks)
+        done = (_store().add(f"flexfloor/replicas_done/{self.rollout_id}", 1)
+                if engine.rank == ranks[0] else None)
+        if gather_objects(engine.moe.group, done)[0] >= self.replicas:
+            return
+        now, step = engine.rollout.elapsed(), engine.record.steps
+        self.timeline.append({"step": step, "time_s": now, "replica_left": ranks})
+        if self.on_event is not None:
+            self.on_event("released", engine.rank, now, step)
+
     # ---------------------------------------------------------------- tail consolidation
 
     def _within(self, engine, report, decision: ReleaseDecision, states, placement,
@@ -141,7 +168,7 @@ class ElasticMembership:
             # one clock: the bound always holds, so each request's cap is prediction enough
             # (and what the simulator reproduces: tools/simulate.py's tiny-cpu)
             states = gather_objects(engine.moe.group,
-                                    rank_state(engine, self._replica(engine), siblings=False))
+                                    rank_state(engine, self.replica, siblings=False))
         cons = within_replica(states, self.tails, max_batch=engine.max_batch_size,
                               block_tokens=engine.block_tokens)
         if not cons.moves:
@@ -156,64 +183,10 @@ class ElasticMembership:
         after.moves = cons.moves
         return after
 
-    def _replica(self, engine) -> int:
+    @property
+    def replica(self) -> int:
+        """This rank's replica (0 without the mailbox: within a replica it is not read)."""
         return self.mailbox.replica if self.mailbox is not None else 0
-
-    def _across(self, engine, report):
-        """The replica's side of the mailbox protocol at this boundary (tails.Mailbox): read the
-        inbox, close it when this replica is done or may give, share what the leader read and
-        every rank's state in one gather, post the state, and give when the decision says so.
-        Returns (a Boundary that settles this boundary, or None: decide as usual; the report
-        with the arrivals counted; the ranks' states; this rank's arrivals). The Boundary
-        steps on idle while a giver holds the inbox busy, or hands everything over."""
-        box, rules = self.mailbox, self.tails
-        ranks = list(engine.moe.placement.ranks)
-        leader = ranks[0]
-        done = not any(report.has_work)
-        can_give = not any(report.queued) and 0 < sum(report.running) <= rules.max_requests
-        mail, closed = [], False
-        if engine.rank == leader:
-            box.open()
-            mail = box.take_mail()
-            if done or (can_give and not mail):
-                closed = box.close()
-                if closed:
-                    mail += box.take_mail()  # committed before the close
-        everyone = gather_objects(engine.moe.group, (rank_state(engine, box.replica),
-                                                     (mail, closed, box.consumed)))
-        states = [s for s, _ in everyone]
-        mail, closed, box.consumed = everyone[0][1]
-        dst = [t if t in ranks else leader for t, _ in mail]  # a taker since released: leader
-        arrivals = [p for t, (_, p) in zip(dst, mail) if t == engine.rank]
-        if mail:
-            has = list(report.has_work)
-            queued = list(report.queued)
-            for t in dst:
-                has[ranks.index(t)] = True
-                queued[ranks.index(t)] += 1
-            report = dataclasses.replace(report, has_work=has, queued=queued)
-        if engine.rank == leader:
-            box.post(engine.record.steps, states)
-            if closed and (mail or not (done or can_give)):
-                box.reopen()  # work arrived: this replica stays
-        usual = (None, report, states, arrivals)
-        if mail:
-            return usual
-        if done and not closed:  # a giver holds the inbox: step on (idle) and retry
-            idle = dataclasses.replace(report, has_work=[r == leader for r in ranks])
-            return Boundary(idle), idle, states, []
-        if not (can_give and closed) or done:
-            return usual
-        moves = (box.plan(engine.record.steps, states, rules, max_batch=engine.max_batch_size,
-                          block_tokens=engine.block_tokens) if engine.rank == leader else None)
-        moves = gather_objects(engine.moe.group, moves)[0]
-        if not moves:
-            if engine.rank == leader:
-                box.reopen()
-            return usual
-        self.timeline.append({"step": engine.record.steps, "handed_over": {
-            m.request_id: m.dst for m in moves}})
-        return Boundary(report, ReleaseDecision(hand_over=moves)), report, states, []
 
     def hand_over(self, engine, payloads: list[dict], moves) -> None:
         """A giving replica's ranks pass their exported requests to the leader (one gather),
@@ -222,7 +195,6 @@ class ElasticMembership:
         everyone = gather_objects(engine.moe.group, payloads)
         if engine.rank == engine.moe.placement.ranks[0]:
             self.mailbox.send(moves, [p for part in everyone for p in part])
-
 
     @property
     def rules(self) -> ReleaseRules:
@@ -440,6 +412,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
                               if scheduler_cfg is not None and scheduler_cfg.migrate else 0),
         step=step,
         heartbeat_key=layout.heartbeat_key,
+        replicas=topo.count if topo is not None else 1,
         on_event=on_event,
     )
 
@@ -482,7 +455,7 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
     t0 = time.perf_counter()
     moe.drop_borrowed()
     released = [t["step"] for t in getattr(membership, "timeline", [])
-                if parallel.rank in t.get("leaving", ())]
+                if parallel.rank in t.get("leaving", t.get("replica_left", ()))]
     if released:
         inject(FaultPhase.RESYNC, parallel.rank, step)
     layout.resyncs += 1

@@ -38,7 +38,9 @@ prediction.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import enum
 import pickle
 import statistics
 import sys
@@ -46,7 +48,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from flexfloor.rollout.collectives import CollectiveError
+from flexfloor.rollout.collectives import CollectiveError, gather_objects
 from flexfloor.rollout.consolidate import (
     Consolidation,
     ConsolidationRules,
@@ -168,6 +170,26 @@ def rank_state(engine, replica: int, *, siblings: bool = True) -> RankState:
 OPEN, CLOSED = "open", "closed"
 
 
+class Across(enum.Enum):
+    """What the mailbox settled for a replica at one boundary (`Mailbox.boundary`)."""
+
+    DECIDE = "decide"  # the release decision as usual (with any arrivals counted)
+    WAIT = "wait"  # done, but a giver holds this replica's inbox busy: step on idle and retry
+    HAND_OVER = "hand_over"  # this replica gives every running request away and leaves whole
+
+
+@dataclass
+class MailboxBoundary:
+    """The mailbox's outcome at one boundary, the same on every rank of the replica; the
+    membership applies it."""
+
+    action: Across
+    report: object  # the step report: arrivals queued on their takers (WAIT: only the leader works)
+    states: list  # every rank's RankState, from the replica's gather
+    arrivals: list = field(default_factory=list)  # the payloads this rank adopts
+    moves: list = field(default_factory=list)  # HAND_OVER: each request's taker (Move)
+
+
 @dataclass
 class Mailbox:
     """One replica's side of the consolidation protocol across replicas (module doc). Every
@@ -277,6 +299,57 @@ class Mailbox:
 
     def replica_of(self, rank: int) -> int:
         return rank // self.ranks_per_replica
+
+    def boundary(self, engine, report, rules: TailRules) -> MailboxBoundary:
+        """This replica's side of the protocol at a step boundary, on every rank of its group:
+        the leader reads the inbox and closes it when the replica is done or may give; one
+        gather shares what it read and every rank's state; the leader posts the state; a
+        replica that may give (and closed its inbox) plans with the others' states and, when a
+        move fits, hands everything over. Collective over the replica's group."""
+        ranks = list(engine.moe.placement.ranks)
+        leader = ranks[0]
+        done = not any(report.has_work)
+        can_give = not any(report.queued) and 0 < sum(report.running) <= rules.max_requests
+        mail, closed = [], False
+        if engine.rank == leader:
+            self.open()
+            mail = self.take_mail()
+            if done or (can_give and not mail):
+                closed = self.close()
+                if closed:
+                    mail += self.take_mail()  # committed before the close
+        everyone = gather_objects(engine.moe.group, (rank_state(engine, self.replica),
+                                                     (mail, closed, self.consumed)))
+        states = [s for s, _ in everyone]
+        mail, closed, self.consumed = everyone[0][1]
+        dst = [t if t in ranks else leader for t, _ in mail]  # a taker since released: leader
+        arrivals = [p for t, (_, p) in zip(dst, mail) if t == engine.rank]
+        if mail:
+            has, queued = list(report.has_work), list(report.queued)
+            for t in dst:
+                has[ranks.index(t)] = True
+                queued[ranks.index(t)] += 1
+            report = dataclasses.replace(report, has_work=has, queued=queued)
+        if engine.rank == leader:
+            self.post(engine.record.steps, states)
+            if closed and (mail or not (done or can_give)):
+                self.reopen()  # work arrived: this replica stays
+        usual = MailboxBoundary(Across.DECIDE, report, states, arrivals)
+        if mail:
+            return usual
+        if done and not closed:
+            idle = dataclasses.replace(report, has_work=[r == leader for r in ranks])
+            return MailboxBoundary(Across.WAIT, idle, states)
+        if not (can_give and closed) or done:
+            return usual
+        moves = (self.plan(engine.record.steps, states, rules, max_batch=engine.max_batch_size,
+                           block_tokens=engine.block_tokens) if engine.rank == leader else None)
+        moves = gather_objects(engine.moe.group, moves)[0]
+        if not moves:
+            if engine.rank == leader:
+                self.reopen()
+            return usual
+        return MailboxBoundary(Across.HAND_OVER, report, states, moves=moves)
 
     def send(self, moves: Sequence[Move], payloads: Sequence[dict]) -> None:
         """Write each claimed taker's requests (one message each), then reopen its inbox."""

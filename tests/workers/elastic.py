@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from flexfloor.config import ModelConfig, ReleasePolicy, RolloutConfig, SchedulerConfig
+from flexfloor.config import (ElasticConfig, ModelConfig, ReleasePolicy, RolloutConfig,
+                              SchedulerConfig)
 from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
 from flexfloor.rollout.stack import RolloutStack
@@ -34,10 +35,12 @@ def requests(rank, longest, sampling):
 
 def stack_of(par, model, *, migrate=0, kv_budget_tokens=None):
     """The rollout stack of `model`; `migrate` > 0: a rank's last `migrate` requests may move
-    to a staying rank (scheduler.migrate_max_requests)."""
+    to a staying rank (scheduler.migrate_max_requests). The paper's release alone: tail
+    consolidation (on by default) would change the shrink sequences these cases pin."""
     return RolloutStack.build(
         par, model, rollout=RolloutConfig(max_batch_size=8, kv_budget_tokens=kv_budget_tokens,
                                           progress=False),
+        elastic=ElasticConfig(consolidate=False),
         scheduler=SchedulerConfig(migrate=migrate > 0, migrate_max_requests=migrate))
 
 

@@ -15,6 +15,7 @@ from _harness import gather, run
 
 from flexfloor.config import (ElasticConfig, ModelConfig, PlacementPolicy, ReleasePolicy,
                               RolloutConfig, SchedulerConfig)
+from flexfloor.coordinator import plan_rollout
 from flexfloor.model import build_model, forward_logits
 from flexfloor.parallel import Parallel
 from flexfloor.rollout.elastic import membership_for
@@ -44,18 +45,22 @@ def hosted(moe):
 
 
 def rollout(stack, policy, requests, expected_finish=None):
-    """One rollout of this rank's requests on `stack`; this rank's view."""
-    run = stack.start(policy, expected_finish=expected_finish)
+    """One rollout of this rank's requests on `stack` (`policy` None: its elastic section's, as
+    the job starts its rollouts); this rank's view."""
+    events = []  # what a launcher hears: this rank's release and rejoin
+    run = stack.start(policy, expected_finish=expected_finish,
+                      on_event=lambda event, rank, time_s, step: events.append([event, step]))
     during = {"hosted": hosted(stack.moe), "group": dist.get_process_group_ranks(stack.moe.group)}
     out = run.generate(requests)
     run.resync(timeout_s=60)
     view = {"tokens": {r.request_id: r.token_ids for r in out.results},
             "record": out.record.as_dict(), "start": run.started, "during": during,
-            "timeline": getattr(run.membership, "timeline", []),
+            "timeline": getattr(run.membership, "timeline", []), "events": events,
             "after": {"hosted": hosted(stack.moe),
                       "group": dist.get_process_group_ranks(stack.moe.group),
                       "placement": stack.moe.placement.as_dict()}}
-    if policy == ReleasePolicy.ELASTIC:
+    view["membership"] = type(run.membership).__name__
+    if run.elastic:
         view["groups"] = run.membership.group_record()
     return view
 
@@ -87,8 +92,13 @@ def main(out):
     model = build_model(dataclasses.replace(ModelConfig(), num_experts=8), par)
     probe = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(50 + rank))
     before = forward_logits(model, probe).detach()
-    stacks = {r: RolloutStack.build(par, model, rollout=RolloutConfig(
-        replicas=r, max_batch_size=8, progress=False)) for r in (1, 2)}
+    # the paper's release alone (no tail consolidation, on by default): the cases pin its steps
+    stacks = {r: RolloutStack.build(par, model, elastic=ElasticConfig(consolidate=False),
+                                    rollout=RolloutConfig(replicas=r, max_batch_size=8,
+                                                          progress=False)) for r in (1, 2)}
+    # the main job's sections: the default elastic one, and elastic.release_policy=static
+    job = {name: dataclasses.replace(stacks[2], elastic=cfg) for name, cfg in (
+        ("default", ElasticConfig()), ("static", ElasticConfig(release_policy=ReleasePolicy.STATIC)))}
     results = {"own_experts": list(model.decoder.layers[0].mlp.local_expert_indices),
                "replica_placements": [p.as_dict() for p in stacks[2].layout.topology.placements],
                "world_placement": stacks[1].layout.placement.as_dict()}
@@ -109,6 +119,13 @@ def main(out):
         # R = 1 elastic: FlexFloor's placement shrinking the world-wide group
         case["r1_elastic"] = rollout(stacks[1], ReleasePolicy.ELASTIC, assign[Mode.ELASTIC][rank],
                                      plan.expected_finish)
+        # the job's rollouts (its plan, the policy its elastic section names): by default
+        # FlexFloor with tail consolidation; elastic.release_policy=static, the baseline
+        replicas = stacks[2].layout.topology.replicas
+        for name, policy in (("default", ReleasePolicy.ELASTIC), ("static", ReleasePolicy.STATIC)):
+            job_plan = plan_rollout(flexfloor, groups, policy=policy, replicas=replicas)
+            case[f"job_{name}"] = rollout(job[name], None, job_plan.assignment[rank],
+                                          job_plan.expected_finish)
         results[kind] = gather(case)
     # a shrink inside each replica: rank 1 leaves replica (0, 1), rank 3 leaves (2, 3)
     longest = [24, 6, 16, 4]
