@@ -83,7 +83,8 @@ def plan_rollout(scheduler: Scheduler, groups: list[PromptGroup], *, policy: Rel
     `scheduler.placement`; the scheduler's predictions stay in the plan (its accuracy metrics),
     its expected finishes do not (a static rollout builds no survivor group)."""
     ranks = [r for g in replicas for r in g]
-    plan = scheduler.plan(groups, ranks)
+    # inside each replica: its static bound, its releases and memory floor (as the benchmark)
+    plan = scheduler.plan(groups, ranks, replicas=replicas)
     if policy == ReleasePolicy.STATIC:
         plan = dataclasses.replace(plan, assignment=route_least_outstanding(groups, replicas),
                                    expected_finish={})
