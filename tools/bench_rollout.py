@@ -520,7 +520,9 @@ class Bench:
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
         out.record.note(groups_created_during_rollout=live_process_groups() - groups,
                         resident_bytes_before_release=held, resident_bytes_after_release=held,
-                        start_s=run.started["start_s"],
+                        # the rollout began before decoding: the replica layout's expert
+                        # transfers (occupied time; the decoding clock starts at 0)
+                        start_s=-run.started["start_s"],
                         start_sent_bytes=run.started["sent_bytes"])
         out.record.resync_s = run.resync()
         if listener is not None:
@@ -605,8 +607,8 @@ def median_records(repeats: list[list[dict]]) -> list[dict]:
 
 def reconfiguration(records: list[dict], occupied_s: float) -> dict:
     """Seconds the release protocol spent (summed over ranks) and bytes the experts moved."""
-    out = {k: sum(r.get(k, 0.0) for r in records)
-           for k in ("plan_s", "transfer_s", "switch_s", "start_s")}
+    out = {k: sum(r.get(k, 0.0) for r in records) for k in ("plan_s", "transfer_s", "switch_s")}
+    out["start_s"] = -sum(r.get("start_s", 0.0) for r in records)  # the start's transfers
     out["sent_bytes"] = int(sum(r.get("sent_bytes", 0) for r in records))
     # replicas: the experts each rollout start borrows (not a release cost: every mode pays it)
     out["start_sent_bytes"] = int(sum(r.get("start_sent_bytes", 0) for r in records))

@@ -216,7 +216,7 @@ class RankRecord:
     """
 
     rank: int
-    start_s: float = 0.0
+    start_s: float = 0.0  # its rollout began, on its decoding clock (< 0: transfers came first)
     local_finish_s: float = 0.0  # its last own response ended (0 when it had none)
     release_s: float = 0.0  # it left the rollout (static EP: the rollout end)
     steps: int = 0  # engine forward steps it took part in (its occupied worker-steps)
