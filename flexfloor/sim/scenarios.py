@@ -387,7 +387,7 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
         return remaining_estimate(predicted, produced, sc.max_len)
 
     return TailConsolidation(ConsolidationRules(min_replicas=1), step_cost, prices, remaining,
-                             sc.kv_block_tokens or 1)
+                             sc.kv_block_tokens or 1, end_bound_s=plan.finish_bound)
 
 
 def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
