@@ -100,6 +100,15 @@ def test_the_step_cost_bound_never_lengthens_the_rollout():
     # 11 s; a later clock counts: from 9.95 s replica 2 would end at 11.05 s
     s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 100), now={0: 1.0, 1: 0.0, 2: 9.95})
     assert decide(s, ConsolidationRules(), per_request, CHEAP_KV).moves == []
+    # with an end to keep (the correction's bound) the taker stays within it too: replica 2
+    # would end at 1.1 s with the move, past a bound of 1 s though within the rollout's 11 s
+    import dataclasses
+
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 100))
+    assert decide(dataclasses.replace(s, end_bound_s=1.2), ConsolidationRules(), per_request,
+                  CHEAP_KV, givers=[1]).leaving_replicas == [1]
+    assert decide(dataclasses.replace(s, end_bound_s=1.0), ConsolidationRules(), per_request,
+                  CHEAP_KV, givers=[1]).moves == []
 
 
 def test_a_replica_running_late_hands_its_longest_to_one_held_anyway():

@@ -116,7 +116,9 @@ class ConsolidationRules:
     # the hedges against wrong estimates (module doc); off where every remaining estimate is a
     # bound (a request's cap) and the givers and takers step on one clock (inside one replica)
     hedged: bool = True
-    # the correction: a taker's end counts each request it takes at this times its estimate
+    # a taker's end counts each request it takes at this times its estimate: when a replica
+    # leaves (1: as estimated), and in the correction (the requests whose estimates were wrong)
+    evacuation_hedge: float = 1.0
     correction_hedge: float = 2.0
 
 
@@ -196,6 +198,10 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
     # longest remaining work left, so a wrong estimate of it cannot outlast the rollout
     longest = max((q.remaining for r in state.ranks for q in r.running), default=0.0)
     size = {i: sum(len(r.running) for r in by_replica[i]) for i in live}
+    # a taker's end with a replica's requests: within the rollout's predicted end, and never
+    # past the end to keep (the correction's bound) where there is one
+    taken_bound = (rollout_end if state.end_bound_s is None
+                   else min(rollout_end, state.end_bound_s))
     candidates = [i for i in live if (givers is None or i in givers)
                   and not any(r.queued for r in by_replica[i])
                   and 0 < size[i] <= rules.max_requests
@@ -218,7 +224,7 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                          key=lambda i: (-ends[i], i))
         trial = load.copy()
         got = _evacuate(by_replica[g], state.now_s[g], staying, by_replica, trial, end,
-                        rollout_end, state, rules, prices)
+                        taken_bound, state, rules, prices)
         if got is not None:
             moves += got
             giving.append(g)
@@ -259,7 +265,7 @@ def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica,
     left = sorted(((q, r.rank) for r in giver for q in r.running),
                   key=lambda x: (-x[0].remaining, x[0].request_id))
     moves, left = _hand_over(left, giver_now, staying, by_replica, load, end, rollout_end,
-                             state, rules, prices)
+                             state, rules, prices, hedge=rules.evacuation_hedge)
     return None if left else moves
 
 
@@ -280,6 +286,7 @@ def _hand_over(left: list, giver_now: float, staying, by_replica, load: _Load, e
             """The first k of `left` onto replica i, each to its least loaded rank with a slot
             and KV room; None when one has no rank or the replica would end past the bound."""
             ld, out = load.copy(), []
+            ctx = {r.rank: sum(c for _, c in ld.work[r.rank]) for r in by_replica[i]}
             for q, src in left[:k]:
                 need = blocks_for(int(q.cached_tokens + hedge * q.remaining) + 1,
                                   state.block_tokens)
@@ -288,8 +295,8 @@ def _hand_over(left: list, giver_now: float, staying, by_replica, load: _Load, e
                            or ld.free[r.rank] - need >= rules.reserve_blocks)]
                 if not ok:
                     return None
-                k_rank = min(ok, key=lambda r: (len(ld.work[r]),
-                                                sum(c for _, c in ld.work[r]), r))
+                k_rank = min(ok, key=lambda r: (len(ld.work[r]), ctx[r], r))
+                ctx[k_rank] += q.cached_tokens
                 ld.work[k_rank].append((hedge * q.remaining, q.cached_tokens))
                 if ld.free[k_rank] is not None:
                     ld.free[k_rank] -= need
@@ -347,8 +354,8 @@ def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
             hi = mid
         else:
             lo = mid + 1
-    trial = load.copy()
-    moves, left = _hand_over(list(mine[:lo]), state.now_s[g], takers, by_replica, trial, end,
+    trial = load.copy()  # at most `max_requests` of them at once (the rest at later checks)
+    moves, left = _hand_over(list(mine[:min(lo, rules.max_requests)]), state.now_s[g], takers, by_replica, trial, end,
                              bound, state, rules, prices, hedge=rules.correction_hedge)
     if not moves:
         return []

@@ -647,8 +647,9 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
             n = sum(len(run) for run, _, _ in mine.values())
             if all(q == 0 for _, q, _ in mine.values()) and n:
                 # it may give all (few requests left), or, past the next check of its end
-                # (a hundredth of the bound apart), hand its longest over (the correction)
-                late = bound is not None and views[i].now() >= checked.get(i, 0.0)
+                # (from half the bound on, a hundredth of it apart: a misprediction shows once
+                # a long request outlives it), hand its longest over (the correction)
+                late = bound is not None and views[i].now() >= checked.get(i, bound / 2)
                 if late:
                     checked[i] = views[i].now() + bound / 100
                 if n <= consolidation.rules.max_requests or late:
