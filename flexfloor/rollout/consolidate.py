@@ -92,6 +92,7 @@ class ConsolidationState:
     # clocks): a replica predicted to end past it hands its longest requests to replicas held
     # anyway (the correction, module doc); None: no correction (the engine's)
     end_bound_s: Optional[float] = None
+    correct: bool = True  # the correction is decided at this boundary (with an end to keep)
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,7 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                 ends[i] = end(i, load)
     corrected: list[int] = []
     bound = state.end_bound_s
-    if bound is not None:  # the correction: a replica running late hands its longest over
+    if bound is not None and state.correct:  # the correction: a late replica hands over
         late = [i for i in live if (givers is None or i in givers) and i not in giving
                 and ends[i] > bound and not any(r.queued for r in by_replica[i])]
         for g in sorted(late, key=lambda i: (-ends[i], i)):

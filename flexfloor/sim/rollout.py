@@ -654,7 +654,7 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
                     checked[i] = views[i].now() + bound / 100
                 if n <= consolidation.rules.max_requests or late:
                     _consolidate(i, views, replica_of, consolidation, changed, moves_log,
-                                 limits)
+                                 limits, correct=late)
         advance(i)
     for i, out in outs.items():
         out.timeline.extend(moves_log[i])
@@ -703,8 +703,9 @@ def _consolidate_within(view: GroupView, tc: TailConsolidation, changed: dict, i
 
 
 def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidation,
-                 changed: dict, moves_log: dict, limits: RankLimits) -> None:
-    """One decision at `giver`'s boundary, applied: its requests out, into the takers."""
+                 changed: dict, moves_log: dict, limits: RankLimits, correct: bool) -> None:
+    """One decision at `giver`'s boundary, applied: its requests out, into the takers.
+    `correct`: its end is checked against the end to keep (the correction) at this one."""
     from flexfloor.rollout import consolidate as cons
 
     finished: dict[int, list[int]] = {}
@@ -723,7 +724,8 @@ def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidatio
             states.append(cons.RankState(rank, k, tuple(rs), queued,
                                          None if free >= UNBOUNDED_KV else free // block_bytes))
     state = cons.ConsolidationState(tuple(states), {k: v.now() for k, v in views.items()},
-                                    limits.max_batch_size, tc.block_tokens, tc.end_bound_s)
+                                    limits.max_batch_size, tc.block_tokens, tc.end_bound_s,
+                                    correct=correct)
     decision = cons.decide(state, tc.rules, tc.step_cost, tc.prices, givers=[giver])
     if not decision.moves:
         return
