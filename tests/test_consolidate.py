@@ -100,6 +100,46 @@ def test_the_step_cost_bound_never_lengthens_the_rollout():
     # 11 s; a later clock counts: from 9.95 s replica 2 would end at 11.05 s
     s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 100), now={0: 1.0, 1: 0.0, 2: 9.95})
     assert decide(s, ConsolidationRules(), per_request, CHEAP_KV).moves == []
+    # with an end to keep (the correction's bound) the taker stays within it too: replica 2
+    # would end at 1.1 s with the move, past a bound of 1 s though within the rollout's 11 s
+    import dataclasses
+
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 100))
+    assert decide(dataclasses.replace(s, end_bound_s=1.2), ConsolidationRules(), per_request,
+                  CHEAP_KV, givers=[1]).leaving_replicas == [1]
+    assert decide(dataclasses.replace(s, end_bound_s=1.0), ConsolidationRules(), per_request,
+                  CHEAP_KV, givers=[1]).moves == []
+
+
+def test_a_replica_running_late_hands_its_longest_to_one_held_anyway():
+    """The correction: replica 0 would end past the bound (its four requests step at 40 ms);
+    its longest goes to replica 1, which runs anyway and ends within the bound with it (its
+    estimate counted twice), and replica 0 stays and ends within the bound."""
+    import dataclasses
+
+    late = [rank(0, 0, 1000, 900, 900, 900), rank(2, 1, 300)]
+    # replica 0 from its clock of 1 s: 900 steps at 40 ms, 100 at 10 ms: 38 s
+    s = dataclasses.replace(state(*late), end_bound_s=30.0)
+    d = decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0])
+    assert [(m.request_id, m.src, m.dst, m.kind) for m in d.moves] == [
+        ("r0-0", 0, 2, MoveKind.KV_TRANSFER)]
+    assert d.corrected_replicas == [0] and d.leaving_replicas == []
+    # not when the taker would end past the bound with it: at 22 s (replica 1 from 1 s, when
+    # the KV arrives: 300 steps at 20 ms, 1700 at 10 ms of the doubled estimate: 24 s)
+    s = dataclasses.replace(state(*late), end_bound_s=22.0)
+    assert decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0]).moves == []
+    # at 25 s replica 0 must hand over two (900 steps at 30 ms: 28 s), which one taker cannot
+    # take within the bound; with a second taker, one goes to each (a split)
+    s = dataclasses.replace(state(*late, rank(4, 2, 300)), end_bound_s=25.0)
+    d = decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0])
+    assert sorted((m.request_id, m.dst) for m in d.moves) == [("r0-0", 2), ("r0-1", 4)]
+    # within the bound, or without one (the engine's), nothing moves
+    for bound in (40.0, None):
+        s = dataclasses.replace(state(*late), end_bound_s=bound)
+        assert decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0]).moves == []
+    # a taker with queued requests (lengths unknown) is not one
+    s = dataclasses.replace(state(late[0], rank(2, 1, 300, queued=1)), end_bound_s=30.0)
+    assert decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0]).moves == []
 
 
 def test_a_request_moved_twice():

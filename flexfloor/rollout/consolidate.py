@@ -28,6 +28,15 @@ The rules, in order:
   replica the engine estimates each request up to its cap);
 - takers from the replica planned to stay longest (latest predicted end): each takes the most
   of the giver's longest requests that keep its bound, each on its least loaded rank.
+
+The other direction, the online correction (`ConsolidationState.end_bound_s`, the static
+baseline's predicted end): a replica whose predicted end with its running work is past that
+bound (a misprediction found online: `remaining_estimate`) hands its longest requests to
+replicas that are running anyway (nothing queued, not leaving), as many as its end needs to come
+within the bound, each taker within the bound with them, the one planned to stay longest first
+(held anyway: the least extra occupancy); it stays and ends sooner. Hedged: a taker's end is
+taken with each moved request's estimate doubled (the requests that move are the ones whose
+estimates were wrong), and only a move that brings the giver's end in is made.
 """
 
 from __future__ import annotations
@@ -79,6 +88,11 @@ class ConsolidationState:
     now_s: dict  # replica -> its clock, seconds
     max_batch: int
     block_tokens: int = 16
+    # the rollout's end to keep (the static baseline's predicted end, seconds on the replicas'
+    # clocks): a replica predicted to end past it hands its longest requests to replicas held
+    # anyway (the correction, module doc); None: no correction (the engine's)
+    end_bound_s: Optional[float] = None
+    correct: bool = True  # the correction is decided at this boundary (with an end to keep)
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,10 @@ class ConsolidationRules:
     # the hedges against wrong estimates (module doc); off where every remaining estimate is a
     # bound (a request's cap) and the givers and takers step on one clock (inside one replica)
     hedged: bool = True
+    # a taker's end counts each request it takes at this times its estimate: when a replica
+    # leaves (1: as estimated), and in the correction (the requests whose estimates were wrong)
+    evacuation_hedge: float = 1.0
+    correction_hedge: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +140,8 @@ class Consolidation:
 
     moves: list[Move] = field(default_factory=list)
     leaving_replicas: list[int] = field(default_factory=list)
+    # replicas that hand part of their requests over and stay (the correction)
+    corrected_replicas: list[int] = field(default_factory=list)
 
 
 def remaining_estimate(predicted_len: float, produced: int, cap: int) -> float:
@@ -179,6 +199,10 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
     # longest remaining work left, so a wrong estimate of it cannot outlast the rollout
     longest = max((q.remaining for r in state.ranks for q in r.running), default=0.0)
     size = {i: sum(len(r.running) for r in by_replica[i]) for i in live}
+    # a taker's end with a replica's requests: within the rollout's predicted end, and never
+    # past the end to keep (the correction's bound) where there is one
+    taken_bound = (rollout_end if state.end_bound_s is None
+                   else min(rollout_end, state.end_bound_s))
     candidates = [i for i in live if (givers is None or i in givers)
                   and not any(r.queued for r in by_replica[i])
                   and 0 < size[i] <= rules.max_requests
@@ -201,14 +225,32 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                          key=lambda i: (-ends[i], i))
         trial = load.copy()
         got = _evacuate(by_replica[g], state.now_s[g], staying, by_replica, trial, end,
-                        rollout_end, state, rules, prices)
+                        taken_bound, state, rules, prices)
         if got is not None:
             moves += got
             giving.append(g)
             load = trial
             for i in _replicas_of(got, by_replica):
                 ends[i] = end(i, load)
-    return Consolidation(moves=moves, leaving_replicas=sorted(giving))
+    corrected: list[int] = []
+    bound = state.end_bound_s
+    if bound is not None and state.correct:  # the correction: a late replica hands over
+        late = [i for i in live if (givers is None or i in givers) and i not in giving
+                and ends[i] > bound and not any(r.queued for r in by_replica[i])]
+        for g in sorted(late, key=lambda i: (-ends[i], i)):
+            if any(m.dst in {r.rank for r in by_replica[g]} for m in moves):
+                continue  # it takes requests in this decision
+            takers = sorted((i for i in live if i != g and i not in giving and i not in late
+                             and not any(r.queued for r in by_replica[i])),
+                            key=lambda i: (-ends[i], i))
+            got = _pull_in(g, by_replica, takers, load, end, bound, state, rules, prices)
+            if got:
+                moves += got
+                corrected.append(g)
+                for i in _replicas_of(got, by_replica) | {g}:
+                    ends[i] = end(i, load)
+    return Consolidation(moves=moves, leaving_replicas=sorted(giving),
+                         corrected_replicas=sorted(corrected))
 
 
 def _replicas_of(moves: Sequence[Move], by_replica) -> set:
@@ -220,12 +262,22 @@ def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica,
               end, rollout_end, state: ConsolidationState, rules: ConsolidationRules,
               prices: MovePrices) -> Optional[list[Move]]:
     """Every running request of `giver` onto ranks of `staying` replicas within the bounds,
-    promising them in `load`; None when one does not fit (then `load` is to be dropped). Each
-    taker, in turn, takes the most of the longest requests left that keep its predicted end
-    within `rollout_end` (a binary search: more requests never end sooner); a second pass
-    offers the rest (shorter ones) again."""
+    promising them in `load`; None when one does not fit (then `load` is to be dropped)."""
     left = sorted(((q, r.rank) for r in giver for q in r.running),
                   key=lambda x: (-x[0].remaining, x[0].request_id))
+    moves, left = _hand_over(left, giver_now, staying, by_replica, load, end, rollout_end,
+                             state, rules, prices, hedge=rules.evacuation_hedge)
+    return None if left else moves
+
+
+def _hand_over(left: list, giver_now: float, staying, by_replica, load: _Load, end, bound,
+               state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices,
+               hedge: float = 1.0) -> tuple[list[Move], list]:
+    """`left` ([(Running, src rank)], longest first) onto ranks of `staying` replicas, promising
+    them in `load`. Each taker, in turn, takes the most of the longest requests left that keep
+    its predicted end within `bound` (a binary search: more requests never end sooner), each
+    counted `hedge` times its remaining estimate; a second pass offers the rest (shorter ones)
+    again. Returns (the moves, the requests no taker took)."""
     moves: list[Move] = []
     for i in list(staying) * 2:
         if not left:
@@ -235,16 +287,18 @@ def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica,
             """The first k of `left` onto replica i, each to its least loaded rank with a slot
             and KV room; None when one has no rank or the replica would end past the bound."""
             ld, out = load.copy(), []
+            ctx = {r.rank: sum(c for _, c in ld.work[r.rank]) for r in by_replica[i]}
             for q, src in left[:k]:
-                need = blocks_for(int(q.cached_tokens + q.remaining) + 1, state.block_tokens)
+                need = blocks_for(int(q.cached_tokens + hedge * q.remaining) + 1,
+                                  state.block_tokens)
                 ok = [r.rank for r in by_replica[i] if len(ld.work[r.rank]) < state.max_batch
                       and (ld.free[r.rank] is None
                            or ld.free[r.rank] - need >= rules.reserve_blocks)]
                 if not ok:
                     return None
-                k_rank = min(ok, key=lambda r: (len(ld.work[r]),
-                                                sum(c for _, c in ld.work[r]), r))
-                ld.work[k_rank].append((q.remaining, q.cached_tokens))
+                k_rank = min(ok, key=lambda r: (len(ld.work[r]), ctx[r], r))
+                ctx[k_rank] += q.cached_tokens
+                ld.work[k_rank].append((hedge * q.remaining, q.cached_tokens))
                 if ld.free[k_rank] is not None:
                     ld.free[k_rank] -= need
                 kind, secs = prices.of(q.cached_tokens)
@@ -256,7 +310,7 @@ def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica,
                     ld.ready[i] += secs
                     ready = 0.0
                 out.append(Move(q.request_id, src, k_rank, kind, secs, ready))
-            if end(i, ld) > rollout_end:
+            if end(i, ld) > bound:
                 return None
             return ld, out
 
@@ -274,4 +328,41 @@ def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica,
         load.work, load.free, load.ready, load.sent = ld.work, ld.free, ld.ready, ld.sent
         moves += out
         left = left[lo:]
-    return None if left else moves
+    return moves, left
+
+
+def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
+             state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices
+             ) -> list[Move]:
+    """The correction (module doc): the fewest of replica g's longest requests whose leaving
+    brings its predicted end within `bound` (a binary search: fewer requests never end later),
+    handed to `takers` within the bound (`_hand_over`, hedged); the moves, promised in `load`,
+    or none when they would not bring g's end in."""
+    mine = sorted(((q, r.rank) for r in by_replica[g] for q in r.running),
+                  key=lambda x: (-x[0].remaining, x[0].request_id))
+
+    def without(ld: _Load, gone) -> _Load:
+        ld = ld.copy()
+        for q, src in gone:
+            ld.work[src].remove((q.remaining, q.cached_tokens))
+        return ld
+
+    before = end(g, load)
+    lo, hi = 1, len(mine)  # the fewest k with g's end within the bound without its first k
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if end(g, without(load, mine[:mid])) <= bound:
+            hi = mid
+        else:
+            lo = mid + 1
+    trial = load.copy()  # at most `max_requests` of them at once (the rest at later checks)
+    moves, left = _hand_over(list(mine[:min(lo, rules.max_requests)]), state.now_s[g], takers, by_replica, trial, end,
+                             bound, state, rules, prices, hedge=rules.correction_hedge)
+    if not moves:
+        return []
+    moved = {m.request_id for m in moves}
+    trial = without(trial, [(q, src) for q, src in mine if q.request_id in moved])
+    if end(g, trial) >= before:
+        return []
+    load.work, load.free, load.ready, load.sent = trial.work, trial.free, trial.ready, trial.sent
+    return moves

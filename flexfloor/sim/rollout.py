@@ -158,7 +158,8 @@ class GroupView:
     now: object  # () -> its clock, seconds
     finished: object  # () -> responses finished so far
     ranks: object  # () -> {rank: (running [(SimRequest, produced)], queued count, kv free bytes)}
-    export: object  # (rank) -> [(SimRequest, produced)]: its running requests, removed
+    export: object  # (rank, ids=None) -> [(SimRequest, produced)]: its running requests
+    # (those of the set of request ids `ids`), removed
     adopt: object  # (rank, [(SimRequest, produced)], kv_transfer: bool, ready_s)
     lengths: dict  # prompt uid -> lengths finished here so far
 
@@ -395,17 +396,26 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             return (capacity - x.withheld_blocks - x.used_blocks) * block_nbytes
         return budget - kv_in_use(x, step)
 
-    def export(rank: int) -> list:
-        """Its running requests leave the rank (their tokens so far stay counted here)."""
+    def export(rank: int, ids: Optional[set] = None) -> list:
+        """Its running requests (those of `ids`: None, all) leave the rank (their tokens so far
+        stay counted here)."""
         nonlocal requests_total
         x = ranks[rank]
-        out = [(run.req, step - run.start) for run in sorted(x.running, key=lambda r: r.seq)]
+        gone = [run for run in sorted(x.running, key=lambda r: r.seq)
+                if ids is None or run.req.request_id in ids]
+        out = [(run.req, step - run.start) for run in gone]
         requests_total -= len(out)
-        x.used_blocks -= sum(run.blocks for run in x.running)  # exact blocks: the pool's free
-        for run in x.running:
+        x.used_blocks -= sum(run.blocks for run in gone)  # exact blocks: the pool's free
+        for run in gone:
             x.kv_used -= reserve(run.req)
         x.record.migrated_out += len(out)
-        x.running, x.ctx_base, x.pending, x.extra_pairs = [], 0, 0, 0.0
+        if ids is None or len(gone) == len(x.running):
+            x.running, x.ctx_base, x.pending, x.extra_pairs = [], 0, 0, 0.0
+            return out
+        for run in gone:  # at a boundary each running request feeds the next step one token
+            x.running.remove(run)
+            x.ctx_base -= run.req.prompt_len - run.start
+            x.pending -= 1
         return out
 
     def adopt(rank: int, items: list, kv_transfer: bool, ready_s: float) -> None:
@@ -586,6 +596,8 @@ class TailConsolidation:
     prices: object  # consolidate.MovePrices
     remaining: object  # (SimRequest, produced, {uid: [lengths]}) -> float
     block_tokens: int = 16
+    # the rollout's end the correction keeps (`ConsolidationState.end_bound_s`); None: none
+    end_bound_s: Optional[float] = None
     # consolidation inside each replica as the engine does it (flexfloor.rollout.tails:
     # `within_replica`, unit step cost); None: across replicas only
     within: object = None  # flexfloor.rollout.tails.TailRules
@@ -611,6 +623,8 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
     changed = {i: False for i in range(len(gens))}
     seen: dict[int, int] = {}  # replica -> responses finished everywhere at its last decision
     moves_log: dict[int, list] = {i: [] for i in range(len(gens))}
+    bound = consolidation.end_bound_s
+    checked: dict[int, float] = {}  # replica -> its clock when its end is checked next
 
     def advance(i: int, first: bool = False) -> None:
         try:
@@ -630,9 +644,17 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
         if seen.get(i) != finished and len(views) > consolidation.rules.min_replicas:
             seen[i] = finished
             mine = views[i].ranks()
-            if all(q == 0 for _, q, _ in mine.values()) and 0 < sum(
-                    len(run) for run, _, _ in mine.values()) <= consolidation.rules.max_requests:
-                _consolidate(i, views, replica_of, consolidation, changed, moves_log, limits)
+            n = sum(len(run) for run, _, _ in mine.values())
+            if all(q == 0 for _, q, _ in mine.values()) and n:
+                # it may give all (few requests left), or, past the next check of its end
+                # (from half the bound on, a hundredth of it apart: a misprediction shows once
+                # a long request outlives it), hand its longest over (the correction)
+                late = bound is not None and views[i].now() >= checked.get(i, bound / 2)
+                if late:
+                    checked[i] = views[i].now() + bound / 100
+                if n <= consolidation.rules.max_requests or late:
+                    _consolidate(i, views, replica_of, consolidation, changed, moves_log,
+                                 limits, correct=late)
         advance(i)
     for i, out in outs.items():
         out.timeline.extend(moves_log[i])
@@ -681,8 +703,9 @@ def _consolidate_within(view: GroupView, tc: TailConsolidation, changed: dict, i
 
 
 def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidation,
-                 changed: dict, moves_log: dict, limits: RankLimits) -> None:
-    """One decision at `giver`'s boundary, applied: its requests out, into the takers."""
+                 changed: dict, moves_log: dict, limits: RankLimits, correct: bool) -> None:
+    """One decision at `giver`'s boundary, applied: its requests out, into the takers.
+    `correct`: its end is checked against the end to keep (the correction) at this one."""
     from flexfloor.rollout import consolidate as cons
 
     finished: dict[int, list[int]] = {}
@@ -701,13 +724,16 @@ def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidatio
             states.append(cons.RankState(rank, k, tuple(rs), queued,
                                          None if free >= UNBOUNDED_KV else free // block_bytes))
     state = cons.ConsolidationState(tuple(states), {k: v.now() for k, v in views.items()},
-                                    limits.max_batch_size, tc.block_tokens)
+                                    limits.max_batch_size, tc.block_tokens, tc.end_bound_s,
+                                    correct=correct)
     decision = cons.decide(state, tc.rules, tc.step_cost, tc.prices, givers=[giver])
     if not decision.moves:
         return
-    gone = {}
+    gone, leaving = {}, giver in decision.leaving_replicas
     for src in sorted({m.src for m in decision.moves}):
-        gone.update({req.request_id: (req, produced) for req, produced in views[giver].export(src)})
+        ids = None if leaving else {m.request_id for m in decision.moves if m.src == src}
+        gone.update({req.request_id: (req, produced)
+                     for req, produced in views[giver].export(src, ids)})
     for m in decision.moves:
         k = replica_of[m.dst]
         views[k].adopt(m.dst, [gone[m.request_id]], m.kind == cons.MoveKind.KV_TRANSFER,
@@ -715,6 +741,7 @@ def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidatio
         changed[k] = True
     changed[giver] = True
     kinds = Counter(m.kind.value for m in decision.moves)
-    moves_log[giver].append({"time_s": views[giver].now(), "consolidated": len(decision.moves),
+    moves_log[giver].append({"time_s": views[giver].now(),
+                             "consolidated" if leaving else "corrected": len(decision.moves),
                              "to_replicas": sorted({replica_of[m.dst] for m in decision.moves}),
                              **dict(kinds)})

@@ -91,6 +91,11 @@ class Scenario:
     # tail consolidation across replicas (flexfloor.rollout.consolidate), elastic mode with
     # replicas on an accelerator
     consolidate: bool = False
+    # with it, the online correction (a replica predicted past the plan's bound hands its
+    # longest requests to replicas held anyway) and the evacuation's hedges (takers within that
+    # bound, moved estimates counted 1.5x); off by default: not yet measured at scale, and it
+    # costs the simulator about three times the CPU on paper-like (docs/simulator.md)
+    correct: bool = False
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
     # figures to reach, checked and printed: {"baseline": mode, metric thresholds}
@@ -364,7 +369,9 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     step cost and move prices (KV over the network between nodes, or a re-prefill priced as a
     prompt step), and each running request's predicted remaining tokens: the plan's prediction,
     or for a prompt with no history the siblings already finished in this rollout
-    (`Predictor.predict(uid, siblings)`), corrected once a request outlives it."""
+    (`Predictor.predict(uid, siblings)`), corrected once a request outlives it; and, with
+    `Scenario.correct`, the end to keep (the correction's bound,
+    `ConsolidationState.end_bound_s`): the plan's `finish_bound`."""
     from flexfloor.sim.cost import RankLoad
 
     placement, _ = topo.states[topo.groups[0]]
@@ -386,8 +393,14 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
             predicted = predictor.predict(req.prompt_uid, finished[req.prompt_uid])[0]
         return remaining_estimate(predicted, produced, sc.max_len)
 
-    return TailConsolidation(ConsolidationRules(min_replicas=1), step_cost, prices, remaining,
-                             sc.kv_block_tokens or 1)
+    if not sc.correct:
+        return TailConsolidation(ConsolidationRules(min_replicas=1), step_cost, prices,
+                                 remaining, sc.kv_block_tokens or 1)
+    # the end to keep: the plan's bound (static's predicted end times `pace_margin`); a
+    # leaving replica's requests counted half as long again on their takers
+    rules = ConsolidationRules(min_replicas=1, evacuation_hedge=1.5)
+    return TailConsolidation(rules, step_cost, prices, remaining, sc.kv_block_tokens or 1,
+                             end_bound_s=plan.finish_bound)
 
 
 def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
