@@ -31,6 +31,7 @@ def test_resume_continues_exactly(res):
         assert r["resumed_cursor"] == {"epoch": 0, "position": 4, "deferred": []}
         assert r["resumed_history_uids"] == 4  # the length history came back too
         assert r["resume_equals_uninterrupted"] is True
+        assert r["helpers_after_save"] == []  # the write results came back in process
 
 
 def test_ppo_trains_actor_and_critic_with_a_frozen_reference(res):

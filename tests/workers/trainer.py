@@ -9,6 +9,7 @@ Usage: torchrun --nproc-per-node 2 tests/workers/trainer.py OUT_DIR
 
 import dataclasses
 import json
+import multiprocessing
 import os
 
 import torch
@@ -83,6 +84,8 @@ def main(out):
     ckpt = f"{out}/ckpt"
     j = job(out, f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1")
     j.step()
+    # the save's writer processes are gone, and no multiprocessing Manager was started for it
+    res["helpers_after_save"] = [p.name for p in multiprocessing.active_children()]
     j.parallel.destroy()
     j = job(out, f"checkpoint.load={ckpt}")
     res["resumed_step"] = j.step_index
