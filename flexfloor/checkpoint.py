@@ -195,7 +195,8 @@ def _write_results_in_process() -> None:
     and one more process per worker to reap after a kill."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", queue.Queue()) is None:
+    # (a Megatron-Core without this module-level queue has nothing to replace)
+    if hasattr(filesystem_async, "_results_queue") and filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
 
 
