@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
 import random
 import shutil
 from dataclasses import asdict, dataclass, is_dataclass
@@ -185,6 +186,20 @@ def _sharded_state(model, optimizer, *, is_loading: bool) -> dict:
     return state
 
 
+def _write_results_in_process() -> None:
+    """Megatron-Core's torch_dist writer hands a save's write results to the caller through a
+    queue of a spawned `multiprocessing.Manager` process, made for async saves (whose writer runs
+    in another process). Our saves are synchronous: the writer is this process, so a thread queue
+    carries them. The Manager would cost every process's first save its start and its import of
+    torch (to unpickle the results): seconds, in every worker and again in every restarted one,
+    and one more process per worker to reap after a kill."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    # (a Megatron-Core without this module-level queue has nothing to replace)
+    if hasattr(filesystem_async, "_results_queue") and filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(
     root: str,
     step: int,
@@ -216,6 +231,7 @@ def save_checkpoint(
         os.makedirs(tmp)
     _barrier()
     rank = dist.get_rank() if dist.is_initialized() else 0
+    _write_results_in_process()
     with _io("saving", tmp, _SAVE_FIX):
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
         torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))

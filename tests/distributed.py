@@ -122,8 +122,9 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 600, check: b
 
 @dataclasses.dataclass(frozen=True)
 class Worker:
-    """A worker a test module launches, declared at module level as `WORKER = Worker(...)` so
-    that the modules of one session whose workers share a world size share one launch
+    """A worker a test module launches, declared at module level as `WORKER = Worker(...)` (or
+    `WORKERS = (Worker(...), ...)` for a module that runs one at several world sizes) so that
+    the modules of one session whose workers share a world size share one launch
     (`SharedLaunches`). `first`: run it before the others of its launch, in a fresh process
     (what it measures of the process, its RSS, must not inherit the others' heap)."""
 
@@ -145,15 +146,18 @@ class SharedLaunches:
         self._launches: dict[int, tuple[pathlib.Path, subprocess.CompletedProcess]] = {}
 
     def _workers(self, nproc: int) -> list[Worker]:
-        declared = {getattr(item.module, "WORKER", None) for item in self._session.items
-                    if getattr(item, "module", None) is not None}
+        modules = {item.module for item in self._session.items
+                   if getattr(item, "module", None) is not None}
+        declared = {w for m in modules
+                    for w in (getattr(m, "WORKER", None), *getattr(m, "WORKERS", ()))}
         same = [w for w in declared if isinstance(w, Worker) and w.nproc == nproc]
         return sorted(same, key=lambda w: (not w.first, w.script))
 
     def run(self, worker: Worker) -> Launch:
         if worker.nproc not in self._launches:
             workers = self._workers(worker.nproc)
-            assert worker in workers, f"{worker.script}: declare it as its module's WORKER"
+            assert worker in workers, \
+                f"{worker.script}: declare it as its module's WORKER (or one of its WORKERS)"
             out = self._tmp.mktemp(f"shared{worker.nproc}")
             specs = [w.script + (":" + ",".join(w.args) if w.args else "") for w in workers]
             try:

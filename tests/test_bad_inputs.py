@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from distributed import REPO, run_worker
+from distributed import REPO, Worker
 from flexfloor.config import ConfigError, load_config
 
 @dataclass(frozen=True)
@@ -291,9 +291,12 @@ def test_entry_point_bad_data(tmp_path):
 # ---------------------------------------------------------- found when the Job starts (1 worker)
 
 
+WORKER = Worker("fault_inputs.py", 1, timeout=300)  # in the session's 1-worker launch
+
+
 @pytest.fixture(scope="module")
-def job_errors(tmp_path_factory):
-    run = run_worker("fault_inputs.py", 1, tmp_path_factory.mktemp("bad_inputs"), timeout=300)
+def job_errors(shared):
+    run = shared.run(WORKER)
     return dict(run.results, stdout=run.proc.stdout)
 
 

@@ -2,7 +2,9 @@
 
 import os
 
-from distributed import run_worker
+from distributed import Worker, run_worker
+
+WORKER = Worker("reshard.py", 2, timeout=400)  # in the session's 2-worker launch
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
@@ -23,11 +25,11 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert "iter_0000002.tmp" not in seen["dirs"]  # the leftover was cleared by the next save
 
 
-def test_resume_at_another_worker_count_and_build_after_destroy(tmp_path):
+def test_resume_at_another_worker_count_and_build_after_destroy(shared):
     """A run saved on 1 worker resumes on 2 and back (model and optimizer, every entry equal
     after the load), and Parallel builds again after destroy() in one process at EP=2
-    (tests/workers/reshard.py: one 2-worker launch)."""
-    res = run_worker("reshard.py", 2, tmp_path, timeout=400).results
+    (tests/workers/reshard.py, in the session's 2-worker launch)."""
+    res = shared.run(WORKER).results
     assert res["b_loaded_step"] == 1 and res["b_ep_size"] == 2 and res["c_loaded_step"] == 2
     for case in ("one_to_two", "two_to_one"):  # saved again right after the load: same entries
         assert res[case]["differ"] == [], (case, res[case]["differ"][:10])

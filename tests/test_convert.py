@@ -1,6 +1,7 @@
 """HF <-> FlexFloor conversion of Mixtral, Qwen3-MoE and OLMoE, checked against `transformers`.
 
-Two launches of tests/workers/convert.py (1 worker: EP=1 plus the error cases; 2 workers: EP=2),
+tests/workers/convert.py at two world sizes, each in the session's launch of that size (1 worker:
+EP=1 plus the error cases; 2 workers: EP=2),
 each running every family: logits of FlexFloor's trainer path vs transformers, greedy tokens of
 FlexFloor's engine vs transformers' generate, and the HF -> FlexFloor -> HF round trip bit for
 bit (reloaded by transformers). The pure family rules are checked without processes.
@@ -15,21 +16,22 @@ import torch
 
 from flexfloor.config import ModelConfig, QKNorm
 from flexfloor.convert.families import FAMILIES, ConversionError, family_of
-from distributed import REPO, run_worker
+from distributed import REPO, Worker
 
 FAMILY_NAMES = sorted(FAMILIES)
 TOL = 1e-5  # fp32 logits, max |FlexFloor - transformers|
+WORKERS = (Worker("convert.py", 1, timeout=300), Worker("convert.py", 2, timeout=300))
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """Results of the worker on n processes (EP = n), launched once per n."""
+def launch(shared):
+    """Results of the worker on n processes (EP = n), run once per n."""
     done = {}
 
     def get(n):
         if n not in done:
-            out = tmp_path_factory.mktemp(f"convert_ep{n}")
-            run = run_worker("convert.py", n, out, timeout=300)
+            (worker,) = [w for w in WORKERS if w.nproc == n]
+            run = shared.run(worker)
             done[n] = {**run.results, "_ep": n, "_out": str(run.out)}
         return done[n]
 

@@ -261,7 +261,7 @@ def test_sigterm_mid_rollout_finishes_the_step_saves_and_exits_75(runs):
 
 
 def test_no_process_of_the_job_outlives_it(runs):
-    """After each kill -9 the dead worker's helpers (dist-checkpointing's writer Manager, the
+    """After each kill -9 the dead worker's helpers (dist-checkpointing's writer processes, the
     resource_tracker) are ended too: once torchrun exits, the output pipe (`... | cat`) closes
     and no process of the job is left, for the faulted run as for the uninterrupted one."""
     assert launch.leftovers["faulted"] == {"pipe_closed": True, "left": []}

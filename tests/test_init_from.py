@@ -1,6 +1,6 @@
 """Starting RL from a converted Hugging Face checkpoint: `checkpoint.init_from` (weights only).
 
-One launch of tests/workers/init_from.py on 2 gloo workers: a tiny random `transformers`
+tests/workers/init_from.py on 2 gloo workers (the session's 2-worker launch): a tiny random `transformers`
 Qwen3-MoE model, converted with the CLI, trained with the example config and the model section
 of the converter's model.yaml.
 """
@@ -9,15 +9,17 @@ import math
 
 import pytest
 
-from distributed import run_worker
+from distributed import Worker
 from flexfloor.config import ConfigError, load_config
+
+WORKER = Worker("init_from.py", 2, timeout=300)
 
 TOL = 1e-5  # fp32 logits, max |FlexFloor - transformers|
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    run = run_worker("init_from.py", 2, tmp_path_factory.mktemp("init_from"), timeout=300)
+def launch(shared):
+    run = shared.run(WORKER)
     return run.results, run.proc.stdout, str(run.out)
 
 

@@ -1,21 +1,21 @@
 """Greedy tokens of FlexFloor's rollout engine equal those of Megatron-Core's own legacy
 `StaticInferenceEngine` (a peer implementation with its own KV cache, attention path and sampling
-loop) on the same model. One torchrun launch (world 1, EP=1) shared by the module; see
-tests/workers/megatron_reference.py."""
+loop) on the same model. One worker (world 1, EP=1, in the session's 1-worker launch) shared by
+the module; see tests/workers/megatron_reference.py."""
 
 
 import pytest
 
-from distributed import run_worker
+from distributed import Worker
 
 NEW_TOKENS = 16
 CASES = ["tiny_float32", "tiny_float64", "sharp_float32", "sharp_float64"]
+WORKER = Worker("megatron_reference.py", 1, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
-    run = run_worker("megatron_reference.py", 1, tmp_path_factory.mktemp("megatron_reference"),
-                 timeout=300)
+def out(shared):
+    run = shared.run(WORKER)
     return lambda name: run.load(f"{name}.json")
 
 

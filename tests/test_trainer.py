@@ -1,15 +1,18 @@
-"""The GRPO step loop on 2 real gloo workers (one launch): updates, static == elastic, resume."""
+"""The GRPO step loop on 2 real gloo workers (the session's 2-worker launch): updates,
+static == elastic, resume."""
 
 import math
 
 import pytest
 
-from distributed import run_worker
+from distributed import Worker
+
+WORKER = Worker("trainer.py", 2)
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    return run_worker("trainer.py", 2, tmp_path_factory.mktemp("trainer")).results
+def res(shared):
+    return shared.run(WORKER).results
 
 
 def test_two_grpo_steps_change_the_weights_with_finite_losses(res):
@@ -28,6 +31,7 @@ def test_resume_continues_exactly(res):
         assert r["resumed_cursor"] == {"epoch": 0, "position": 4, "deferred": []}
         assert r["resumed_history_uids"] == 4  # the length history came back too
         assert r["resume_equals_uninterrupted"] is True
+        assert r["helpers_after_save"] == []  # the write results came back in process
 
 
 def test_ppo_trains_actor_and_critic_with_a_frozen_reference(res):

@@ -1,7 +1,7 @@
 """No process of a worker outlives it, even when the worker is killed with SIGKILL.
 
-A worker starts helper processes it does not control: dist-checkpointing's writer (a
-multiprocessing Manager, ~330 MB), Python's resource_tracker. Killed with SIGKILL, the worker
+A worker starts helper processes it does not control: dist-checkpointing's writer processes
+(forked copies of the worker during a save), Python's resource_tracker. Killed with SIGKILL, the worker
 cannot end them; they are reparented to init, keep the job's stdout/stderr open (so
 `... | tee log` never returns) and each restart leaks more. torchrun ends only the workers that
 are still alive, Ray only its actor.

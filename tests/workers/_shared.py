@@ -30,6 +30,7 @@ def run_one(out: str, spec: str) -> None:
     script, _, args = spec.partition(":")
     folder = os.path.join(out, script)
     os.makedirs(folder, exist_ok=True)
+    start = time.monotonic()
     try:
         main = importlib.import_module(script[:-3]).main  # this folder is sys.path[0]
         results = main(folder, *(args.split(",") if args else ()))
@@ -41,6 +42,8 @@ def run_one(out: str, spec: str) -> None:
             f.write(traceback.format_exc())
     finally:
         teardown()
+        if rank() == 0:  # where a launch's time goes (the suite's budget), in its output
+            print(f"[shared] {spec}: {time.monotonic() - start:.1f} s", flush=True)
 
 
 def wait_for(store: dist.TCPStore, key: str, world_size: int) -> None:

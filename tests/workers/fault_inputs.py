@@ -18,10 +18,10 @@ from flexfloor.checkpoint import LOCK_FILE, _shape_of, read_meta
 from flexfloor.config import load_config
 from flexfloor.coordinator import Job, error_origin
 from flexfloor.data import make_synthetic_prompts, register_reward, write_examples
+from flexfloor.parallel import Parallel
 
-from _harness import out_dir, run
+from _harness import run
 
-OUT = out_dir()
 BASE = [
     "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
     "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.progress=false",
@@ -34,25 +34,26 @@ def nan_reward(response: str, ground_truth: str) -> float:
     return float("nan")  # a broken reward function: the loss becomes NaN
 
 
-def path(*parts):
-    return os.path.join(OUT, *parts)
+def path(out, *parts):
+    return os.path.join(out, *parts)
 
 
-def config(case, *overrides):
-    return load_config(None, BASE + [f"logging.run_dir={path(case, 'run')}"] + list(overrides)
+def config(out, case, *overrides):
+    return load_config(None, BASE + [f"logging.run_dir={path(out, case, 'run')}"]
+                       + list(overrides)
                        ).resolve_world(dist.get_world_size())
 
 
-def attempt(case, *overrides):
+def attempt(out, case, *overrides):
     """Build the Job; the error it raises, and what it left on disk."""
     try:
-        Job(config(case, *overrides)).close()
+        Job(config(out, case, *overrides)).close()
         err = None
     except Exception as e:  # noqa: BLE001
         err = e
     return {"type": type(err).__name__ if err else None, "message": str(err) if err else None,
             "origin": error_origin(err) if err else None,
-            "run_dir_written": os.path.exists(path(case, "run"))}
+            "run_dir_written": os.path.exists(path(out, case, "run"))}
 
 
 def fake_checkpoint(root, shape, files):
@@ -84,14 +85,14 @@ def weights(job):
     return {n: p.detach().clone() for n, p in job.model.named_parameters()}
 
 
-def nan_step(case, policy):
+def nan_step(out, case, policy):
     """One step whose rewards are NaN under trainer.nan_policy=`policy`."""
-    data = path(case, "nan.parquet")
-    os.makedirs(path(case))
+    data = path(out, case, "nan.parquet")
+    os.makedirs(path(out, case))
     write_examples([dataclasses.replace(e, data_source="test/nan")
                     for e in make_synthetic_prompts(8, 0)], data)
-    job = Job(config(case, f"data.train_files=[{data}]", f"trainer.nan_policy={policy}",
-                     f"checkpoint.dir={path(case, 'ckpt')}", "checkpoint.save_interval=1"))
+    job = Job(config(out, case, f"data.train_files=[{data}]", f"trainer.nan_policy={policy}",
+                     f"checkpoint.dir={path(out, case, 'ckpt')}", "checkpoint.save_interval=1"))
     before = weights(job)
     res = {}
     try:
@@ -101,7 +102,7 @@ def nan_step(case, policy):
         res.update(error=str(e), type=type(e).__name__, origin=error_origin(e))
     after = weights(job)
     res["weights_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
-    ckpt = path(case, "ckpt")
+    ckpt = path(out, case, "ckpt")
     res["checkpoints"] = checkpoints(ckpt)
     if policy == "skip":
         # a save that crashed after renaming iter_2 and before moving `latest` left an orphan:
@@ -114,12 +115,13 @@ def nan_step(case, policy):
     return res
 
 
-def save_fails(case):
+def save_fails(out, case):
     """A checkpoint write that fails in dist-checkpointing's writer (files capped at 100 kB, as
     a full disk would stop them): torch raises CheckpointException, a BaseException."""
     import resource
 
-    job = Job(config(case, f"checkpoint.dir={path(case, 'ckpt')}", "checkpoint.save_interval=1"))
+    job = Job(config(out, case, f"checkpoint.dir={path(out, case, 'ckpt')}",
+                     "checkpoint.save_interval=1"))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
     try:
@@ -131,65 +133,67 @@ def save_fails(case):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     res = {"type": type(err).__name__ if err else None, "message": str(err) if err else None,
            "origin": error_origin(err) if err else None,
-           "checkpoints": sorted(os.listdir(path(case, "ckpt")))}  # the lock too: still held
+           "checkpoints": sorted(os.listdir(path(out, case, "ckpt")))}  # the lock too: still held
     job.close()
     return res
 
 
 def main(out):
-    dist.init_process_group("gloo")
+    Parallel.build()  # the world (the harness tears it down)
     os.makedirs(out, exist_ok=True)
     res = {}
-    res["prompt_too_long"] = attempt("prompt_too_long", "data.max_prompt_len=8")
+    res["prompt_too_long"] = attempt(out, "prompt_too_long", "data.max_prompt_len=8")
 
-    empty = path("empty.parquet")
+    empty = path(out, "empty.parquet")
     write_examples([], empty)
-    res["empty_data"] = attempt("empty_data", f"data.train_files=[{empty}]")
+    res["empty_data"] = attempt(out, "empty_data", f"data.train_files=[{empty}]")
 
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist([{"data_source": "x", "prompt": [
-        {"role": "user", "content": "hi"}]}]), path("columns.parquet"))
-    res["missing_columns"] = attempt("missing_columns", f"data.train_files=[{path('columns.parquet')}]")
+        {"role": "user", "content": "hi"}]}]), path(out, "columns.parquet"))
+    res["missing_columns"] = attempt(out, "missing_columns",
+                                     f"data.train_files=[{path(out, 'columns.parquet')}]")
 
-    res["tokenizer_vocab"] = attempt("tokenizer_vocab", "model.vocab_size=64")
+    res["tokenizer_vocab"] = attempt(out, "tokenizer_vocab", "model.vocab_size=64")
 
     def prompts_file(name, prompts):
         rows = [{"data_source": "synthetic/running_sum", "prompt": p,
                  "reward_model": {"style": "rule", "ground_truth": "1"},
                  "extra_info": {"index": i, "split": "train"}} for i, p in enumerate(prompts)]
-        pq.write_table(pa.Table.from_pylist(rows), path(name))
-        return path(name)
+        pq.write_table(pa.Table.from_pylist(rows), path(out, name))
+        return path(out, name)
 
-    res["parquet_type"] = attempt("parquet_type",
+    res["parquet_type"] = attempt(out, "parquet_type",
                                   f"data.train_files=[{prompts_file('type.parquet', [7, 8])}]")
     empty_prompt = prompts_file("empty_prompt.parquet", ["1 2 =", "   "])
-    res["parquet_empty_prompt"] = attempt("parquet_empty_prompt",
+    res["parquet_empty_prompt"] = attempt(out, "parquet_empty_prompt",
                                           f"data.train_files=[{empty_prompt}]")
 
-    with open(path("a_file"), "w") as f:
+    with open(path(out, "a_file"), "w") as f:
         f.write("not a directory")
-    res["ckpt_dir_unwritable"] = attempt("ckpt_dir_unwritable",
-                                         f"checkpoint.dir={path('a_file', 'ckpt')}")
-    busy = path("busy_ckpt")
+    res["ckpt_dir_unwritable"] = attempt(out, "ckpt_dir_unwritable",
+                                         f"checkpoint.dir={path(out, 'a_file', 'ckpt')}")
+    busy = path(out, "busy_ckpt")
     os.makedirs(busy)
     with open(os.path.join(busy, LOCK_FILE), "w") as f:  # a live job (the launcher) holds it
         json.dump({"host": socket.gethostname(), "pid": os.getppid(),
                    "started": "2026-01-01T00:00:00Z"}, f)
-    res["ckpt_dir_in_use"] = attempt("ckpt_dir_in_use", f"checkpoint.dir={busy}")
+    res["ckpt_dir_in_use"] = attempt(out, "ckpt_dir_in_use", f"checkpoint.dir={busy}")
     res["ckpt_dir_in_use"]["files"] = sorted(os.listdir(busy))
 
-    cfg = config("shape")
+    cfg = config(out, "shape")
     other = dict(_shape_of(cfg.model), num_layers=cfg.model.num_layers + 1)
-    fake_checkpoint(path("shape_ckpt"), other, {})
-    res["checkpoint_shape"] = attempt("shape", f"checkpoint.dir={path('shape_ckpt')}")
+    fake_checkpoint(path(out, "shape_ckpt"), other, {})
+    res["checkpoint_shape"] = attempt(out, "shape", f"checkpoint.dir={path(out, 'shape_ckpt')}")
 
-    fake_checkpoint(path("trunc_ckpt"), _shape_of(cfg.model), {"__0_0.distcp": (500, 1000)})
-    res["checkpoint_truncated"] = attempt("truncated", f"checkpoint.load={path('trunc_ckpt')}")
+    fake_checkpoint(path(out, "trunc_ckpt"), _shape_of(cfg.model), {"__0_0.distcp": (500, 1000)})
+    res["checkpoint_truncated"] = attempt(out, "truncated",
+                                          f"checkpoint.load={path(out, 'trunc_ckpt')}")
 
-    res["save_fails"] = save_fails("save_fails")
-    res["nan_stop"] = nan_step("nan_stop", "stop")
-    res["nan_skip"] = nan_step("nan_skip", "skip")
+    res["save_fails"] = save_fails(out, "save_fails")
+    res["nan_stop"] = nan_step(out, "nan_stop", "stop")
+    res["nan_skip"] = nan_step(out, "nan_skip", "skip")
 
     return res
 

@@ -9,6 +9,7 @@ Usage: torchrun --nproc-per-node 2 tests/workers/trainer.py OUT_DIR
 
 import dataclasses
 import json
+import multiprocessing
 import os
 
 import torch
@@ -16,14 +17,15 @@ import torch.distributed as dist
 
 from flexfloor.config import load_config
 from flexfloor.coordinator import Job
-from flexfloor.data import make_synthetic_prompts, register_reward, write_examples
+from flexfloor.data import make_synthetic_prompts, write_examples
 from flexfloor.model import build_model, causal_positions
+from flexfloor.parallel import Parallel
 from flexfloor.trainer import algorithms as alg
 from flexfloor.trainer.actor import pad_batch, place_per_token
 
-from _harness import gather, out_dir, run
+import _rewards  # noqa: F401 - registers test/sevens
+from _harness import gather, run
 
-OUT = out_dir()
 BASE = [
     "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.micro_batch_size=4",
     "trainer.lr=1e-3", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
@@ -32,19 +34,13 @@ BASE = [
 ]
 
 
-@register_reward("test/sevens")
-def sevens(response: str, ground_truth: str) -> float:
-    """A reward a random model already earns unevenly: the share of '7's in the response."""
-    return response.count("7") / max(1, len(response))
+def data_file(out):
+    return os.path.join(out, "sevens.parquet")
 
 
-DATA = os.path.join(OUT, "sevens.parquet")
-VAL = os.path.join(OUT, "sevens_val.parquet")
-
-
-def job(*overrides):
-    cfg = load_config(None, BASE + [f"logging.run_dir={OUT}/run", f"data.train_files=[{DATA}]"]
-                      + list(overrides))
+def job(out, *overrides):
+    cfg = load_config(None, BASE + [f"logging.run_dir={out}/run",
+                                    f"data.train_files=[{data_file(out)}]"] + list(overrides))
     return Job(cfg.resolve_world(dist.get_world_size()))
 
 
@@ -57,15 +53,15 @@ def same(a, b):
 
 
 def main(out):
-    dist.init_process_group("gloo")
+    Parallel.build()  # the world (the harness tears it down)
     if dist.get_rank() == 0:
         examples = [dataclasses.replace(e, data_source="test/sevens")
                     for e in make_synthetic_prompts(16, 0)]
-        write_examples(examples, DATA)
+        write_examples(examples, data_file(out))
     dist.barrier()
     res = {}
     # 1. two GRPO steps (elastic) change the weights; losses finite
-    j = job("elastic.release_policy=elastic")
+    j = job(out, "elastic.release_policy=elastic")
     w0 = weights(j)
     m1 = j.step()
     w1 = weights(j)
@@ -78,7 +74,7 @@ def main(out):
     j.parallel.destroy()
 
     # 2. a step after a static rollout gives the same weights as after an elastic one
-    j = job("elastic.release_policy=static")
+    j = job(out, "elastic.release_policy=static")
     j.step()
     j.step()
     res["static_equals_elastic"] = same(weights(j), w2)
@@ -86,10 +82,12 @@ def main(out):
 
     # 3. resume: save at step 1, reload in a fresh job, step: equals the uninterrupted step 2
     ckpt = f"{out}/ckpt"
-    j = job(f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1")
+    j = job(out, f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1")
     j.step()
+    # the save's writer processes are gone, and no multiprocessing Manager was started for it
+    res["helpers_after_save"] = [p.name for p in multiprocessing.active_children()]
     j.parallel.destroy()
-    j = job(f"checkpoint.load={ckpt}")
+    j = job(out, f"checkpoint.load={ckpt}")
     res["resumed_step"] = j.step_index
     res["resumed_cursor"] = j.cursor.state_dict()
     res["resumed_history_uids"] = len(j.scheduler.history.lengths)
@@ -100,7 +98,7 @@ def main(out):
     # 4. PPO with a critic and a KL to the reference: two steps, then resume in a fresh job
     ppo = ["trainer.algorithm=ppo", "trainer.kl_coef=0.05", "trainer.kl_estimator=k1",
            "trainer.gae_lambda=0.95", "trainer.critic_lr=1e-3"]
-    j = job(*ppo, f"checkpoint.dir={out}/ppo", "checkpoint.save_interval=1")
+    j = job(out, *ppo, f"checkpoint.dir={out}/ppo", "checkpoint.save_interval=1")
     a0, c0 = weights(j), {n: p.detach().clone() for n, p in j.critic.module.named_parameters()}
     p1 = j.step()
     p2 = j.step()
@@ -110,7 +108,7 @@ def main(out):
     res["ppo_kl_ref_frozen"] = same(a0, {n: p.detach().clone() for n, p in j.reference.named_parameters()})
     ppo_w2 = weights(j)
     j.parallel.destroy()
-    j = job(*ppo, f"checkpoint.load={out}/ppo/iter_0000001")
+    j = job(out, *ppo, f"checkpoint.load={out}/ppo/iter_0000001")
     j.step()
     res["ppo_resume_equals_uninterrupted"] = same(weights(j), ppo_w2)
     j.parallel.destroy()
@@ -119,7 +117,8 @@ def main(out):
     #    T = 0.7, with truncated IS (weights ~1 then); an actor that dropped the temperature
     #    (step 2, the bug put back) would be far off
     res["diff_t1"] = [m1["rollout/logprob_diff_mean"], m1["rollout/logprob_diff_max"]]
-    j = job("rollout.temperature=0.7", "trainer.rollout_is=truncated", "trainer.rollout_is_cap=2.0")
+    j = job(out, "rollout.temperature=0.7", "trainer.rollout_is=truncated",
+            "trainer.rollout_is_cap=2.0")
     w = weights(j)
     m = j.step()
     res["diff_t07"] = [m["rollout/logprob_diff_mean"], m["rollout/logprob_diff_max"]]
@@ -131,7 +130,7 @@ def main(out):
 
     # 6. the reduced gradient of a GRPO step on 2 data-parallel workers (micro-batches of 4)
     #    equals the single-process gradient of the whole batch in one forward/backward
-    j = job("parallel.expert_parallel_size=1", "elastic.release_policy=static",
+    j = job(out, "parallel.expert_parallel_size=1", "elastic.release_policy=static",
             "trainer.clip_grad=0", "trainer.ppo_epochs=1")
     single = build_model(j.cfg.model, j.parallel)  # unwrapped, no process group in its math
     single.load_state_dict(j.model.state_dict())
@@ -155,10 +154,11 @@ def main(out):
     # 7. validation on held-out files every 2 steps and at the end; never trained on
     val = [dataclasses.replace(e, data_source="test/sevens", uid=1000 + e.uid)
            for e in make_synthetic_prompts(40, 0)[16:]]
+    val_file = os.path.join(out, "sevens_val.parquet")
     if dist.get_rank() == 0:
-        write_examples(val, VAL)
+        write_examples(val, val_file)
     dist.barrier()
-    j = job("trainer.steps=3", "trainer.val_interval=2", f"data.val_files=[{VAL}]",
+    j = job(out, "trainer.steps=3", "trainer.val_interval=2", f"data.val_files=[{val_file}]",
             f"logging.run_dir={out}/val_run")
     res["val_steps"] = [sorted(k for k in j.step() if k.startswith("val/")) for _ in range(3)]
     train_prompts = {e.prompt for e in j.examples}
