@@ -277,7 +277,7 @@ def test_entry_point_bad_data(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
          "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "flexfloor.train",
          "--config", os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml"),
-         "parallel.world_size=1", "parallel.expert_parallel_size=1",
+         "parallel.world_size=1", "parallel.expert_parallel_size=1", "rollout.replicas=1",
          f"data.train_files=[{empty}]", f"logging.run_dir={tmp_path / 'run'}",
          f"checkpoint.dir={tmp_path / 'ckpt'}"],
         capture_output=True, text=True, cwd=tmp_path, timeout=180, env=env)
