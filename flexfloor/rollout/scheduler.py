@@ -565,6 +565,43 @@ def _longest_first(groups: Sequence[PromptGroup], per_request: dict[str, float])
     return reqs
 
 
+def _fill_replicas(order: Sequence[PromptGroup], replicas: Sequence[Sequence[int]], refusals: int,
+                   accepts: Callable[[dict[int, list[Request]], list[int]], bool],
+                   end_of: Callable[[dict[int, list[Request]]], object]
+                   ) -> dict[int, list[Request]]:
+    """Groups in `order` onto the replicas, the first ones first: each group's samples spread
+    over a replica's ranks (each to the rank with the fewest), kept where `accepts(trial, grown)`
+    (trial: rank -> requests of the replica with the group; grown: its ranks that got samples);
+    a replica that refuses `refusals` groups in a row is full. A group no replica accepts goes to
+    the replica with the least `end_of(trial)`. Returns rank -> requests."""
+    placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
+
+    def spread(ranks, g) -> dict[int, list[Request]]:
+        trial = {r: list(placed[r]) for r in ranks}
+        for q in g.requests:
+            trial[min(ranks, key=lambda r: (len(trial[r]), r))].append(q)
+        return trial
+
+    remaining = list(order)
+    for ranks in replicas:
+        left, refused = [], 0
+        for k, g in enumerate(remaining):
+            if refused >= refusals:
+                left += remaining[k:]
+                break
+            trial = spread(ranks, g)
+            if accepts(trial, [r for r in ranks if len(trial[r]) > len(placed[r])]):
+                placed.update(trial)
+                refused = 0
+            else:
+                left.append(g)
+                refused += 1
+        remaining = left
+    for g in remaining:  # nothing in bound: the replica that finishes soonest with it
+        placed.update(spread(min(replicas, key=lambda ranks: end_of(spread(ranks, g))), g))
+    return placed
+
+
 @dataclass
 class Scheduler:
     """Places prompt groups on ranks for one rollout, and learns lengths from its results."""
@@ -682,17 +719,8 @@ class Scheduler:
             for i, q in enumerate(order[0].requests):
                 alone[i % len(alone)].append(q)
             bound = tuple(max(b, e) for b, e in zip(bound, ends(alone)))
-        placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
 
-        def spread(ranks, g) -> dict[int, list[Request]]:
-            """`g`'s samples over the replica's ranks, each to the rank with the fewest."""
-            trial = {r: list(placed[r]) for r in ranks}
-            for q in g.requests:
-                r = min(ranks, key=lambda r: (len(trial[r]), r))
-                trial[r].append(q)
-            return trial
-
-        def fits(ranks, trial) -> bool:
+        def fits(trial, _grown) -> bool:
             if max(len(v) for v in trial.values()) > self.max_batch_size:
                 return False
             if kv is not None:
@@ -701,29 +729,11 @@ class Scheduler:
                                            [len(x.prompt_ids) for x in reqs], None, len(reqs))
                     if peak > kv:
                         return False
-            predicted_end, worst_end = ends([trial[r] for r in ranks])
+            predicted_end, worst_end = ends(list(trial.values()))
             return predicted_end <= bound[0] and worst_end <= bound[1]
 
-        remaining = order
-        for ranks in replicas:
-            left, refused = [], 0
-            for k, g in enumerate(remaining):
-                if refused >= self.refusals:
-                    left += remaining[k:]
-                    break
-                trial = spread(ranks, g)
-                if not fits(ranks, trial):
-                    left.append(g)
-                    refused += 1
-                    continue
-                refused = 0
-                placed.update(trial)
-            remaining = left
-        for g in remaining:  # nothing in bound: the replica that finishes soonest with it
-            def end_with(ranks):
-                trial = spread(ranks, g)
-                return ends([trial[r] for r in ranks])
-            placed.update(spread(min(replicas, key=end_with), g))
+        placed = _fill_replicas(order, replicas, self.refusals, fits,
+                                lambda trial: ends(list(trial.values())))
         out = {}
         for rank, reqs in placed.items():
             out[rank] = sorted(reqs, key=lambda q: (-est[q.request_id], q.prompt_uid,
@@ -957,41 +967,15 @@ class Scheduler:
         budget), while every rank of it stays `within` the bound; a replica that refuses
         `refusals` groups in a row is full. The ranks of a replica end together: where the
         memory floor keeps a replica from shrinking, only whole replicas leave early."""
-        placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
 
-        def spread(ranks, g) -> dict[int, list[Request]]:
-            trial = {r: list(placed[r]) for r in ranks}
-            for q in g.requests:
-                trial[min(ranks, key=lambda r: (len(trial[r]), r))].append(q)
-            return trial
+        def longest_first(reqs) -> list[Request]:
+            return _longest_first([PromptGroup(-1, tuple(reqs))], self._per_request)
 
-        def fits(reqs) -> bool:
-            return within(_longest_first([PromptGroup(-1, tuple(reqs))], self._per_request))
-
-        remaining = list(order)
-        for group in replicas:
-            ranks = sorted(group)
-            left, refused = [], 0
-            for k, g in enumerate(remaining):
-                if refused >= self.refusals:
-                    left += remaining[k:]
-                    break
-                trial = spread(ranks, g)
-                if all(fits(trial[r]) for r in ranks if len(trial[r]) > len(placed[r])):
-                    placed.update(trial)
-                    refused = 0
-                else:
-                    left.append(g)
-                    refused += 1
-            remaining = left
-        for g in remaining:  # nothing in bound: the replica that finishes soonest with it
-            def end_with(ranks):
-                trial = spread(ranks, g)
-                return max(self._profile(_longest_first([PromptGroup(-1, tuple(trial[r]))],
-                                                        self._per_request))[0] for r in ranks)
-            placed.update(spread(min((sorted(x) for x in replicas), key=end_with), g))
-        return {r: _longest_first([PromptGroup(-1, tuple(reqs))], self._per_request)
-                for r, reqs in placed.items()}
+        placed = _fill_replicas(
+            order, [sorted(x) for x in replicas], self.refusals,
+            lambda trial, grown: all(within(longest_first(trial[r])) for r in grown),
+            lambda trial: max(self._profile(longest_first(reqs))[0] for reqs in trial.values()))
+        return {r: longest_first(reqs) for r, reqs in placed.items()}
 
     def _place_rest(self, assigned: dict[int, list[PromptGroup]], remaining, ranks,
                     within: Callable[[Sequence[Request]], bool]) -> None:
