@@ -4,8 +4,8 @@ migration, elastic.move_kv). On 4 real gloo workers, one launch shared with the 
 at release, every move a KV transfer, give the static policy's tokens and log-probs bit for bit
 (fp32), greedy and sampled, with requests moved twice; the givers' blocks go back (the engine
 refuses to end a rollout holding blocks) and no pool outgrows its budget; forced re-prefill
-moves the same requests with the same tokens. In process: the pool's export and import, and
-the prices that choose a move's kind."""
+moves the same requests with the same tokens. In process: the pool's export and import, the
+prices that choose a move's kind, and the modelled seconds of a transfer (`price_trace`)."""
 
 import math
 
@@ -17,7 +17,8 @@ from flexfloor.config import ConfigError, ElasticConfig, MoveKV, load_config
 from flexfloor.rollout.consolidate import MoveKind
 from flexfloor.rollout.kv import BlockPool, blocks_for
 from flexfloor.rollout.tails import MoveCosts
-from flexfloor.rollout.types import RolloutError
+from flexfloor.rollout.types import MoveTrace, RolloutError, StepTrace
+from flexfloor.sim.cost import UnitCost, cost_model, price_trace
 
 WORKER = Worker("kvmove.py", 4, timeout=300)
 KINDS = ["greedy", "sampled"]
@@ -194,3 +195,44 @@ def test_the_config_names_a_bad_move_field(tmp_path):
         load_config(str(cfg), ["elastic.move_kv=always"])
     assert ElasticConfig().move_kv == MoveKV.AUTO and math.isfinite(
         ElasticConfig().kv_link_bytes_per_s)
+
+
+# ------------------------------------------------------------------------------------------
+# in process: the modelled seconds of a move
+
+
+def moved_trace(ranks, kind, kv_tokens=300):
+    """rank -> its trace: the group `ranks` decodes two steps, then the second rank hands one
+    request to the first (`kind`, as both record it) and leaves; the first steps once more."""
+    giver, taker = ranks[1], ranks[0]
+    out = {}
+    for r in ranks:
+        t = StepTrace(num_experts=8, num_layers=2, expert_bytes=1000)
+        for _ in range(2):
+            t.enter_group(ranks, (taker,) * 4 + (giver,) * 4)
+            t.add_step([(100, 1)] * 2, experts_touched=2)
+        t.moves.append(MoveTrace(2, "5/0", giver, taker, kv_tokens + 1, kind=kind.value,
+                                 kv_tokens=kv_tokens if kind == MoveKind.KV_TRANSFER else 0))
+        out[r] = t
+    t = out[taker]
+    t.enter_group((taker,), (taker,) * 8)
+    t.add_step([(100, 1)] * 3, experts_touched=2)
+    return out
+
+
+def test_a_kv_transfer_is_priced_as_its_bytes_over_the_link_the_two_ranks_share():
+    h800 = cost_model("H800", "qwen3-30b-a3b")
+    a, m, eff = h800.accel, h800.model, h800.params.link_efficiency
+    for ranks, bw in (((0, 1), a.nvlink_bytes_per_s), ((0, a.gpus_per_node), a.network_bytes_per_s)):
+        kv = price_trace(moved_trace(ranks, MoveKind.KV_TRANSFER), h800)
+        re = price_trace(moved_trace(ranks, MoveKind.REPREFILL), h800)
+        link = 300 * m.kv_bytes_per_token / (bw * eff)  # once: the taker's record is not priced
+        # every rank of the group waits for it at that boundary, the giver before it leaves
+        for r in ranks:
+            assert kv.occupied_s[r] - re.occupied_s[r] == pytest.approx(link, rel=1e-9)
+    # NVLink inside a node is the cheaper link; unit cost counts steps only
+    inside = price_trace(moved_trace((0, 1), MoveKind.KV_TRANSFER), h800).rollout_s
+    across = price_trace(moved_trace((0, a.gpus_per_node), MoveKind.KV_TRANSFER), h800).rollout_s
+    assert across > inside
+    unit = price_trace(moved_trace((0, 1), MoveKind.KV_TRANSFER), UnitCost())
+    assert unit.occupied_s == {0: 3.0, 1: 2.0}
