@@ -2,7 +2,9 @@
 
 At every step boundary the active ranks agree on who is done (one small all-gather). Every active
 rank then computes the same decision (`flexfloor.rollout.release.decide`, a pure function:
-migration, leavers, new placement + transfers) and the engine applies it: migration, then
+migration, leavers, new placement + transfers) and the engine applies it: migration (a moved
+request takes its K/V along or is re-prefilled, as the membership's `MoveCosts` price it:
+`elastic.move_kv`), then
 `ElasticMembership.shrink`, where the leavers send their experts to the survivors over the
 current group and the survivors switch to their group and re-bind the MoE layers to it. The
 survivors' groups are built ahead: `membership_for` creates every group the rollout plan implies

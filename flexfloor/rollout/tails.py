@@ -25,10 +25,10 @@ module feeds it what the engine knows and carries its moves out:
 How a moved request gets its K/V to the taker (`MoveKind`, `elastic.move_kv`): inside a replica,
 by the decision's prices (`MoveCosts.prices`: the model's KV bytes per token over
 `elastic.kv_link_bytes_per_s` against a re-prefill at `elastic.reprefill_s_per_token`; `transfer`
-or `reprefill` force one). A KV transfer sends the request's stored K/V (`BlockPool.export_kv`)
-in the all-to-all that the migration runs at that boundary anyway (one per boundary, every
-moved request's K/V in it: `RolloutEngine._migrate`); the taker stores it in its own blocks and
-decodes on at its next step. A re-prefill recomputes prompt + what it produced on the taker.
+or `reprefill` force one). The migration's gather carries the request as before, and one
+all-to-all over the group at that boundary (one per boundary, not per request:
+`RolloutEngine._migrate`) the stored K/V of every request moved with it (`BlockPool.export_kv`);
+the taker stores it in its own blocks and decodes on at its next step. A re-prefill recomputes prompt + what it produced on the taker.
 Either way the sampling stream is keyed by position: the same tokens. Across replicas a move
 always re-prefills: the mailbox is the job's key-value store, a channel for small pickled
 values, not for tensors (`REPREFILL_ONLY`). Clocks are engine steps and a step costs 1
