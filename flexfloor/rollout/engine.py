@@ -810,8 +810,12 @@ class RolloutEngine:
         out = []
         for r in st.running:
             rid = r.request.request_id
-            kind = MoveKind.REPREFILL if across or (rid not in kinds and prices is None) else (
-                kinds[rid] if rid in kinds else prices.of(r.position)[0])
+            if across:  # the mailbox carries no tensors
+                kind = MoveKind.REPREFILL
+            elif rid in kinds:
+                kind = kinds[rid]
+            else:  # the migration plan's: as the prices say
+                kind = MoveKind.REPREFILL if prices is None else prices.of(r.position)[0]
             p = {"request": r.request, "tokens": r.tokens, "logprobs": r.logprobs,
                  "admitted_s": r.admitted_s, "src": self.rank, "kv_tokens": 0}
             if kind == MoveKind.KV_TRANSFER:
