@@ -80,9 +80,9 @@ def UNIT_STEP(n: int, ctx: float) -> float:  # noqa: N802  (a constant StepCost)
     return 1.0
 
 
-# across replicas (the mailbox carries no tensors): a transfer's time is unbounded, a re-prefill
-# costs the taker no extra step (the step that adopts a request prefills it and samples its next
-# token)
+# across replicas (the mailbox carries no tensors), and `within_replica`'s default (what the
+# simulator's replay of a replica applies): a transfer's time is unbounded, a re-prefill costs
+# the taker no extra step (the step that adopts a request prefills it and samples its next token)
 REPREFILL_ONLY = MovePrices(kv_bytes_per_token=1, transfer_bytes_per_s=sys.float_info.min,
                             reprefill_s_per_token=0.0)
 
