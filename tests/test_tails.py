@@ -78,7 +78,14 @@ def test_a_request_moves_twice_inside_one_group(res, kind):
 def test_a_replica_hands_its_requests_to_the_other_and_leaves(res, kind):
     """Replica 1 is meant to give (its last two requests are predicted short from their
     siblings); on a loaded machine replica 0 can run far ahead and reach its own tail first,
-    and then it gives: either way requests cross replicas and the giver leaves whole early."""
+    and then it gives: either way requests cross replicas and the giver leaves whole early.
+
+    Where the hand-over lands follows the replicas' wall clocks, so the scenario saves steps
+    wherever it lands (tests/workers/tails.py): replica 1 (tail 60 steps) hands over at its
+    step k once replica 0 posted a state, replica 0 (90 steps) adopts at its step t; the two
+    replicas' occupied steps are 2k + 2 max(90, t + 60 - k) against 2 * 60 + 2 * 90, fewer
+    while k < 60 (replica 0 up to ~58 steps late) and t + 60 - k < 148 (replica 0 up to ~86
+    steps ahead)."""
     parts = res[f"r2_{kind}"]
     recs = [p["elastic"]["record"] for p in parts]
     across = [m for m in moves(parts) if m["across"]]

@@ -28,25 +28,29 @@ SAMPLING = {"greedy": SamplingParams(greedy=True),
 WORLD = {0: [26, 4, 4], 1: [30, 24, 18], 2: [28, 22, 16], 3: [20]}
 # R = 2, replicas (0, 1) and (2, 3): replica 0 runs six long requests; ranks 2 and 3 run one
 # prompt of three samples each (a list: one prompt's samples): two end after 2 tokens, so the
-# third is predicted short from its siblings and replica 1 hands the two over
-# (long enough that replica 1 retries for many boundaries when replica 0 starts late on a
-# loaded machine)
-REPLICAS = {0: [40, 38, 36], 1: [39, 37, 35], 2: [[2, 2, 30]], 3: [[2, 2, 28]]}
+# third is predicted short from its siblings and replica 1 hands the two over. The replicas run
+# on their own clocks (on a loaded machine one pair of processes can be tens of steps ahead of
+# the other), so the hand-over must save steps wherever it lands: replica 1's tail (60 steps)
+# is long, so it saves its ranks' steps even when replica 0 posts its first state tens of steps
+# late; replica 0's work (90 steps) is longer still, so the moved requests (under 60 tokens
+# left) end inside it even when replica 0 is tens of steps ahead (worked out in
+# tests/test_tails.py, test_a_replica_hands_its_requests_to_the_other_and_leaves)
+REPLICAS = {0: [90, 88, 86], 1: [89, 87, 85], 2: [[2, 2, 60]], 3: [[2, 2, 58]]}
 CONSOLIDATE = {1: ElasticConfig(consolidate=True, consolidate_max_requests=2),
                # two ranks per replica stay: replica 1 can only give to replica 0, whenever its
                # leader sees replica 0's state (the replicas run on their own clocks)
                2: ElasticConfig(consolidate=True, consolidate_max_requests=2, min_active_ranks=2,
                                 consolidate_across=True)}
-MAX_NEW = 48
+MAX_NEW = {1: 48, 2: 96}  # the requests' cap at R = 1 and R = 2
 
 
-def requests(lengths, rank, sampling, step):
+def requests(lengths, rank, sampling, step, max_new):
     g = torch.Generator().manual_seed(100 * step + rank)
     out = []
     for i, n in enumerate(lengths[rank]):
         prompt = tuple(torch.randint(1, 128, (3 + i,), generator=g).tolist())
         out += [Request(prompt_uid=rank * 10 + i, sample_index=s, seed=3, step=step,
-                        prompt_ids=prompt, max_new_tokens=MAX_NEW, target_len=m,
+                        prompt_ids=prompt, max_new_tokens=max_new, target_len=m,
                         sampling=sampling)
                 for s, m in enumerate(n if isinstance(n, list) else [n])]
     return out
@@ -69,10 +73,10 @@ def main(out):
     model = build_model(dataclasses.replace(ModelConfig(), num_experts=8), par)
     stacks = {r: RolloutStack.build(par, model, elastic=CONSOLIDATE[r], rollout=RolloutConfig(
         replicas=r, max_batch_size=8, progress=False)) for r in (1, 2)}
-    results = {"world": WORLD, "replicas": REPLICAS, "max_new_tokens": MAX_NEW}
+    results = {"world": WORLD, "replicas": REPLICAS, "max_new_tokens": MAX_NEW[1]}
     for kind, sampling in SAMPLING.items():
         for r, lengths in ((1, WORLD), (2, REPLICAS)):
-            reqs = requests(lengths, rank, sampling, step=r)
+            reqs = requests(lengths, rank, sampling, step=r, max_new=MAX_NEW[r])
             results[f"r{r}_{kind}"] = gather({
                 "static": rollout(stacks[r], ReleasePolicy.STATIC, reqs),
                 "elastic": rollout(stacks[r], ReleasePolicy.ELASTIC, reqs)})
