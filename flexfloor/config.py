@@ -50,6 +50,10 @@ class ConfigError(ValueError):
         self.field = field
 
 
+# elastic.pace_model's value that turns the pace rule off
+PACE_OFF = "none"
+
+
 class ReleasePolicy(enum.Enum):
     STATIC = "static"  # every rank stays in the EP group until the rollout ends
     ELASTIC = "elastic"  # ranks whose work is done release their experts and leave
@@ -305,10 +309,31 @@ class ElasticConfig:
     # the engine's prefill, seconds per token (auto prices a re-prefill at it): the tiny model on
     # that CPU ~3e-5; the decisions need the same value on every rank, so it is stated, not timed
     reprefill_s_per_token: float = 3e-5
+    # the pace rule (flexfloor/rollout/release.py, `Pace`): a survivor of a shrink hosts more
+    # experts and reads their weights every step, so on an accelerator its later steps are
+    # slower; with an accelerator of the cost model named here (H100, H800, H200, A100; or unit)
+    # a shrink is refused when the survivors' predicted remaining steps at their post-shrink
+    # step cost would end the replica later than it ends without the shrink. "none": off
+    pace_model: str = PACE_OFF
+    # the model shape the pace model prices: a model preset or deepseek-v3; null: the run's
+    pace_model_shape: str | None = None
 
     def validate(self) -> None:
         _positive("elastic", self, "min_active_ranks", "check_interval_steps",
                   "consolidate_max_requests", "kv_link_bytes_per_s", "reprefill_s_per_token")
+        from flexfloor.sim.cost import UNIT_ACCELERATOR
+        from flexfloor.sim.hardware import ACCELERATORS, ModelShape
+
+        kinds = [PACE_OFF, *sorted(ACCELERATORS), UNIT_ACCELERATOR]
+        _require(self.pace_model in kinds, "elastic.pace_model",
+                 f"{self.pace_model!r} is not allowed; use one of: {', '.join(kinds)} "
+                 f"({PACE_OFF!r}: the pace rule off)")
+        if self.pace_model_shape is not None:
+            try:
+                ModelShape.from_preset(self.pace_model_shape)
+            except ValueError as e:
+                raise ConfigError("elastic.pace_model_shape",
+                                  f"{e}, or null for the run's model") from None
         _require(isinstance(self.move_kv, MoveKV), "elastic.move_kv",
                  f"{self.move_kv!r} is not allowed; use one of: "
                  + ", ".join(m.value for m in MoveKV))

@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     c = p.add_argument_group("modelled seconds (every real step priced by the cost model)")
     c.add_argument("--accelerator", default="H800", help="H100, H800, H200, A100 or unit")
     c.add_argument("--model-shape", default="qwen3-30b-a3b", help="a model preset or deepseek-v3")
+    c.add_argument("--pace-bound", action="store_true",
+                   help="elastic: refuse a shrink whose survivors would end their replica later "
+                        "at this cost model's step cost (elastic.pace_model); default off")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -417,11 +420,15 @@ class Bench:
         # FlexFloor's migration (--migrate-max-requests; the baselines never migrate)
         migrate = SchedulerConfig(migrate=args.migrate_max_requests > 0,
                                   migrate_max_requests=args.migrate_max_requests)
+        # --pace-bound: the pace rule priced by the cost model the figures are priced with
+        elastic = (ElasticConfig(pace_model=args.accelerator, pace_model_shape=args.model_shape)
+                   if args.pace_bound else ElasticConfig())
+        elastic.validate()
         # replicas -> rollout stack: R replicas, and R = 1 for single_group (the same at R = 1);
         # elastic runs under the job's default elastic section (tail consolidation inside each
         # replica, as the simulator's tiny-cpu)
         self.stacks = {r: RolloutStack.build(self.par, self.model, scheduler=migrate,
-                                             elastic=ElasticConfig(),
+                                             elastic=elastic,
                                              rollout=RolloutConfig(
                                                  replicas=r, max_batch_size=self.max_batch,
                                                  kv_budget_tokens=args.kv_budget_tokens,
@@ -574,6 +581,7 @@ class Bench:
                 "max_seq_len": self.model_cfg.max_seq_len, "repeats": self.args.repeats,
                 "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start,
                 "accelerator": self.args.accelerator, "model_shape": self.args.model_shape,
+                "pace_bound": self.args.pace_bound,
                 "cpu_seconds_warning": cpu_seconds_warning(self.world)}
 
 

@@ -38,11 +38,12 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from flexfloor.config import ReleasePolicy
+from flexfloor.config import PACE_OFF, ReleasePolicy
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.rollout.collectives import CollectiveError, gather_objects
 from flexfloor.rollout.engine import Boundary, ShrinkStats, StaticMembership, share_step_state
 from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leavers: re-exported)
+    Pace,
     RankLimits,
     ReleaseDecision,
     ReleaseRules,
@@ -57,7 +58,7 @@ from flexfloor.rollout.tails import (
     within_replica,
 )
 from megatron_ext.elastic_moe import PlacedMoE
-from megatron_ext.placement import initial_placement, plan_shrink
+from megatron_ext.placement import Placement, initial_placement, plan_shrink
 from megatron_ext.resharding import transfer_experts
 
 
@@ -93,6 +94,10 @@ class ElasticMembership:
     mailbox: Optional[Mailbox] = None  # across replicas (R > 1 with consolidation on)
     # how a request moved inside the group travels: its K/V sent or re-prefilled (elastic.move_kv)
     move_costs: MoveCosts = field(default_factory=lambda: MoveCosts.of(None))
+    # elastic.pace_model: the cost model a shrink's pace is priced with (`Pace`); None: off
+    pace_cost: object = None
+    paced_refusals: int = 0  # boundaries where a shrink was refused for its pace
+    _pace: Optional[Pace] = None
     _boundaries: int = 0
     _last_beat: float = 0.0
 
@@ -129,7 +134,8 @@ class ElasticMembership:
         placement, limits = engine.moe.placement, RankLimits.of(engine)
         prices = self.move_costs.prices(engine.kv_bytes_per_token)
         self._boundaries += 1
-        decision = self._decide_at(placement, report, limits)
+        decision = self._paced(engine, self._decide_at(placement, report, limits), placement,
+                               report, limits)
         # migration (scheduler.migrate) is the older form of the same move: not both at once
         if (self.tails is not None and not arrivals and not self.migrate_max_requests
                 and may_give_within(report, self.tails)):
@@ -183,11 +189,33 @@ class ElasticMembership:
         cached = {q.request_id: q.cached_tokens for s in states for q in s.running}
         moved = after_moves(report, ranks, cons.moves, cached, engine.block_bytes,
                             engine.block_tokens)
-        after = self._decide_at(placement, moved, limits)
+        after = self._paced(engine, self._decide_at(placement, moved, limits), placement, moved,
+                            limits, cons.moves)
         if not set(cons.leaving_replicas) <= set(after.leaving):
             return decision
         after.moves = cons.moves
         return after
+
+    def _paced(self, engine, decision: ReleaseDecision, placement, report, limits: RankLimits,
+               moves=()) -> ReleaseDecision:
+        """`decision` under the pace rule (elastic.pace_model, `release.Pace`): when it shrinks
+        the group, one gather of every rank's running requests, each predicted from its
+        siblings finished on its rank, else its cap (`tails.rank_state`), with `moves` (tail
+        consolidation inside the group) on their takers; then the decision again with them.
+        Collective over the group (every rank proposes the same shrink)."""
+        if self.pace_cost is None or not decision.leaving:
+            return decision
+        if self._pace is None:
+            self._pace = pace_of(self.pace_cost, engine.max_batch_size)
+        states = gather_objects(engine.moe.group, rank_state(engine, self.replica))
+        taker = {m.request_id: m.dst for m in moves}
+        work = {r: [] for r in placement.ranks}
+        for st in states:
+            for q in st.running:
+                work[taker.get(q.request_id, st.rank)].append((q.remaining, q.cached_tokens))
+        paced = self._decide_at(placement, report, limits, [work[r] for r in placement.ranks])
+        self.paced_refusals += paced.paced
+        return paced
 
     @property
     def replica(self) -> int:
@@ -207,7 +235,7 @@ class ElasticMembership:
         return ReleaseRules(min_active_ranks=self.min_active_ranks,
                             check_interval_steps=self.check_interval_steps,
                             capacity=self.capacity, holding=self.holding,
-                            migrate_max_requests=self.migrate_max_requests)
+                            migrate_max_requests=self.migrate_max_requests, pace=self._pace)
 
     def decide(self, placement, report, limits: RankLimits) -> ReleaseDecision:
         """The release decision at the next step boundary (`flexfloor.rollout.release.decide`,
@@ -216,9 +244,10 @@ class ElasticMembership:
         self._boundaries += 1
         return self._decide_at(placement, report, limits)
 
-    def _decide_at(self, placement, report, limits: RankLimits) -> ReleaseDecision:
-        """The release decision at the current boundary (counted by the caller)."""
-        decision = decide(self.rules, placement, report, limits, self._boundaries)
+    def _decide_at(self, placement, report, limits: RankLimits, work=None) -> ReleaseDecision:
+        """The release decision at the current boundary (counted by the caller); `work`: the
+        pace rule's (`_paced`)."""
+        decision = decide(self.rules, placement, report, limits, self._boundaries, work)
         if self.groups is None or not decision.leaving:
             return decision
         return self._fit_to_groups(decision, placement, report, limits)
@@ -289,6 +318,9 @@ class RolloutLayout:
     rollouts: int = 0  # elastic rollouts started (every rank counts the same)
     resyncs: int = 0  # resyncs done (every rank counts the same): names the arrival counter
     started: bool = False  # `start` ran and no resync since (R > 1)
+    # the run's model as the cost model reads it (MODEL_PRESETS' keys: `model_shape_of`); what
+    # elastic.pace_model prices unless elastic.pace_model_shape names another
+    model_shape: Optional[dict] = None
 
     @property
     def heartbeat_key(self) -> str:
@@ -319,7 +351,8 @@ class RolloutLayout:
             num_experts=model.config.num_moe_experts, holding=holding,
             world_group=parallel.world_group, timeout=parallel.timeout, world_placement=placement)
         return cls(group=parallel.world_group, placement=placement, holding=holding,
-                   survivors=survivors, topology=topology, layout_id=everyone[0][1])
+                   survivors=survivors, topology=topology, layout_id=everyone[0][1],
+                   model_shape=model_shape_of(model))
 
     def moe(self, model, parallel) -> PlacedMoE:
         return PlacedMoE(model, rank=parallel.rank, group=self.group, placement=self.placement)
@@ -410,6 +443,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
         tails=tails,
         mailbox=mailbox,
         move_costs=MoveCosts.of(elastic_cfg),
+        pace_cost=pace_cost_of(elastic_cfg, layout.model_shape),
         parallel=parallel,
         min_active_ranks=floor,
         check_interval_steps=elastic_cfg.check_interval_steps if elastic_cfg else 1,
@@ -422,6 +456,56 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
         replicas=topo.count if topo is not None else 1,
         on_event=on_event,
     )
+
+
+def model_shape_of(model) -> dict:
+    """The Megatron-Core model's shape in `flexfloor.config.MODEL_PRESETS`' keys (what
+    `flexfloor.sim.hardware.ModelShape.from_config` reads)."""
+    c = model.config
+    return {"num_layers": c.num_layers, "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_attention_heads, "num_query_groups": c.num_query_groups,
+            "kv_channels": c.kv_channels, "num_experts": c.num_moe_experts,
+            "moe_router_topk": c.moe_router_topk, "moe_ffn_hidden_size": c.moe_ffn_hidden_size,
+            "shared_expert_ffn_hidden_size": c.moe_shared_expert_intermediate_size,
+            "vocab_size": model.vocab_size}
+
+
+def pace_cost_of(elastic_cfg, model_shape: Optional[dict]):
+    """The cost model elastic.pace_model prices a shrink's pace with: its accelerator and
+    elastic.pace_model_shape (a preset), or the run's own shape (`model_shape`); None when the
+    rule is off (or no config was given)."""
+    if elastic_cfg is None or elastic_cfg.pace_model == PACE_OFF:
+        return None
+    from flexfloor.sim.cost import RooflineCost, cost_model
+    from flexfloor.sim.hardware import ACCELERATORS, ModelShape
+
+    if elastic_cfg.pace_model_shape is not None or model_shape is None:
+        return cost_model(elastic_cfg.pace_model, elastic_cfg.pace_model_shape or "tiny")
+    cost = cost_model(elastic_cfg.pace_model, "tiny")  # the accelerator's kind (or unit)
+    if not isinstance(cost, RooflineCost):
+        return cost
+    return RooflineCost(ACCELERATORS[elastic_cfg.pace_model],
+                        ModelShape.from_config("the run's model", model_shape))
+
+
+def pace_of(cost, max_batch: int) -> Pace:
+    """The pace rule's step cost of an EP group from a cost model (`sim.scenarios.
+    rank_step_cost`: a rank's step with every rank of its group loaded alike, at most
+    `max_batch` requests), the engine's experts stretched to the cost model's, each group
+    priced once."""
+    from flexfloor.sim.cost import _model_owner
+    from flexfloor.sim.scenarios import rank_step_cost
+
+    priced: dict = {}
+
+    def group_cost(placement):
+        key = (tuple(placement.owner), tuple(placement.ranks))
+        if key not in priced:
+            stretched = Placement(tuple(_model_owner(placement.owner, cost)), key[1])
+            priced[key] = rank_step_cost(cost, stretched, key[1], max_batch)
+        return priced[key]
+
+    return Pace(group_cost)
 
 
 HEARTBEAT_S = 0.5  # how often the active ranks of an elastic rollout post progress

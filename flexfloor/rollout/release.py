@@ -10,8 +10,9 @@ alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
+from flexfloor.rollout.scheduler import StepCost, replica_finish
 from megatron_ext.placement import plan_shrink
 
 
@@ -41,6 +42,26 @@ class ReleaseRules:
     capacity: Optional[dict] = None  # rank -> most experts it can host; None: from the KV room
     holding: Optional[dict] = None  # rank -> experts in its memory at start
     migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
+    pace: Optional["Pace"] = None  # elastic.pace_model: a shrink never slows the replica's end
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The pace rule of a shrink (elastic.pace_model): after a shrink each survivor hosts more
+    experts and reads their weights every step, so on an accelerator its later steps are slower;
+    a shrink is refused when the survivors' predicted remaining work at their post-shrink step
+    cost would end the replica later than it ends without the shrink (`slows_replica`).
+    `group_cost`: a placement -> the step cost of a rank of that EP group (`StepCost`: requests
+    decoding, their cached tokens -> seconds; the cost model's, `elastic.pace_for`). With a step
+    that costs the same whatever the group (the CPU's engine steps, `UnitCost`) the survivors'
+    end is the unshrunk one and the rule never refuses."""
+
+    group_cost: Callable[[object], StepCost]
+
+
+# per rank of the group, in placement order: (remaining tokens, cached tokens) of each request
+# running on it, the remaining ones predicted (`tails.remaining_tokens`)
+Work = Sequence[Sequence[tuple[float, int]]]
 
 
 @dataclass
@@ -58,6 +79,7 @@ class ReleaseDecision:
     placement: object = None  # megatron_ext.placement.Placement after the shrink
     transfers: list = field(default_factory=list)
     floor_hit: bool = False  # some could leave, but the survivors could not hold the experts
+    paced: bool = False  # some could leave, but the survivors would end later (`Pace`)
 
     def stays(self, rank: int) -> bool:
         return rank not in self.leaving
@@ -73,9 +95,11 @@ def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
 
 
 def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
-           boundary: int) -> ReleaseDecision:
+           boundary: int, work: Optional[Work] = None) -> ReleaseDecision:
     """The decision at the `boundary`-th step boundary (counted from 1) of a rollout, from the
-    shared report alone: the same on every rank."""
+    shared report alone: the same on every rank. `work` (every rank's running requests, the same
+    on every rank): what the pace rule (`rules.pace`) predicts the survivors' end from; without
+    it, or without the rule, a shrink is never refused for its pace."""
     if boundary % rules.check_interval_steps:
         return ReleaseDecision()
     ranks = list(placement.ranks)
@@ -94,8 +118,41 @@ def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
     except ValueError:
         # the floor: survivors cannot hold every expert; nobody leaves this time
         return ReleaseDecision(migrate=migrate, floor_hit=True)
+    if rules.pace is not None and work is not None and slows_replica(
+            rules.pace, placement, new_placement, migrated_work(placement.ranks, work, migrate)):
+        return ReleaseDecision(migrate=migrate, paced=True)
     return ReleaseDecision(migrate=migrate, leaving=leaving, placement=new_placement,
                            transfers=transfers)
+
+
+def slows_replica(pace: Pace, placement, new_placement, work: Work) -> bool:
+    """Whether the survivors (`new_placement`) would end their running `work` later than the
+    group of `placement` ends it unshrunk: each group in lockstep at its fullest rank's pace,
+    each rank's context growing as it decodes (`scheduler.replica_finish`), every step priced
+    at that group's step cost. The leavers have no work (they are done, or handed theirs over:
+    `migrated_work`). Pure."""
+    ranks = list(placement.ranks)
+    before = _end(work, pace.group_cost(placement))
+    after = _end([work[ranks.index(r)] for r in new_placement.ranks],
+                 pace.group_cost(new_placement))
+    return after > before * (1 + 1e-9)
+
+
+def _end(work: Work, step_cost: StepCost) -> float:
+    """A lockstep group's predicted end, seconds from now."""
+    per_rank = [([n for n, _ in w], [c for _, c in w]) for w in work]
+    return max(replica_finish(per_rank, step_cost), default=0.0)
+
+
+def migrated_work(ranks, work: Work, migrate: dict[int, int]) -> list[list[tuple[float, int]]]:
+    """`work` once each giver of `migrate` (giving rank -> taking rank) handed its requests to
+    its taker."""
+    ranks = list(ranks)
+    out = [list(w) for w in work]
+    for src, dst in migrate.items():
+        out[ranks.index(dst)] += out[ranks.index(src)]
+        out[ranks.index(src)] = []
+    return out
 
 
 def migration_plan(rules: ReleaseRules, ranks, report, limits: RankLimits) -> dict[int, int]:

@@ -1,0 +1,106 @@
+"""The pace rule of a shrink (elastic.pace_model, flexfloor/rollout/release.py `Pace`): a shrink
+is refused when its survivors, at their post-shrink step cost, would end the replica later than
+it ends without the shrink; with a step that costs the same whatever the group it never is.
+Hand-built step reports, no process group."""
+
+import random
+
+import pytest
+
+from flexfloor.config import ConfigError, ElasticConfig
+from flexfloor.rollout.elastic import pace_of
+from flexfloor.rollout.engine import StepReport
+from flexfloor.rollout.release import Pace, RankLimits, ReleaseRules, decide, slows_replica
+from flexfloor.sim.cost import UnitCost, cost_model
+from megatron_ext.placement import initial_placement
+
+LIMITS = RankLimits(kv_bytes_per_token=1, max_seq_len=64, max_batch_size=8,
+                    kv_budget_bytes=None, expert_nbytes=1)
+
+
+def placement(ranks=4, experts=8):
+    per = experts // ranks
+    return initial_placement(experts, {r: list(range(r * per, (r + 1) * per))
+                                       for r in range(ranks)})
+
+
+def report(work):
+    """The shared report of a group whose ranks run `work` (per rank: (remaining, cached))."""
+    return StepReport(has_work=[bool(w) for w in work], finished=0, tokens=0, requests=0,
+                      running=[len(w) for w in work], queued=[0] * len(work),
+                      remaining=[int(max((n for n, _ in w), default=0)) for w in work],
+                      kv_free=[10 ** 6] * len(work))
+
+
+def by_hosted(per_expert: float, per_group: float = 0.0) -> Pace:
+    """A step that costs more the more experts its rank hosts (it reads their weights every
+    step), and `per_group` more when the group has more than one rank (its all-to-all)."""
+    def group_cost(p):
+        hosted = max(p.owner.count(r) for r in p.ranks)
+        return lambda n, ctx: 1.0 + per_expert * hosted + per_group * (len(p.ranks) > 1)
+    return Pace(group_cost)
+
+
+# ranks 2 and 3 are done; ranks 0 and 1 still run (remaining tokens, cached tokens)
+WORK = [[(10.0, 8), (4.0, 6)], [(7.0, 9)], [], []]
+
+
+def test_a_shrink_whose_survivors_would_end_later_is_refused():
+    slower = ReleaseRules(pace=by_hosted(0.1))
+    d = decide(slower, placement(), report(WORK), LIMITS, 1, WORK)
+    assert d.paced and d.leaving == [] and d.placement is None
+    # without the rule, or without the ranks' work, the same report shrinks
+    for rules, work in ((ReleaseRules(), WORK), (slower, None)):
+        d = decide(rules, placement(), report(WORK), LIMITS, 1, work)
+        assert d.leaving == [2, 3] and not d.paced
+
+
+def test_a_shrink_whose_survivors_end_no_later_goes_ahead():
+    # the all-to-all it saves outweighs the experts it adds: the survivors' steps are no slower
+    faster = ReleaseRules(pace=by_hosted(0.1, per_group=1.0))
+    alone = [WORK[0] + WORK[1], [], [], []]  # rank 0 runs on alone, hosting all 8 experts
+    d = decide(faster, placement(), report(alone), LIMITS, 1, alone)
+    assert d.leaving == [1, 2, 3] and not d.paced
+    assert decide(ReleaseRules(pace=by_hosted(0.1)), placement(), report(alone), LIMITS, 1,
+                  alone).paced
+    # nothing left to run on the survivors: nothing to slow
+    idle = [[], [], [], []]
+    assert decide(ReleaseRules(pace=by_hosted(0.1)), placement(), report(idle), LIMITS, 1,
+                  idle).leaving == [1, 2, 3]
+
+
+def test_with_unit_cost_the_rule_never_refuses():
+    """The engine's own clock (a step costs 1) and `cost_model("unit")` through `pace_of`: the
+    decision with the rule is the decision without it, on random reports."""
+    g = random.Random(0)
+    rules = ReleaseRules(pace=pace_of(UnitCost(), 8))
+    for _ in range(200):
+        ranks = g.choice([2, 4])
+        work = [[(float(g.randint(1, 40)), g.randint(1, 30)) for _ in range(g.randint(0, 3))]
+                for _ in range(ranks)]
+        p = placement(ranks)
+        want = decide(ReleaseRules(), p, report(work), LIMITS, 1, work)
+        got = decide(rules, p, report(work), LIMITS, 1, work)
+        assert (got.leaving, got.paced) == (want.leaving, False)
+
+
+def test_the_cost_model_prices_a_survivor_that_hosts_every_expert():
+    """An H800 with qwen3-30b-a3b's shape (the benchmark's): one survivor decoding 8 requests
+    at 1k context hosts all 128 experts after the shrink; the rule asks the cost model."""
+    cost = cost_model("H800", "qwen3-30b-a3b")
+    pace = pace_of(cost, 8)
+    before, after = placement(2), placement(2).__class__((0,) * 8, (0,))
+    work = [[(100.0, 1000)] * 8, []]
+    t_before = pace.group_cost(before)(8, 8000.0)
+    t_after = pace.group_cost(after)(8, 8000.0)
+    assert slows_replica(pace, before, after, work) == (t_after > t_before)
+    assert t_after != t_before
+
+
+def test_the_config_names_a_bad_pace_field():
+    assert ElasticConfig().pace_model == "none"  # off by default
+    with pytest.raises(ConfigError, match="elastic.pace_model:.*H800"):
+        ElasticConfig(pace_model="h800").validate()
+    with pytest.raises(ConfigError, match="elastic.pace_model_shape:.*qwen3-30b-a3b"):
+        ElasticConfig(pace_model="H800", pace_model_shape="qwen3").validate()
+    ElasticConfig(pace_model="H800", pace_model_shape="qwen3-30b-a3b").validate()
