@@ -35,7 +35,7 @@ def report(work):
 def by_hosted(per_expert: float, per_group: float = 0.0) -> Pace:
     """A step that costs more the more experts its rank hosts (it reads their weights every
     step), and `per_group` more when the group has more than one rank (its all-to-all)."""
-    def group_cost(p):
+    def group_cost(p, busy):
         hosted = max(p.owner.count(r) for r in p.ranks)
         return lambda n, ctx: 1.0 + per_expert * hosted + per_group * (len(p.ranks) > 1)
     return Pace(group_cost)
@@ -91,8 +91,8 @@ def test_the_cost_model_prices_a_survivor_that_hosts_every_expert():
     pace = pace_of(cost, 8)
     before, after = placement(2), placement(2).__class__((0,) * 8, (0,))
     work = [[(100.0, 1000)] * 8, []]
-    t_before = pace.group_cost(before)(8, 8000.0)
-    t_after = pace.group_cost(after)(8, 8000.0)
+    t_before = pace.group_cost(before, (0,))(8, 8000.0)
+    t_after = pace.group_cost(after, (0,))(8, 8000.0)
     assert slows_replica(pace, before, after, work) == (t_after > t_before)
     assert t_after != t_before
 

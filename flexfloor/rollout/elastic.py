@@ -58,7 +58,7 @@ from flexfloor.rollout.tails import (
     within_replica,
 )
 from megatron_ext.elastic_moe import PlacedMoE
-from megatron_ext.placement import Placement, initial_placement, plan_shrink
+from megatron_ext.placement import initial_placement, plan_shrink
 from megatron_ext.resharding import transfer_experts
 
 
@@ -489,20 +489,34 @@ def pace_cost_of(elastic_cfg, model_shape: Optional[dict]):
 
 
 def pace_of(cost, max_batch: int) -> Pace:
-    """The pace rule's step cost of an EP group from a cost model (`sim.scenarios.
-    rank_step_cost`: a rank's step with every rank of its group loaded alike, at most
-    `max_batch` requests), the engine's experts stretched to the cost model's, each group
-    priced once."""
-    from flexfloor.sim.cost import _model_owner
-    from flexfloor.sim.scenarios import rank_step_cost
+    """The pace rule's step cost of an EP group from a cost model: a decoding rank's step with
+    every decoding rank of its group loaded alike and the others at empty batches (their experts
+    compute what is routed to them), the engine's experts stretched to the cost model's. A step
+    is linear in the cached tokens it reads, so each (group, decoding ranks) is priced once per
+    batch size up to `max_batch` at two contexts and interpolated (as
+    `sim.scenarios.rank_step_cost`, which loads every rank of the group)."""
+    import numpy as np
+
+    from flexfloor.sim.cost import RankLoad, _model_owner
 
     priced: dict = {}
+    ref = 1 << 20
 
-    def group_cost(placement):
-        key = (tuple(placement.owner), tuple(placement.ranks))
+    def group_cost(placement, busy: tuple):
+        key = (tuple(placement.owner), tuple(placement.ranks), tuple(busy))
         if key not in priced:
-            stretched = Placement(tuple(_model_owner(placement.owner, cost)), key[1])
-            priced[key] = rank_step_cost(cost, stretched, key[1], max_batch)
+            owner = _model_owner(placement.owner, cost)
+            hosted = {r: owner.count(r) for r in placement.ranks}
+
+            def at(n: int, ctx: float) -> float:
+                return cost.step_seconds(
+                    [RankLoad(r, n if r in busy else 0, int(ctx) if r in busy else 0, hosted[r],
+                              ctx if r in busy else 0.0) for r in placement.ranks], owner)
+
+            table = np.array([(at(n, 0), (at(n, n * ref) - at(n, 0)) / (n * ref)) if n
+                              else (0.0, 0.0) for n in range(max_batch + 1)])
+            priced[key] = lambda n, ctx: (table[np.minimum(n, max_batch), 0]
+                                          + table[np.minimum(n, max_batch), 1] * ctx)
         return priced[key]
 
     return Pace(group_cost)

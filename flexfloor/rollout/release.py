@@ -51,12 +51,13 @@ class Pace:
     experts and reads their weights every step, so on an accelerator its later steps are slower;
     a shrink is refused when the survivors' predicted remaining work at their post-shrink step
     cost would end the replica later than it ends without the shrink (`slows_replica`).
-    `group_cost`: a placement -> the step cost of a rank of that EP group (`StepCost`: requests
-    decoding, their cached tokens -> seconds; the cost model's, `elastic.pace_for`). With a step
-    that costs the same whatever the group (the CPU's engine steps, `UnitCost`) the survivors'
-    end is the unshrunk one and the rule never refuses."""
+    `group_cost`: (a placement, the ranks of its group that decode) -> the step cost of a rank
+    that decodes (`StepCost`: its requests, their cached tokens -> seconds; the others step with
+    empty batches, their experts still computing the tokens routed to them; the cost model's,
+    `elastic.pace_of`). With a step that costs the same whatever the group (the CPU's engine
+    steps, `UnitCost`) the survivors' end is the unshrunk one and the rule never refuses."""
 
-    group_cost: Callable[[object], StepCost]
+    group_cost: Callable[[object, tuple], StepCost]
 
 
 # per rank of the group, in placement order: (remaining tokens, cached tokens) of each request
@@ -132,10 +133,15 @@ def slows_replica(pace: Pace, placement, new_placement, work: Work) -> bool:
     at that group's step cost. The leavers have no work (they are done, or handed theirs over:
     `migrated_work`). Pure."""
     ranks = list(placement.ranks)
-    before = _end(work, pace.group_cost(placement))
-    after = _end([work[ranks.index(r)] for r in new_placement.ranks],
-                 pace.group_cost(new_placement))
+    survivors = [work[ranks.index(r)] for r in new_placement.ranks]
+    before = _end(work, pace.group_cost(placement, _busy(placement.ranks, work)))
+    after = _end(survivors, pace.group_cost(new_placement,
+                                            _busy(new_placement.ranks, survivors)))
     return after > before * (1 + 1e-9)
+
+
+def _busy(ranks, work: Work) -> tuple:
+    return tuple(r for r, w in zip(ranks, work) if w)
 
 
 def _end(work: Work, step_cost: StepCost) -> float:
