@@ -83,6 +83,26 @@ def test_migrating_last_requests_keeps_tokens_and_releases_sooner(res, dtype):
     assert parts[0]["elastic"]["record"]["adopted"] == 6
 
 
+def test_the_pace_rule_refuses_slower_shrinks_and_never_with_unit_cost(res):
+    """elastic.pace_model in the engine (4-3-2-1, greedy): with unit cost the shrinks of the
+    rule-free rollout, none refused; priced as qwen3-30b-a3b on H800, a shrink leaves survivors
+    reading more expert weights per step, later to their end: refused. Tokens as static's
+    either way."""
+    def shrinks(parts):
+        return [(t["step"], t["leaving"]) for t in parts[0]["elastic"]["timeline"]]
+
+    free, unit, h800 = (res[k] for k in ("e8_4-3-2-1_greedy", "paced_unit", "paced_H800"))
+    for parts in (unit, h800):
+        assert tokens(parts, "elastic") == tokens(parts, "static") == tokens(free, "static")
+    assert shrinks(unit) == shrinks(free) and len(shrinks(free)) == 3
+    assert all(p["paced_refusals"] == 0 for p in unit)
+    # refused at every rank until late (a lone survivor with its last request, no all-to-all
+    # left, may then go faster): fewer shrinks, every done rank held longer
+    assert len(shrinks(h800)) < 3 and all(p["paced_refusals"] > 0 for p in h800)
+    steps = lambda parts: [p["elastic"]["record"]["steps"] for p in parts]
+    assert all(a > b for a, b in zip(steps(h800)[1:], steps(free)[1:])), (steps(h800), steps(free))
+
+
 def test_memory_floor_stops_the_shrink_and_keeps_tokens(res):
     parts = res["memory_floor"]
     assert tokens(parts, "elastic") == tokens(parts, "static")

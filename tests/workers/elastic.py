@@ -33,14 +33,16 @@ def requests(rank, longest, sampling):
             for i, n in enumerate(lengths)]
 
 
-def stack_of(par, model, *, migrate=0, kv_budget_tokens=None):
+def stack_of(par, model, *, migrate=0, kv_budget_tokens=None, pace_model="none"):
     """The rollout stack of `model`; `migrate` > 0: a rank's last `migrate` requests may move
-    to a staying rank (scheduler.migrate_max_requests). The paper's release alone: tail
-    consolidation (on by default) would change the shrink sequences these cases pin."""
+    to a staying rank (scheduler.migrate_max_requests); `pace_model`: elastic.pace_model
+    (priced for qwen3-30b-a3b's shape). The paper's release alone: tail consolidation (on by
+    default) would change the shrink sequences these cases pin."""
     return RolloutStack.build(
         par, model, rollout=RolloutConfig(max_batch_size=8, kv_budget_tokens=kv_budget_tokens,
                                           progress=False),
-        elastic=ElasticConfig(consolidate=False),
+        elastic=ElasticConfig(consolidate=False, pace_model=pace_model,
+                              pace_model_shape="qwen3-30b-a3b"),
         scheduler=SchedulerConfig(migrate=migrate > 0, migrate_max_requests=migrate))
 
 
@@ -57,6 +59,7 @@ def static_vs_elastic(stack, reqs, *, expected_finish=None):
                               "timeline": getattr(run.membership, "timeline", [])}
         if policy == ReleasePolicy.ELASTIC:
             case["groups"] = run.membership.group_record()
+            case["paced_refusals"] = run.membership.paced_refusals
     return gather(case)
 
 
@@ -92,6 +95,14 @@ def main(out):
             results["memory_floor"] = static_vs_elastic(
                 bounded, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["greedy"]))
             bounded.close()
+            # the pace rule (elastic.pace_model): unit cost never refuses (the shrinks of
+            # e8_4-3-2-1_greedy); H800 refuses the shrinks whose survivors would end later
+            for pace_model in ("unit", "H800"):
+                paced = stack_of(par, model, pace_model=pace_model)
+                results[f"paced_{pace_model}"] = static_vs_elastic(
+                    paced, requests(rank, SEQUENCES["4-3-2-1"][rank], SAMPLING["greedy"]),
+                    expected_finish=dict(enumerate(map(float, SEQUENCES["4-3-2-1"]))))
+                paced.close()
         after = forward_logits(model, probe).detach()
         results[f"e{experts}_resync_logits_equal"] = gather(bool(torch.equal(before, after)))
         results[f"e{experts}_initial_placement"] = stack.layout.placement.as_dict()
