@@ -240,6 +240,7 @@ class _Running:
     pending: list[int] = field(default_factory=list)  # tokens to feed at the next step
     blocks: list[int] = field(default_factory=list)  # block table: positions in block order
     length: int = 0  # tokens whose K/V are stored
+    lane: Optional[int] = None  # the pool lane its blocks fill from the start (None: anywhere)
 
     @property
     def position(self) -> int:
@@ -248,7 +249,7 @@ class _Running:
 
     def restart(self) -> None:
         """Back to no stored K/V: the next admission re-prefills prompt + tokens so far."""
-        self.blocks, self.length = [], 0
+        self.blocks, self.length, self.lane = [], 0, None
         self.pending = list(self.request.prompt_ids) + self.tokens
 
 
@@ -295,11 +296,16 @@ class _Batch:
     tokens: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [1, T]
     new_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
-    tables: torch.Tensor  # [B * blocks] block table of each request, padded with block 0
-    mask: torch.Tensor  # [B, 1, Q, L] additive (0 / -inf), causal over each request's own context
+    tables: Optional[torch.Tensor]  # [B * blocks] block tables padded with block 0; None: lanes
+    mask: torch.Tensor  # [R, 1, Q, L] additive (0 / -inf), causal over each request's own context
     query_index: Optional[torch.Tensor]  # [B, Q] new token of each query row; None: T == B
     out_index: Optional[torch.Tensor]  # [T] row of each new token in [B*Q]; None: T == B
     last: Optional[torch.Tensor]  # [B] index of each request's last new token; None: T == B
+    # attention rows R: B requests, K/V gathered through the tables; or, when every request is
+    # in a pool lane, `lanes` rows read as a view of the pool (`BlockPool.lane_view`), request b
+    # in row lane_rows[b] (None: row b), the other rows idle (mask 0, output dropped)
+    lanes: Optional[int] = None
+    lane_rows: Optional[torch.Tensor] = None  # [B]
 
 
 class RolloutEngine:
@@ -320,6 +326,7 @@ class RolloutEngine:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         progress: bool = False,
         valid_vocab: Optional[int] = None,
+        kv_lanes: bool = True,
     ):
         self.model = model
         self.moe = moe  # megatron_ext.elastic_moe.PlacedMoE over the current EP group
@@ -331,6 +338,9 @@ class RolloutEngine:
         self.progress = progress
         # the tokenizer's vocabulary when the model's is padded beyond it: never sample padding
         self.valid_vocab = valid_vocab
+        # requests' blocks in pool lanes, read by attention as views (False: always gathered
+        # through the block tables; the same tokens, for tests and A/B runs)
+        self.kv_lanes = kv_lanes
         self.max_seq_len = model.max_sequence_length
         cfg = self.config
         self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -436,7 +446,12 @@ class RolloutEngine:
         dev = self.device
         as_long = dict(dtype=torch.long, device=dev)
         width = max(len(r.blocks) for r in running)
-        tables = [b for r in running for b in r.blocks + [0] * (width - len(r.blocks))]
+        lanes = [r.lane for r in running]
+        if None in lanes:
+            lanes, tables = None, torch.tensor(
+                [b for r in running for b in r.blocks + [0] * (width - len(r.blocks))], **as_long)
+        else:
+            tables = None
         if q_max == 1:  # decode only: query b is token b, at the position after the stored ones
             stored = [r.length for r in running]
             ids = [r.pending[0] for r in running]
@@ -444,10 +459,10 @@ class RolloutEngine:
             host = torch.tensor([ids, stored, new_slots], **as_long)  # [3, B]: one copy
             positions = host[1]
             seen = torch.arange(width * bt, device=dev).unsqueeze(0) <= positions.unsqueeze(1)
-            return _Batch(tokens=host[0].view(1, -1), positions=positions.view(1, -1),
-                          new_slots=host[2], tables=torch.tensor(tables, **as_long),
-                          mask=self._additive(seen).view(len(running), 1, 1, -1),
-                          query_index=None, out_index=None, last=None)
+            return self._in_lanes(_Batch(
+                tokens=host[0].view(1, -1), positions=positions.view(1, -1), new_slots=host[2],
+                tables=tables, mask=self._additive(seen).view(len(running), 1, 1, -1),
+                query_index=None, out_index=None, last=None), lanes)
         ids, pos, new_slots = [], [], []
         for r, n in zip(running, lens):
             ids.extend(r.pending)
@@ -465,11 +480,27 @@ class RolloutEngine:
         out_index = torch.tensor([b * q_max + t for b, n in enumerate(lens) for t in range(n)],
                                  **as_long)
         seen = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (j.view(1, 1, -1) < ctx.view(-1, 1, 1))
-        return _Batch(tokens=torch.tensor(ids, **as_long).view(1, -1),
-                      positions=torch.tensor(pos, **as_long).view(1, -1),
-                      new_slots=torch.tensor(new_slots, **as_long),
-                      tables=torch.tensor(tables, **as_long), mask=self._additive(seen).unsqueeze(1),
-                      query_index=query_index, out_index=out_index, last=ends - 1)
+        return self._in_lanes(_Batch(
+            tokens=torch.tensor(ids, **as_long).view(1, -1),
+            positions=torch.tensor(pos, **as_long).view(1, -1),
+            new_slots=torch.tensor(new_slots, **as_long), tables=tables,
+            mask=self._additive(seen).unsqueeze(1), query_index=query_index, out_index=out_index,
+            last=ends - 1), lanes)
+
+    @staticmethod
+    def _in_lanes(batch: _Batch, lanes: Optional[list[int]]) -> _Batch:
+        """The batch's attention rows as pool lanes (`lanes`: each request's lane; None: keep
+        the gathered rows): request b in row lanes[b] of lanes 0 .. max(lanes), idle rows
+        unmasked (they read finite stale or zero K/V; their output is dropped)."""
+        if lanes is None:
+            return batch
+        batch.lanes = max(lanes) + 1
+        if lanes != list(range(len(lanes))):
+            rows = torch.tensor(lanes, dtype=torch.long, device=batch.mask.device)
+            batch.lane_rows = rows
+            batch.mask = batch.mask.new_zeros((batch.lanes,) + batch.mask.shape[1:]).index_copy_(
+                0, rows, batch.mask)
+        return batch
 
     def _additive(self, seen: torch.Tensor) -> torch.Tensor:
         """A boolean attention mask as the additive one (0 / -inf) SDPA would make of it in every
@@ -520,7 +551,7 @@ class RolloutEngine:
         if not running:
             return self._empty_step()
         batch = self._batch(running, pool)
-        B, Q, L = batch.mask.shape[0], batch.mask.shape[2], batch.mask.shape[3]
+        B, Q, L = len(running), batch.mask.shape[2], batch.mask.shape[3]
         G, D, heads = self.groups, self.head_dim, self.heads
         blocks = pool.k.shape[1] // self.block_tokens
         x = self._embed(batch.tokens, batch.positions)  # [T, H]
@@ -535,16 +566,23 @@ class RolloutEngine:
             kb, vb = keys_of[li], values_of[li]  # [blocks, block_tokens, G, D]
             kb.view(-1, G, D).index_copy_(0, batch.new_slots, k)
             vb.view(-1, G, D).index_copy_(0, batch.new_slots, v)
-            # whole blocks through the block tables: [B, L, G, D] -> [B, G, L, D]
-            keys = kb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
-            values = vb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
+            if batch.lanes is not None:  # the lanes as views of the pool: [R, G, L, D]
+                keys, values = pool.lane_view(li, batch.lanes, L // self.block_tokens)
+            else:  # whole blocks through the block tables: [B, L, G, D] -> [B, G, L, D]
+                keys = kb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
+                values = vb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
             if batch.query_index is None:  # decode only: query b is token b, Q == 1
                 queries = q.view(B, heads, 1, D)
             else:
                 queries = q[batch.query_index].view(B, Q, heads, D).transpose(1, 2)
+            if batch.lane_rows is not None:  # request b in row lane_rows[b]
+                queries = queries.new_zeros((batch.lanes,) + queries.shape[1:]).index_copy_(
+                    0, batch.lane_rows, queries)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
                                                scale=attn.core_attention.softmax_scale,
-                                               enable_gqa=True)  # [B, heads, Q, D]
+                                               enable_gqa=True)  # [R, heads, Q, D]
+            if batch.lane_rows is not None:
+                o = o.index_select(0, batch.lane_rows)
             o = o.transpose(1, 2).reshape(B * Q, heads * D)
             if batch.out_index is not None:
                 o = o[batch.out_index]
@@ -598,7 +636,8 @@ class RolloutEngine:
         self.model.eval()
         pool = BlockPool(num_layers=len(self.model.decoder.layers), groups=self.groups,
                          head_dim=self.head_dim, dtype=self.dtype, device=self.device,
-                         block_tokens=self.block_tokens, capacity=self.capacity_blocks)
+                         block_tokens=self.block_tokens, capacity=self.capacity_blocks,
+                         lane_blocks=self._lane_blocks(requests))
         trace = StepTrace(num_experts=self.moe.num_experts, num_layers=len(self.moe.layers),
                           expert_bytes=self.moe.expert_nbytes)
         trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
@@ -726,7 +765,9 @@ class RolloutEngine:
                         "elastic.min_active_ranks")
                 break
             st.queue.popleft()
-            r.blocks = pool.allocate(need)
+            fits = pool.lane_blocks is not None and blocks_for(
+                r.request.max_total_tokens, self.block_tokens) <= pool.lane_blocks
+            self._extend(r, pool, need, pool.open_lane() if fits else None)
             if r.admitted_s is None:
                 r.admitted_s = st.elapsed()
             st.running.append(r)
@@ -744,7 +785,7 @@ class RolloutEngine:
                 continue
             need = blocks_for(r.length + len(r.pending), bt) - len(r.blocks)
             if pool.can_allocate(need):
-                r.blocks += pool.allocate(need)
+                self._extend(r, pool, need, r.lane)
                 i += 1
                 continue
             victim = st.running.pop()  # the youngest (possibly r itself)
@@ -752,6 +793,22 @@ class RolloutEngine:
             victim.restart()
             st.queue.appendleft(victim)
             st.record.preempted += 1
+
+    @staticmethod
+    def _extend(r: _Running, pool: BlockPool, n: int, lane: Optional[int]) -> None:
+        """Give r n more blocks, the next ones of `lane` where they are free; r stays in the
+        lane only while its table is the lane's first blocks in order."""
+        start = len(r.blocks)
+        new = pool.allocate(n, lane=lane, start=start)
+        first = None if lane is None else lane * pool.lane_blocks + start
+        r.lane = lane if first is not None and new == list(range(first, first + n)) else None
+        r.blocks += new
+
+    def _lane_blocks(self, requests: Sequence[Request]) -> Optional[int]:
+        """The pool's lane width: the blocks the longest request of this rank may need (None:
+        no requests). Requests adopted later that need more are stored outside lanes."""
+        longest = max((r.max_total_tokens for r in requests), default=0)
+        return (blocks_for(longest, self.block_tokens) or None) if self.kv_lanes else None
 
     def _sample(self, st: Rollout, logits: torch.Tensor) -> None:
         """One batched draw for every running request; one device-to-host copy of the results."""
