@@ -9,8 +9,9 @@ different positions (continuous batching).
 
 A step is a handful of batched operations: one forward over every new token of this rank
 (prefill chunks and decode tokens together) with, per layer, one attention call for all running
-requests reading K/V from the rank's block pool (`flexfloor.rollout.kv`) through their block
-tables (SDPA with grouped-query attention: no copy of the cache per head), and the MoE layer as
+requests reading K/V from the rank's block pool (`flexfloor.rollout.kv`): as one view of the
+pool's lanes when every request sits in its lane, else gathered through the block tables (SDPA
+with grouped-query attention: no copy of the cache per head), and the MoE layer as
 route -> dispatch -> compute -> combine (`megatron_ext.elastic_moe`); then one batched sampling
 call (`flexfloor.rollout.sampling`) and one device-to-host copy of the new tokens.
 

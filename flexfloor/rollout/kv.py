@@ -4,7 +4,9 @@ A request holds a block table (the blocks its keys and values live in, in positi
 are taken as its tokens are stored, never reserved for `max_new_tokens`, and given back when it
 finishes, is preempted, migrates or its rank is released. `rollout.kv_budget_tokens` (tokens per
 rank) stays the user-facing budget: the pool holds `kv_budget_tokens // kv_block_tokens` blocks.
-Borrowed experts take their bytes from the same room (`withhold`). `blocks_for` is the one block
+Borrowed experts take their bytes from the same room (`withhold`). The storage may be laid out
+in lanes (`BlockPool.lane_blocks`): a request's blocks then fill its lane in order, so attention
+reads every lane-resident request's K/V as one view of the storage instead of a gathered copy. `blocks_for` is the one block
 count and `BlockLedger` the one set of block counters (admission keeps `watermark_blocks` free):
 the engine, the scheduler's memory model and the simulator use them.
 """
