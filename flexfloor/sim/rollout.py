@@ -625,6 +625,9 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
     moves_log: dict[int, list] = {i: [] for i in range(len(gens))}
     bound = consolidation.end_bound_s
     checked: dict[int, float] = {}  # replica -> its clock when its end is checked next
+    from flexfloor.rollout.consolidate import FinishMemo
+
+    memo = FinishMemo(consolidation.step_cost)  # the replicas that did not step since: known
 
     def advance(i: int, first: bool = False) -> None:
         try:
@@ -654,7 +657,7 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
                     checked[i] = views[i].now() + bound / 100
                 if n <= consolidation.rules.max_requests or late:
                     _consolidate(i, views, replica_of, consolidation, changed, moves_log,
-                                 limits, correct=late)
+                                 limits, correct=late, memo=memo)
         advance(i)
     for i, out in outs.items():
         out.timeline.extend(moves_log[i])
@@ -703,9 +706,11 @@ def _consolidate_within(view: GroupView, tc: TailConsolidation, changed: dict, i
 
 
 def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidation,
-                 changed: dict, moves_log: dict, limits: RankLimits, correct: bool) -> None:
+                 changed: dict, moves_log: dict, limits: RankLimits, correct: bool,
+                 memo=None) -> None:
     """One decision at `giver`'s boundary, applied: its requests out, into the takers.
-    `correct`: its end is checked against the end to keep (the correction) at this one."""
+    `correct`: its end is checked against the end to keep (the correction) at this one;
+    `memo`: the replicas' finishes known so far (`consolidate.FinishMemo`)."""
     from flexfloor.rollout import consolidate as cons
 
     finished: dict[int, list[int]] = {}
@@ -726,7 +731,7 @@ def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidatio
     state = cons.ConsolidationState(tuple(states), {k: v.now() for k, v in views.items()},
                                     limits.max_batch_size, tc.block_tokens, tc.end_bound_s,
                                     correct=correct)
-    decision = cons.decide(state, tc.rules, tc.step_cost, tc.prices, givers=[giver])
+    decision = cons.decide(state, tc.rules, tc.step_cost, tc.prices, givers=[giver], memo=memo)
     if not decision.moves:
         return
     gone, leaving = {}, giver in decision.leaving_replicas
