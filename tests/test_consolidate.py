@@ -251,3 +251,31 @@ def test_the_simulator_with_consolidation_counts_the_same_tokens():
     release = lambda outs, i: max(r["release_s"] for r in outs[i].records)
     assert release(on, 1) < release(off, 1)
     assert max(release(on, i) for i in range(3)) <= max(release(off, i) for i in range(3))
+
+
+def test_a_finish_memo_changes_no_decision():
+    """The simulator keeps one `FinishMemo` per rollout: a replica's finish is remembered by its
+    running work (remaining and cached tokens), so a decision with it equals one without, also
+    when only a request's cached tokens differ (a longer context steps slower)."""
+    import dataclasses
+
+    from flexfloor.rollout.consolidate import FinishMemo
+
+    def kv_read(n, ctx):  # a step reads the cached tokens: context matters
+        return 0.01 + 1e-5 * np.asarray(ctx, dtype=float)
+
+    memo = FinishMemo(kv_read)
+    # replica 0 ends the rollout at 78 s; replica 2's last request fits on replica 1 while its
+    # own request has a short context (it ends at 8.4 s), not when it has 8,345 cached tokens
+    # (it ends at 77.96 s, and with the move at 78.02 s: past the rollout's end)
+    short = state(rank(0, 0, 3000), rank(2, 1, 800), rank(4, 2, 50), now={0: 0.0, 1: 0.0, 2: 0.0})
+    long_ctx = dataclasses.replace(short, ranks=(short.ranks[0], rank(2, 1, 800, cached=8345),
+                                                 short.ranks[2]))
+    for s in (short, long_ctx, short):
+        fresh = decide(s, ConsolidationRules(), kv_read, CHEAP_KV)
+        assert decide(s, ConsolidationRules(), kv_read, CHEAP_KV, memo=memo) == fresh
+    assert [(m.src, m.dst) for m in decide(short, ConsolidationRules(), kv_read, CHEAP_KV).moves
+            ] == [(4, 2)]
+    assert decide(long_ctx, ConsolidationRules(), kv_read, CHEAP_KV).moves == []
+    with pytest.raises(ValueError, match="memo"):
+        decide(short, ConsolidationRules(), flat, CHEAP_KV, memo=memo)
