@@ -121,6 +121,8 @@ class ConsolidationRules:
     # leaves (1: as estimated), and in the correction (the requests whose estimates were wrong)
     evacuation_hedge: float = 1.0
     correction_hedge: float = 2.0
+    # the correction lightens a late replica whose longest requests no taker takes (`_pull_in`)
+    lighten: bool = True
 
 
 @dataclass(frozen=True)
@@ -423,10 +425,13 @@ def _placed_in_turn(left: list, i: int, ranks: Sequence[int], load: _Load, giver
 def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
              state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices
              ) -> list[Move]:
-    """The correction (module doc): the fewest of replica g's longest requests whose leaving
-    brings its predicted end within `bound` (a binary search: fewer requests never end later),
-    handed to `takers` within the bound (`_hand_over`, hedged); the moves, promised in `load`,
-    or none when they would not bring g's end in."""
+    """The correction (module doc), for a replica g predicted past `bound`: the fewest of its
+    longest requests whose leaving brings its predicted end within the bound (a binary search:
+    fewer requests never end later), handed to `takers` within the bound; where no taker takes
+    them (its longest would run as long elsewhere), g is lightened instead: its other requests,
+    longest first, to takers that then still end before g would have, so that g steps faster
+    and no taker ends later than g would have. Hedged (`correction_hedge`); the moves, promised
+    in `load`, or none when they would not bring g's end in."""
     if not takers:
         return []
     mine = sorted(((q, r.rank) for r in by_replica[g] for q in r.running),
@@ -439,6 +444,21 @@ def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
         return ld
 
     before = end(g, load)
+
+    def hand(give: list, within: float, hedge: float) -> list[Move]:
+        """`give` to the takers within `within`, kept only if g's end comes in."""
+        trial = load.copy()
+        moves, _ = _hand_over(give[:rules.max_requests], state.now_s[g], takers, by_replica,
+                              trial, end, within, state, rules, prices, hedge=hedge)
+        if not moves:
+            return []
+        moved = {m.request_id for m in moves}
+        trial = without(trial, [(q, src) for q, src in mine if q.request_id in moved])
+        if end(g, trial) >= before:
+            return []
+        load.adopt(trial)
+        return moves
+
     lo, hi = 1, len(mine)  # the fewest k with g's end within the bound without its first k
     while lo < hi:
         mid = (lo + hi) // 2
@@ -446,14 +466,6 @@ def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
             hi = mid
         else:
             lo = mid + 1
-    trial = load.copy()  # at most `max_requests` of them at once (the rest at later checks)
-    moves, left = _hand_over(list(mine[:min(lo, rules.max_requests)]), state.now_s[g], takers, by_replica, trial, end,
-                             bound, state, rules, prices, hedge=rules.correction_hedge)
-    if not moves:
-        return []
-    moved = {m.request_id for m in moves}
-    trial = without(trial, [(q, src) for q, src in mine if q.request_id in moved])
-    if end(g, trial) >= before:
-        return []
-    load.adopt(trial)
-    return moves
+    # at most `max_requests` at once (the rest at later checks)
+    return (hand(list(mine[:lo]), bound, rules.correction_hedge)
+            or (rules.lighten and hand(list(mine[1:]), before, rules.evacuation_hedge)) or [])
