@@ -348,3 +348,36 @@ def test_the_simulator_checks_a_late_replica_between_finishes():
     assert corrected and corrected[0]["to_replicas"] == [1], on[0].timeline
     assert max(r["release_s"] for r in on[0].records) < end_off
     assert sum(o.total_tokens for o in on) == sum(o.total_tokens for o in off) == 23 * 3000
+
+
+def test_prompts_without_history_are_placed_as_static_places_them():
+    """Across replicas, a prompt with no history has nothing to concentrate by: its samples go
+    round robin over the replicas, then their ranks (static's routing), which keeps the
+    replicas' loads alike; the prompts with history are placed around them, each on one
+    replica."""
+    h = LengthHistory()
+    for uid, n in enumerate([400, 300, 20, 10]):
+        h.record(uid, [n] * 4)
+    h.record(99, [50] * 4)  # a prompt of an earlier step: the prior's lengths
+
+    def cost(n, ctx):
+        return 1.0 + 0.002 * np.asarray(ctx, dtype=float)
+
+    gs = [PromptGroup(u, tuple(Request(prompt_uid=u, sample_index=s, prompt_ids=(1,) * 4,
+                                       max_new_tokens=500) for s in range(4))) for u in range(8)]
+    replicas = [[0, 1], [2, 3], [4, 5]]
+    plan = Scheduler(PlacementPolicy.FLEXFLOOR, h, max_batch_size=64).plan(
+        gs, range(6), replicas=replicas, step_cost=cost)
+    where = {q.request_id: r for r, v in plan.assignment.items() for q in v}
+    fresh = [q for g in gs[4:] for q in g.requests]
+    assert [where[q.request_id] for q in fresh] == [
+        replicas[i % 3][(i // 3) % 2] for i in range(len(fresh))]
+    replica_of = {r: i for i, g in enumerate(replicas) for r in g}
+    for g in gs[:4]:  # with history: each prompt's samples together on one replica
+        assert len({replica_of[where[q.request_id]] for q in g.requests}) == 1
+    # with no history at all, the plan is static's
+    plan = Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), max_batch_size=64).plan(
+        gs, range(6), replicas=replicas, step_cost=cost)
+    every = [q for g in gs for q in g.requests]
+    assert {q.request_id: r for r, v in plan.assignment.items() for q in v} == {
+        q.request_id: replicas[i % 3][(i // 3) % 2] for i, q in enumerate(every)}
