@@ -36,7 +36,10 @@ replicas that are running anyway (nothing queued, not leaving), as many as its e
 within the bound, each taker within the bound with them, the one planned to stay longest first
 (held anyway: the least extra occupancy); it stays and ends sooner. Hedged: a taker's end is
 taken with each moved request's estimate doubled (the requests that move are the ones whose
-estimates were wrong), and only a move that brings the giver's end in is made.
+estimates were wrong), and only a move that brings the giver's end in is made. Where no taker
+takes its longest (they would run about as long anywhere), the late replica is lightened
+instead (`ConsolidationRules.lighten`): its other requests go to takers that then still end
+before it would have, so it steps faster.
 """
 
 from __future__ import annotations
