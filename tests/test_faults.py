@@ -51,6 +51,43 @@ def test_released_ranks_wait_for_progress_not_for_a_fixed_timeout(tmp_path):
               f"hung survivor detected after {res['hung']['after_s']:.1f} s")
 
 
+class _Stopped(Exception):
+    pass
+
+
+def test_a_rank_waiting_at_resync_runs_a_signal_handler_at_once():
+    """A released rank waits at resync by looking at the job's store, not in one blocking
+    store.wait: a signal's handler (the launcher's SIGTERM to the survivors of a dead peer, a
+    preemption) runs while it waits, not only once the last rank is back (which, with a dead
+    peer, is never: the launcher then kills it after its grace period)."""
+    import torch.distributed as dist
+
+    from flexfloor.rollout.elastic import _wait_for_every_rank
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    peer = dist.TCPStore("127.0.0.1", port, is_master=False)  # its own connection
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(store.check(["resync/all"]))  # the last rank is back already?
+        raise _Stopped
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    signal_it = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    last_back = threading.Timer(10, peer.set, ("resync/all", "1"))  # the peer, much later
+    try:
+        signal_it.start()
+        last_back.start()
+        with pytest.raises(_Stopped):  # timeout 120 s: progress is looked for every 30 s
+            _wait_for_every_rank(store, "resync", "heartbeat", 2, 120.0, "rank 0, phase 'resync'")
+    finally:
+        signal_it.cancel()
+        last_back.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    assert seen == [False]
+
+
 # ------------------------------------------------------------------------------ worker loss
 
 NPROC = 2
