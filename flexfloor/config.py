@@ -55,6 +55,15 @@ class ReleasePolicy(enum.Enum):
     ELASTIC = "elastic"  # ranks whose work is done release their experts and leave
 
 
+class MoveKV(enum.Enum):
+    """How a running request that moves to another rank of its EP group gets its K/V there
+    (tail consolidation, migration); across replicas a move always re-prefills."""
+
+    AUTO = "auto"  # the cheaper: its KV bytes over elastic.kv_link_bytes_per_s, or its re-prefill
+    TRANSFER = "transfer"  # its KV blocks are sent; it decodes on at the taker's next step
+    REPREFILL = "reprefill"  # recomputed on the taker from prompt + what it had produced
+
+
 class PlacementPolicy(enum.Enum):
     BASELINE = "baseline"  # prompts spread round-robin, no length prediction
     FLEXFLOOR = "flexfloor"  # longest predicted work on the ranks meant to stay
@@ -288,10 +297,21 @@ class ElasticConfig:
     # store. Off by default: the replicas run on their own clocks, so which step a hand-over
     # lands at (and so each rank's steps) depends on their timing; the tokens never do
     consolidate_across: bool = False
+    # a request moved inside a replica: its KV blocks sent, or re-prefilled (same tokens)
+    move_kv: MoveKV = MoveKV.AUTO
+    # the link the ranks of a replica share, bytes/s (auto prices a KV transfer over it): gloo
+    # between local processes measured 0.3 GB/s on the 2-core CI machine; NVLink ~ 4e11
+    kv_link_bytes_per_s: float = 3e8
+    # the engine's prefill, seconds per token (auto prices a re-prefill at it): the tiny model on
+    # that CPU ~3e-5; the decisions need the same value on every rank, so it is stated, not timed
+    reprefill_s_per_token: float = 3e-5
 
     def validate(self) -> None:
         _positive("elastic", self, "min_active_ranks", "check_interval_steps",
-                  "consolidate_max_requests")
+                  "consolidate_max_requests", "kv_link_bytes_per_s", "reprefill_s_per_token")
+        _require(isinstance(self.move_kv, MoveKV), "elastic.move_kv",
+                 f"{self.move_kv!r} is not allowed; use one of: "
+                 + ", ".join(m.value for m in MoveKV))
         _non_negative("elastic", self, "consolidate_reserve_blocks")
 
     def offloads(self, device) -> bool:

@@ -48,7 +48,8 @@ def test_consolidated_tokens_identical_to_static(res, replicas, kind):
     static, elastic = tokens(parts, "static"), tokens(parts, "elastic")
     assert sorted(static) == want and sorted(elastic) == want  # each exactly once
     assert elastic == static
-    # log-probs too, to fp32 rounding: a re-prefill computes a position in another batch shape
+    # log-probs too, to fp32 rounding: a moved request decodes (or re-prefills) in another batch
+    # shape (tests/test_kvmove.py shapes its batches to compare them bit for bit)
     got, ref = tokens(parts, "elastic", "logprobs"), tokens(parts, "static", "logprobs")
     assert {k: pytest.approx(v, abs=1e-5) for k, v in ref.items()} == got
     # ranks gave their requests away: fewer occupied steps; inside one group (one clock) the

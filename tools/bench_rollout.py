@@ -324,6 +324,15 @@ def format_report(report: dict) -> str:
                      f"transfer {rc['transfer_s']:.3f} s, switch {rc['switch_s']:.3f} s, "
                      f"{rc['sent_bytes'] / 2**20:.1f} MiB sent "
                      f"({100 * rc['fraction_of_occupied_seconds']:.1f}% of occupied time)")
+    c = report.get("ceilings", {})
+    if c.get("release_only_step_ratio") is not None:
+        line = (f"ceilings (step ratio vs static): {c['release_only_step_ratio']:.2f} releasing "
+                "static's ranks at their own last response")
+        if "kv_bound_step_ratio" in c:
+            line += (f", {c['kv_bound_step_ratio']:.2f} with every rank-step's KV pool full "
+                     f"(pool use: static {c['kv_pool_use']['static']:.2f}, "
+                     f"elastic {c['kv_pool_use']['elastic']:.2f})")
+        lines.append(line)
     if "identical_responses" in report:
         lines.append("responses identical in every epoch: "
                      + ("yes" if report["identical_responses"] else "NO"))
@@ -655,7 +664,37 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
         recs = [rec for k in kept for rec in k["elastic"][0]]
         report["reconfiguration"] = reconfiguration(
             recs, report["elastic"]["occupied_worker_seconds"])
+    report["ceilings"] = ceilings({m: [rec for k in kept for rec in k[m][0]] for m in args.modes},
+                                  args.kv_budget_tokens)
     return report
+
+
+def ceilings(records: dict, kv_budget_tokens) -> dict:
+    """What no release policy can beat on this workload, from the records themselves
+    (mode -> every summary epoch's per-rank records).
+
+    - `release_only_step_ratio`: static's occupied worker-steps over its busy ones: every rank
+      of static's placement released when its own last response ends, nothing moved;
+    - with a KV budget, `kv_pool_use` (per mode: cached tokens summed over every rank-step,
+      over the budget times the rank-steps) and `kv_bound_step_ratio`: static's occupied
+      worker-steps over the fewest rank-steps that could hold elastic's cached tokens, each
+      rank-step with a full pool. A request's cached tokens over its life do not depend on
+      where it runs (a preemption only adds), and a release takes KV room from the survivors
+      (the borrowed experts), never gives it, so above this ratio only more KV per rank helps.
+    """
+    out = {}
+    if "static" in records:
+        st = records["static"]
+        busy = sum(r["busy_steps"] for r in st)
+        out["release_only_step_ratio"] = sum(r["steps"] for r in st) / busy if busy else None
+    if kv_budget_tokens:
+        kv = {m: sum(sum(r["trace"]["kv_tokens"]) for r in recs) for m, recs in records.items()}
+        out["kv_pool_use"] = {m: kv[m] / (kv_budget_tokens * sum(r["steps"] for r in recs))
+                              for m, recs in records.items()}
+        if "static" in records and "elastic" in records:
+            fewest = math.ceil(kv["elastic"] / kv_budget_tokens)
+            out["kv_bound_step_ratio"] = sum(r["steps"] for r in records["static"]) / fewest
+    return out
 
 
 def add_ratios(rep: dict, modes: list[str]) -> None:

@@ -2,7 +2,7 @@
 
 A tensor handed to a collective lives on the group's device: CPU for gloo, the current CUDA
 device for NCCL. The step-state share, the MoE layer's split sizes and token exchange, the
-migration payloads, the expert transfers of a shrink and the layout's all-gather go through the
+migration payloads and the K/V they carry, the expert transfers of a shrink and the layout's all-gather go through the
 functions below, which allocate their buffers there; a failed
 or timed-out collective becomes a `CollectiveError` naming the rank, the phase and the engine step
 (`collective_phase`). Nothing here imports Megatron or the engine: the MoE layers
@@ -96,6 +96,15 @@ def exchange_rows_back(rows: torch.Tensor, send_splits: list[int], recv_splits: 
                        group) -> torch.Tensor:
     """Expert outputs back to the ranks the rows came from (the reverse of `exchange_rows`)."""
     return _all_to_all(rows, send_splits, recv_splits, group)
+
+
+def exchange_bytes(parts: list[torch.Tensor], recv_sizes: list[int], group) -> list[torch.Tensor]:
+    """One all-to-all of raw bytes over `group`: parts[i] (1-D uint8, possibly empty) goes to
+    the i-th rank of the group; returns what each rank sent this one, recv_sizes[i] bytes from
+    the i-th (the moved requests' K/V at a step boundary). The parts must already live on
+    `group_device(group)`."""
+    out = _all_to_all(torch.cat(parts), recv_sizes, [p.numel() for p in parts], group)
+    return list(out.split(recv_sizes))
 
 
 def exchange_point_to_point(sends: list[tuple[torch.Tensor, int]],

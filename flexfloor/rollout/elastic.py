@@ -2,7 +2,9 @@
 
 At every step boundary the active ranks agree on who is done (one small all-gather). Every active
 rank then computes the same decision (`flexfloor.rollout.release.decide`, a pure function:
-migration, leavers, new placement + transfers) and the engine applies it: migration, then
+migration, leavers, new placement + transfers) and the engine applies it: migration (a moved
+request takes its K/V along or is re-prefilled, as the membership's `MoveCosts` price it:
+`elastic.move_kv`), then
 `ElasticMembership.shrink`, where the leavers send their experts to the survivors over the
 current group and the survivors switch to their group and re-bind the MoE layers to it. The
 survivors' groups are built ahead: `membership_for` creates every group the rollout plan implies
@@ -50,7 +52,7 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
 from flexfloor.rollout.replicas import ReplicaTopology, replica_ranks
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from flexfloor.rollout.tails import (
-    Across, Mailbox, TailRules, after_moves, mailbox_for, may_give_within, rank_state,
+    Across, Mailbox, MoveCosts, TailRules, after_moves, mailbox_for, may_give_within, rank_state,
     within_replica,
 )
 from megatron_ext.elastic_moe import PlacedMoE
@@ -88,6 +90,8 @@ class ElasticMembership:
     groups: Optional[SurvivorGroups] = None  # the layout's survivor groups (None: the simulator)
     tails: Optional[TailRules] = None  # tail consolidation (flexfloor/rollout/tails.py); None: off
     mailbox: Optional[Mailbox] = None  # across replicas (R > 1 with consolidation on)
+    # how a request moved inside the group travels: its K/V sent or re-prefilled (elastic.move_kv)
+    move_costs: MoveCosts = field(default_factory=lambda: MoveCosts.of(None))
     _boundaries: int = 0
     _last_beat: float = 0.0
 
@@ -122,18 +126,20 @@ class ElasticMembership:
             self._replica_leaves(engine)
             return Boundary(report, arrivals=arrivals)
         placement, limits = engine.moe.placement, RankLimits.of(engine)
+        prices = self.move_costs.prices(engine.kv_bytes_per_token)
         self._boundaries += 1
         decision = self._decide_at(placement, report, limits)
         # migration (scheduler.migrate) is the older form of the same move: not both at once
         if (self.tails is not None and not arrivals and not self.migrate_max_requests
                 and may_give_within(report, self.tails)):
-            decision = self._within(engine, report, decision, states, placement, limits)
+            decision = self._within(engine, report, decision, states, placement, limits, prices)
         if decision.migrate:
             self.timeline.append({"step": engine.record.steps, "migrated": dict(decision.migrate)})
         if decision.moves:
             self.timeline.append({"step": engine.record.steps, "consolidated": {
                 m.request_id: m.dst for m in decision.moves}})
-        return Boundary(report, decision, plan_s=time.perf_counter() - t0, arrivals=arrivals)
+        return Boundary(report, decision, plan_s=time.perf_counter() - t0, arrivals=arrivals,
+                        prices=prices)
 
     def _replica_leaves(self, engine) -> None:
         """This replica's requests are done: it leaves the rollout whole. Unless it is the last
@@ -158,18 +164,18 @@ class ElasticMembership:
     # ---------------------------------------------------------------- tail consolidation
 
     def _within(self, engine, report, decision: ReleaseDecision, states, placement,
-                limits: RankLimits) -> ReleaseDecision:
+                limits: RankLimits, prices) -> ReleaseDecision:
         """Consolidation inside the group (tails.within_replica): the ranks' running requests
         (gathered here unless the mailbox gather already brought them), the same moves on every
-        rank, and the release decision once they are done; kept only when every giver then
-        leaves, else `decision` as it was."""
+        rank, each with its K/V or re-prefilled as `prices` say, and the release decision once
+        they are done; kept only when every giver then leaves, else `decision` as it was."""
         if states is None:
             # one clock: the bound always holds, so each request's cap is prediction enough
             # (and what the simulator reproduces: tools/simulate.py's tiny-cpu)
             states = gather_objects(engine.moe.group,
                                     rank_state(engine, self.replica, siblings=False))
         cons = within_replica(states, self.tails, max_batch=engine.max_batch_size,
-                              block_tokens=engine.block_tokens)
+                              block_tokens=engine.block_tokens, prices=prices)
         if not cons.moves:
             return decision
         ranks = list(placement.ranks)
@@ -402,6 +408,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
         rollout_id=rollout_id,
         tails=tails,
         mailbox=mailbox,
+        move_costs=MoveCosts.of(elastic_cfg),
         parallel=parallel,
         min_active_ranks=floor,
         check_interval_steps=elastic_cfg.check_interval_steps if elastic_cfg else 1,

@@ -29,6 +29,7 @@ baseline) keeps every rank stepping, with empty batches when it has no work, unt
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,9 +41,12 @@ import torch.nn.functional as F
 from flexfloor.rollout.collectives import (  # noqa: F401  (re-exported: the engine's errors)
     CollectiveError,
     collective_phase,
+    exchange_bytes,
     gather_objects,
+    group_device,
     share_rows,
 )
+from flexfloor.rollout.consolidate import MoveKind, MovePrices
 from flexfloor.rollout.kv import BlockPool, blocks_for, watermark_blocks
 from flexfloor.rollout.release import ReleaseDecision
 from flexfloor.rollout.sampling import sample
@@ -168,6 +172,9 @@ class Boundary:
     decision: ReleaseDecision = field(default_factory=ReleaseDecision)
     plan_s: float = 0.0  # seconds the decision took
     arrivals: list = field(default_factory=list)  # requests another replica handed this rank
+    # how the requests of the decision's migration plan travel (`decision.migrate`: the moves
+    # of `decision.moves` carry their kind); None: re-prefilled
+    prices: Optional[MovePrices] = None
 
 
 @dataclass
@@ -240,6 +247,16 @@ class _Running:
         """Back to no stored K/V: the next admission re-prefills prompt + tokens so far."""
         self.blocks, self.length = [], 0
         self.pending = list(self.request.prompt_ids) + self.tokens
+
+    def resume(self, blocks: list[int], length: int) -> None:
+        """Its K/V moved in with it, `length` tokens (everything but its last sampled token)
+        stored in `blocks`: the next step feeds that token and samples on."""
+        if length != self.position - 1:
+            raise RolloutError(f"request {self.request.request_id}: {length} tokens of K/V moved "
+                               f"in, its position is {self.position} (a move sends all but the "
+                               "last sampled token)")
+        self.blocks, self.length = blocks, length
+        self.pending = [self.tokens[-1]]
 
 
 @dataclass
@@ -625,7 +642,7 @@ class RolloutEngine:
             record.release_s, record.release_step = st.elapsed(), record.steps
             return False, b.report
         if d.migrate or d.moves:
-            self._migrate(st, d.migrate, d.moves)
+            self._migrate(st, d.migrate, d.moves, b.prices)
         if d.floor_hit:
             record.floor_hits += 1
         if not d.leaving:
@@ -647,19 +664,56 @@ class RolloutEngine:
         record.sent_bytes += shrink.sent_bytes
         return self.rank not in d.leaving, b.report
 
-    def _migrate(self, st: Rollout, plan: dict[int, int], moves: Sequence = ()) -> None:
-        """Carry out a migration plan ({giver: taker}: all of a giver's running requests) and
-        per-request moves (consolidate.Move: request -> its taker): givers export their running
-        requests, takers adopt theirs (one gather over the group)."""
+    def _migrate(self, st: Rollout, plan: dict[int, int], moves: Sequence = (),
+                 prices: Optional[MovePrices] = None) -> None:
+        """Carry out a migration plan ({giver: taker}: all of a giver's running requests, each
+        travelling as `prices` say) and per-request moves (consolidate.Move: request -> its
+        taker, and its kind): givers export their running requests, takers adopt theirs. One
+        gather over the group carries the requests; when any moves with its K/V, one
+        all-to-all carries every such request's K/V (on the group's device) as well."""
         ranks = list(self.moe.placement.ranks)
         to = {m.request_id: m.dst for m in moves}
         givers = sorted(set(plan) | {m.src for m in moves})
-        payload = self.export_running(moves) if self.rank in givers else []
+        payload = (self.export_running(moves, prices=prices, taker=plan.get(self.rank, -1))
+                   if self.rank in givers else [])
+        kv = {p["request"].request_id: p.pop("kv") for p in payload if "kv" in p}
         everyone = gather_objects(self.moe.group, payload)
-        mine = [p for giver in givers for p in everyone[ranks.index(giver)]
-                if to.get(p["request"].request_id, plan.get(giver)) == self.rank]
+        dst = [[to.get(p["request"].request_id, plan.get(giver)) for p in part]
+               for giver, part in zip(ranks, everyone)]
+        mine = [p for part, where in zip(everyone, dst) for p, d in zip(part, where)
+                if d == self.rank]
+        if any(p["kv_tokens"] for part in everyone for p in part):
+            received = self._exchange_kv(everyone, dst, kv, st.pool)
+            for p in mine:
+                if p["kv_tokens"]:
+                    p["kv"] = received[p["request"].request_id]
         if mine:
             self.adopt(mine)
+
+    def _exchange_kv(self, everyone: list[list[dict]], dst: list[list[int]], kv: dict,
+                     pool: BlockPool) -> dict:
+        """The moved requests' K/V in one all-to-all over the group, each rank's to each taker
+        in payload order: `everyone[i]` the payloads of the i-th rank of the group, `dst[i]`
+        their takers, `kv` this rank's exported tensors by request id. Returns the K/V sent to
+        this rank, by request id ([2, layers, tokens, groups, head_dim] each)."""
+        ranks = list(self.moe.placement.ranks)
+        me = ranks.index(self.rank)
+        nbytes = lambda p: math.prod(pool.kv_shape(p["kv_tokens"])) * pool.k.element_size()
+        device = group_device(self.moe.group)
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        parts = [[kv[p["request"].request_id].reshape(-1).view(torch.uint8).to(device)
+                  for p, d in zip(everyone[me], dst[me]) if p["kv_tokens"] and d == j]
+                 for j in ranks]
+        parts = [torch.cat(x) if x else empty for x in parts]
+        incoming = [[p for p, d in zip(part, where) if p["kv_tokens"] and d == self.rank]
+                    for part, where in zip(everyone, dst)]
+        got = exchange_bytes(parts, [sum(map(nbytes, ps)) for ps in incoming], self.moe.group)
+        out = {}
+        for ps, flat in zip(incoming, got):
+            for p, chunk in zip(ps, flat.split([nbytes(p) for p in ps])):
+                out[p["request"].request_id] = chunk.view(pool.k.dtype).view(
+                    pool.kv_shape(p["kv_tokens"]))
+        return out
 
     def _admit(self, st: Rollout) -> None:
         """Admit queued requests (in order) while a batch slot and their prefill's blocks are
@@ -739,41 +793,75 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- migration
 
-    def export_running(self, moves: Sequence = (), *, across: bool = False) -> list[dict]:
-        """Hand over every running request (the queue must be empty): its tokens so far. Its
-        randomness is keyed by position, so nothing else travels. This rank then has no work and
-        can be released. `moves` (consolidate.Move) name each request's taker for the trace;
-        `across`: to another replica."""
+    def export_running(self, moves: Sequence = (), *, across: bool = False,
+                       prices: Optional[MovePrices] = None, taker: int = -1) -> list[dict]:
+        """Hand over every running request (the queue must be empty): its tokens so far, and,
+        when it moves with its K/V (its move's kind; else as `prices` say; never `across`),
+        its stored K/V as "kv" (`BlockPool.export_kv`: for the taker's pool, not for a pickle)
+        with "kv_tokens" its length (0: the taker re-prefills). Its randomness is keyed by
+        position, so nothing else travels. Its blocks are freed: this rank then has no work and
+        can be released. `moves` (consolidate.Move) name each request's taker and kind, `taker`
+        that of the others (-1: unknown here); `across`: to another replica."""
         st = self.rollout
         if st.queue:
             raise RolloutError(f"rank {self.rank}: cannot migrate with {len(st.queue)} queued")
-        out = [{"request": r.request, "tokens": r.tokens, "logprobs": r.logprobs,
-                "admitted_s": r.admitted_s, "src": self.rank} for r in st.running]
         to = {m.request_id: m.dst for m in moves}
+        kinds = {m.request_id: m.kind for m in moves}
+        out = []
         for r in st.running:
+            rid = r.request.request_id
+            if across:  # the mailbox carries no tensors
+                kind = MoveKind.REPREFILL
+            elif rid in kinds:
+                kind = kinds[rid]
+            else:  # the migration plan's: as the prices say
+                kind = MoveKind.REPREFILL if prices is None else prices.of(r.position)[0]
+            p = {"request": r.request, "tokens": r.tokens, "logprobs": r.logprobs,
+                 "admitted_s": r.admitted_s, "src": self.rank, "kv_tokens": 0}
+            if kind == MoveKind.KV_TRANSFER:
+                p["kv"], p["kv_tokens"] = st.pool.export_kv(r.blocks, r.length), r.length
+            out.append(p)
             st.pool.free(r.blocks)
-            st.migrated_out.append(r.request.request_id)
-            st.record.trace.moves.append(MoveTrace(st.record.steps, r.request.request_id,
-                                                   self.rank, to.get(r.request.request_id, -1),
-                                                   r.position, across=across))
+            st.migrated_out.append(rid)
+            st.record.trace.moves.append(MoveTrace(
+                st.record.steps, rid, self.rank, to.get(rid, taker), r.position, across=across,
+                kind=kind.value, kv_tokens=p["kv_tokens"],
+                kv_bytes=p["kv_tokens"] * self.kv_bytes_per_token))
         st.running = []
         st.record.migrated_out += len(out)
         return out
 
     def adopt(self, payloads: list[dict], *, across: bool = False) -> None:
-        """Continue requests another rank started: queued first, re-prefilled (prompt + tokens
-        so far) at admission, then sampled from the same position-keyed stream, so the tokens
-        are those the other rank would have produced. `across`: from another replica."""
+        """Continue requests another rank started. One that brings its K/V ("kv", from
+        `_migrate`'s exchange) is stored in this rank's pool (`BlockPool.import_kv`: refused
+        when its blocks do not fit) and decodes on at the next step; the others are queued
+        first and re-prefilled (prompt + tokens so far) at admission. Either way they sample
+        from the same position-keyed stream, so the tokens are those the other rank would have
+        produced. `across`: from another replica."""
         st = self.rollout
-        for p in reversed(payloads):
+        requeued = []
+        for p in payloads:
             r = _Running(p["request"], p["admitted_s"], tokens=list(p["tokens"]),
                          logprobs=list(p["logprobs"]))
-            r.restart()
-            st.queue.appendleft(r)
+            if "kv" not in p:
+                r.restart()
+                requeued.append(r)
+                continue
+            if len(st.running) >= self.max_batch_size:
+                raise RolloutError(f"rank {self.rank}: request {r.request.request_id} moved in "
+                                   f"with its K/V and all {self.max_batch_size} batch slots are "
+                                   "taken (rollout.max_batch_size): the move's decision should "
+                                   "have seen that")
+            r.resume(st.pool.import_kv(p["kv"], request_id=r.request.request_id), p["kv_tokens"])
+            st.running.append(r)
+        st.queue.extendleft(reversed(requeued))
         for p in payloads:
+            kv_tokens = p.get("kv_tokens", 0) if "kv" in p else 0
             st.record.trace.moves.append(MoveTrace(
                 st.record.steps, p["request"].request_id, p.get("src", -1), self.rank,
-                len(p["request"].prompt_ids) + len(p["tokens"]), across=across))
+                len(p["request"].prompt_ids) + len(p["tokens"]), across=across,
+                kind=(MoveKind.KV_TRANSFER if kv_tokens else MoveKind.REPREFILL).value,
+                kv_tokens=kv_tokens, kv_bytes=kv_tokens * self.kv_bytes_per_token))
         st.adopted.extend(p["request"] for p in payloads)
         st.record.adopted += len(payloads)
         if across:

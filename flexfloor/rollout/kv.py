@@ -2,7 +2,9 @@
 
 A request holds a block table (the blocks its keys and values live in, in position order); blocks
 are taken as its tokens are stored, never reserved for `max_new_tokens`, and given back when it
-finishes, is preempted, migrates or its rank is released. `rollout.kv_budget_tokens` (tokens per
+finishes, is preempted, migrates or its rank is released. A request that moves to another rank
+of its EP group may take its K/V along (`BlockPool.export_kv` on the giver, `import_kv` on the
+taker: exactly its stored tokens, in position order, as one tensor). `rollout.kv_budget_tokens` (tokens per
 rank) stays the user-facing budget: the pool holds `kv_budget_tokens // kv_block_tokens` blocks.
 Borrowed experts take their bytes from the same room (`withhold`). `blocks_for` is the one block
 count and `BlockLedger` the one set of block counters (admission keeps `watermark_blocks` free):
@@ -119,3 +121,41 @@ class BlockPool(BlockLedger):
         """Slot of each position start..stop-1 of a request with block table `table`."""
         bt = self.block_tokens
         return [table[p // bt] * bt + p % bt for p in range(start, stop)]
+
+    def kv_shape(self, tokens: int) -> tuple[int, ...]:
+        """Shape of `tokens` tokens of K/V as `export_kv` gives them: [2 (K, V), layers, tokens,
+        groups, head_dim]."""
+        L, _, G, D = self._shape
+        return (2, L, tokens, G, D)
+
+    def export_kv(self, table: list[int], length: int) -> torch.Tensor:
+        """The K/V of positions 0..length-1 of a request with block table `table`, every layer:
+        one new tensor [2, layers, length, groups, head_dim] on the pool's device (the blocks may
+        be freed and reused at once)."""
+        if blocks_for(length, self.block_tokens) > len(table):
+            raise RolloutError(f"KV export: {length} tokens asked of a block table of "
+                               f"{len(table)} blocks of {self.block_tokens}")
+        slots = torch.tensor(self.slots(table, 0, length), dtype=torch.long, device=self.k.device)
+        return torch.stack([self.k.index_select(1, slots), self.v.index_select(1, slots)])
+
+    def import_kv(self, kv: torch.Tensor, *, request_id: str) -> list[int]:
+        """Store a moved request's K/V (`export_kv`'s tensor, from another rank's pool) in new
+        blocks; returns its block table. Refused, with nothing taken, when the blocks do not
+        fit (the move's decision checked the room: a refusal is a bug or a config the decision
+        did not see) or the tensor is not of this pool's layout."""
+        tokens = kv.shape[2] if kv.dim() == 5 else -1
+        if tuple(kv.shape) != self.kv_shape(tokens) or kv.dtype != self.k.dtype:
+            raise RolloutError(f"request {request_id}: moved K/V of shape {tuple(kv.shape)} "
+                               f"{kv.dtype} does not fit this pool's {self.kv_shape(tokens)} "
+                               f"{self.k.dtype} (giver and taker must run the same model)")
+        need = blocks_for(tokens, self.block_tokens)
+        if not self.can_allocate(need):
+            raise RolloutError(
+                f"request {request_id}: its {tokens} tokens of moved K/V need {need} KV blocks "
+                f"and only {self.free_blocks} are free on the taker; raise "
+                "rollout.kv_budget_tokens")
+        table = self.allocate(need)
+        slots = torch.tensor(self.slots(table, 0, tokens), dtype=torch.long, device=self.k.device)
+        self.k.index_copy_(1, slots, kv[0].to(self.k.device))
+        self.v.index_copy_(1, slots, kv[1].to(self.v.device))
+        return table

@@ -22,11 +22,20 @@ module feeds it what the engine knows and carries its moves out:
   on and retries) and re-reads it after closing. No request is lost: a request is written
   only into an inbox held busy by its giver, and a closed inbox was read after closing.
 
-A moved request re-prefills on its taker (prompt + what it produced, the same position-keyed
-random stream: the same tokens). KV blocks are not sent yet, so the decision is given prices
-under which a KV transfer never wins (`REPREFILL_ONLY`). Clocks are engine steps and a step
-costs 1 (`UNIT_STEP`): the adopting step prefills and samples, so a move costs its request no
-step, and the step-cost bound becomes "no taker ends after the rollout's predicted end".
+How a moved request gets its K/V to the taker (`MoveKind`, `elastic.move_kv`): inside a replica,
+by the decision's prices (`MoveCosts.prices`: the model's KV bytes per token over
+`elastic.kv_link_bytes_per_s` against a re-prefill at `elastic.reprefill_s_per_token`; `transfer`
+or `reprefill` force one). The migration's gather carries the request as before, and one
+all-to-all over the group at that boundary (one per boundary, not per request:
+`RolloutEngine._migrate`) the stored K/V of every request moved with it (`BlockPool.export_kv`);
+the taker stores it in its own blocks and decodes on at its next step. A re-prefill recomputes prompt + what it produced on the taker.
+Either way the sampling stream is keyed by position: the same tokens. Across replicas a move
+always re-prefills: the mailbox is the job's key-value store, a channel for small pickled
+values, not for tensors (`REPREFILL_ONLY`). Clocks are engine steps and a step costs 1
+(`UNIT_STEP`), and on that clock neither kind costs the moved request a step (the taker decodes
+it at its next step, or the adopting step prefills and samples it), so the prices choose the
+kind and the step-cost bound becomes "no taker ends after the rollout's predicted end"
+(`OnStepClock`).
 Across replicas each replica's clock is its own step count as its leader last posted it (a
 taker has stepped on since: the bound holds up to that staleness); a moved request then runs
 at the taker's steps.
@@ -41,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import math
 import pickle
 import statistics
 import sys
@@ -48,12 +58,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
+from flexfloor.config import ElasticConfig, MoveKV
 from flexfloor.rollout.collectives import CollectiveError, gather_objects
 from flexfloor.rollout.consolidate import (
     Consolidation,
     ConsolidationRules,
     ConsolidationState,
     Move,
+    MoveKind,
     MovePrices,
     RankState,
     Running,
@@ -68,10 +80,51 @@ def UNIT_STEP(n: int, ctx: float) -> float:  # noqa: N802  (a constant StepCost)
     return 1.0
 
 
-# no KV-block transfer in the engine yet: a transfer's time is unbounded, a re-prefill costs the
-# taker no extra step (the step that adopts a request prefills it and samples its next token)
+# across replicas (the mailbox carries no tensors), and `within_replica`'s default (what the
+# simulator's replay of a replica applies): a transfer's time is unbounded, a re-prefill costs
+# the taker no extra step (the step that adopts a request prefills it and samples its next token)
 REPREFILL_ONLY = MovePrices(kv_bytes_per_token=1, transfer_bytes_per_s=sys.float_info.min,
                             reprefill_s_per_token=0.0)
+
+
+@dataclass(frozen=True)
+class OnStepClock(MovePrices):
+    """Real prices on the engine's step clock: they choose a move's kind (its KV bytes over the
+    link, or its re-prefill), and either kind costs the moved request no engine step (a
+    transfer lands before the taker's next step, a re-prefill runs in it), so a move's seconds
+    on that clock are 0."""
+
+    def of(self, cached_tokens: int) -> tuple[MoveKind, float]:
+        return super().of(cached_tokens)[0], 0.0
+
+
+@dataclass(frozen=True)
+class MoveCosts:
+    """How a move inside a replica travels (elastic.move_kv, elastic.kv_link_bytes_per_s,
+    elastic.reprefill_s_per_token)."""
+
+    mode: MoveKV
+    link_bytes_per_s: float
+    reprefill_s_per_token: float
+
+    @classmethod
+    def of(cls, elastic_cfg) -> "MoveCosts":
+        """The config's (the section's defaults when no config was given)."""
+        elastic_cfg = ElasticConfig() if elastic_cfg is None else elastic_cfg
+        return cls(mode=elastic_cfg.move_kv, link_bytes_per_s=elastic_cfg.kv_link_bytes_per_s,
+                   reprefill_s_per_token=elastic_cfg.reprefill_s_per_token)
+
+    def prices(self, kv_bytes_per_token: int) -> OnStepClock:
+        """The decision's prices for a model of `kv_bytes_per_token` (K and V, every layer):
+        auto as configured; transfer: a re-prefill never wins; reprefill: a transfer never
+        does."""
+        link, pre = self.link_bytes_per_s, self.reprefill_s_per_token
+        if self.mode == MoveKV.TRANSFER:
+            pre = math.inf
+        elif self.mode == MoveKV.REPREFILL:
+            link = sys.float_info.min
+        return OnStepClock(kv_bytes_per_token=kv_bytes_per_token, transfer_bytes_per_s=link,
+                           reprefill_s_per_token=pre)
 
 
 @dataclass(frozen=True)
@@ -120,14 +173,14 @@ def may_give_within(report, rules: TailRules) -> bool:
 
 
 def within_replica(states: Sequence[RankState], rules: TailRules, *, max_batch: int,
-                   block_tokens: int) -> Consolidation:
+                   block_tokens: int, prices: MovePrices = REPREFILL_ONLY) -> Consolidation:
     """The moves inside one lockstep group: each rank a giver or taker of its own (one clock).
-    `leaving_replicas` are then the giving ranks."""
+    `leaving_replicas` are then the giving ranks. `prices` choose each move's kind, on the step
+    clock (`MoveCosts.prices`; the default re-prefills every move)."""
     ranks = tuple(replace(s, replica=s.rank) for s in states)
     state = ConsolidationState(ranks, {s.rank: 0.0 for s in ranks}, max_batch, block_tokens)
     # every estimate is the request's cap (a bound) on one clock: no hedge is needed
-    return decide(state, rules.decision_rules(rules.floor, hedged=False), UNIT_STEP,
-                  REPREFILL_ONLY)
+    return decide(state, rules.decision_rules(rules.floor, hedged=False), UNIT_STEP, prices)
 
 
 def after_moves(report, ranks: Sequence[int], moves: Sequence[Move], cached: dict,

@@ -114,8 +114,12 @@ class ShrinkTrace:
 @dataclass
 class MoveTrace:
     """A running request that changed rank at the boundary after `step` steps of the rank that
-    records it (the giver, and the taker when it adopts): tail consolidation or migration. It
-    re-prefills `tokens` (prompt + produced) on its taker: that step's prefill tokens price it."""
+    records it (the giver, and the taker when it adopts): tail consolidation or migration.
+    `kind` (a `flexfloor.rollout.consolidate.MoveKind` value) says how its K/V got there:
+    "kv_transfer", `kv_tokens` tokens of K/V (`kv_bytes` bytes) sent to the taker at that
+    boundary, which decodes on at its next step (priced as those bytes over the link the two
+    ranks share); "reprefill", the taker recomputes `tokens` (prompt + produced), priced as that
+    step's prefill tokens."""
 
     step: int
     request_id: str
@@ -123,6 +127,9 @@ class MoveTrace:
     dst: int  # taking rank (-1: unknown to the giver)
     tokens: int
     across: bool = False  # between replicas
+    kind: str = "reprefill"
+    kv_tokens: int = 0  # tokens of K/V sent (0: re-prefilled)
+    kv_bytes: int = 0  # bytes of K/V sent, the traced model's
 
 
 @dataclass

@@ -37,6 +37,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from flexfloor.rollout.consolidate import MoveKind
 from flexfloor.rollout.types import StepTrace
 from flexfloor.sim.hardware import ACCELERATORS, Accelerator, ModelShape
 
@@ -157,6 +158,9 @@ class UnitCost:
                                 groups_created: int) -> float:
         return 0.0
 
+    def kv_move_seconds(self, transfers: Sequence[tuple[int, int, int]]) -> float:
+        return 0.0
+
 
 @dataclass
 class RooflineCost:
@@ -244,6 +248,20 @@ class RooflineCost:
         link = max(moved.values(), default=0.0) * self._expert_link_seconds(same)
         return link + (groups_created * p.group_create_s if groups_created else p.switch_s)
 
+    def kv_move_seconds(self, transfers: Sequence[tuple[int, int, int]]) -> float:
+        """The K/V of requests moved at one boundary, (giver, taker, tokens) each, in this
+        model's K/V bytes, all at once (each rank's link carries what it sends and receives):
+        over NVLink when the two ranks share a node, else the network (a taker of -1, not known:
+        the network)."""
+        a, load = self.accel, {}
+        for src, dst, tokens in transfers:
+            same = dst >= 0 and self.node(src) == self.node(dst)
+            bw = (a.nvlink_bytes_per_s if same else a.network_bytes_per_s) * self.params.link_efficiency
+            secs = tokens * self.model.kv_bytes_per_token / bw
+            for r in (src, dst):
+                load[r] = load.get(r, 0.0) + secs
+        return max(load.values(), default=0.0)
+
     def _expert_link_seconds(self, same_node: bool) -> float:
         """One expert (all layers) over one link."""
         a = self.accel
@@ -308,7 +326,12 @@ def price_trace(traces: Mapping[int, StepTrace], cost, *,
     expert j * E_traced // E_model ran) and, when the traced model has the cost's expert and
     layer counts, the experts that really received rows. A shrink prices the expert bytes each
     rank sent and received (in the cost model's experts) and the groups the code created. A
-    rank's occupied time: its steps and shrinks until it left (the leaver pays its shrink)."""
+    request moved with its K/V (`MoveTrace.kind` "kv_transfer", as its giver traced it) prices
+    its tokens of K/V, in the cost model's bytes, over the link its two ranks share, at the
+    boundary it moved at, for every rank of the group (the transfers run in one collective
+    before the next step); a re-prefilled one is already in its taker's prefill tokens. A
+    rank's occupied time: its steps, moves and shrinks until it left (the leaver pays its
+    shrink)."""
     steps: dict[tuple, list] = {}  # (group ranks, step) -> [(rank, trace, k)]
     shrinks: dict[tuple, list] = {}  # (group ranks, boundary) -> [(rank, trace, ShrinkTrace)]
     for rank, tr in traces.items():
@@ -316,13 +339,22 @@ def price_trace(traces: Mapping[int, StepTrace], cost, *,
             steps.setdefault((tr.group_at(k).ranks, k), []).append((rank, tr, k))
         for sh in tr.shrinks:
             shrinks.setdefault((sh.ranks, sh.step), []).append((rank, tr, sh))
+    kv_moves: dict[tuple, list] = {}  # (group ranks, boundary) -> [(giver, taker, kv tokens)]
+    for rank, tr in traces.items():
+        for m in tr.moves:
+            if m.src == rank and m.kind == MoveKind.KV_TRANSFER.value and m.step > 0:
+                kv_moves.setdefault((tr.group_at(m.step - 1).ranks, m.step), []).append(
+                    (m.src, m.dst, m.kv_tokens))
     step_s = {key: _step_seconds(key, rows, cost) for key, rows in steps.items()}
     shrink_s = {key: _shrink_seconds(key, rows, cost) for key, rows in shrinks.items()}
+    move_s = {key: cost.kv_move_seconds(moved) for key, moved in kv_moves.items()}
     own = {}
     for rank, tr in traces.items():
         at = {sh.step: sh for sh in tr.shrinks}
         t = 0.0
         for k in range(tr.steps + 1):  # boundary k (after k steps), then step k
+            if k:  # the K/V moved at this boundary, before its shrink
+                t += move_s.get((tr.group_at(k - 1).ranks, k), 0.0)
             if k in at:
                 t += shrink_s[(at[k].ranks, k)]
             if k < tr.steps:
