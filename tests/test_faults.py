@@ -90,6 +90,47 @@ def test_a_rank_waiting_at_resync_runs_a_signal_handler_at_once():
 
 # ------------------------------------------------------------------------------ worker loss
 
+
+BLOCKED_WORKER = """
+import datetime, os, sys
+import torch.distributed as dist
+from flexfloor.preemption import Preemption
+
+def stop(line):
+    print(line, file=sys.stderr, flush=True)
+    os._exit(1)
+
+Preemption(60, on_stop=stop).install()
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+print("waiting", flush=True)
+try:  # as a rendezvous waits for a peer that died in set-up
+    store.wait(["the dead peer's address"], datetime.timedelta(seconds=120))
+except dist.DistError:
+    pass
+print("the wait ended", flush=True)
+"""
+
+
+def test_launcher_sigterm_stops_a_worker_blocked_in_a_wait_for_a_dead_peer():
+    """torchrun SIGTERMs the survivors of a dead worker; one whose main thread is blocked in a
+    C++ wait (Python runs no handler there) stops at once all the same, with its line, instead
+    of after the wait or torchrun's SIGKILL 30 s later."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", RANK="1",
+               TORCHELASTIC_RESTART_COUNT="0", LOCAL_WORLD_SIZE="1000")  # a local peer is gone
+    proc = subprocess.Popen([PY, "-c", BLOCKED_WORKER, str(free_port())], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == "waiting\n", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)  # the wait lasts 120 s
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1 and "the wait ended" not in out
+    assert err.strip().splitlines()[-1] == (
+        "[flexfloor] error: rank 1: SIGTERM from the launcher after a worker of this node "
+        "exited: stopping now (no checkpoint)")
+
 NPROC = 2
 STEPS = 5
 JOB = [
