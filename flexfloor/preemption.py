@@ -10,7 +10,11 @@ reached one worker stops all of them at the same step. The entry point then save
 `checkpoint.preempt_grace_s` after the signal, the worker exits 1 with one line saying so (the
 job then resumes from its previous checkpoint): a stuck peer never turns a preemption into a hang.
 A second SIGINT stops at once. A SIGTERM that torchrun sends because a worker of this node
-exited (it stops the rest of a failed group) is no preemption: the worker exits at once.
+exited (it stops the rest of a failed group) is no preemption: the worker exits at once, also
+when its main thread is blocked in a C++ call that waits for the dead peer (a rendezvous, a store
+read): Python runs a signal's handler only between the main thread's calls, so a thread that
+reads the signal's wakeup byte (`signal.set_wakeup_fd`) stops it instead of torchrun's SIGKILL
+30 s later.
 """
 
 from __future__ import annotations
@@ -38,11 +42,34 @@ class Preemption:
         self.signal_name: Optional[str] = None
         self.signalled_at: Optional[float] = None  # time.monotonic() of the first signal
         self._done = threading.Event()
+        self._stopping = threading.Lock()  # one stop line, from the handler or the reader
 
     def install(self) -> "Preemption":
+        """The handlers, and the thread that reads their wakeup bytes (main thread only)."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write)
+        threading.Thread(target=self._read_wakeups, args=(read,), name="flexfloor-signals",
+                         daemon=True).start()
         return self
+
+    def _read_wakeups(self, fd: int) -> None:
+        while True:
+            signums = os.read(fd, 64)  # a byte per signal, written as it arrives
+            if signal.SIGTERM in signums and self.signalled_at is None:
+                self._stop_if_peer_gone("SIGTERM")
+
+    def _stop_if_peer_gone(self, name: str) -> bool:
+        """torchrun stops the others of a failed group: no save to wait for, stop now."""
+        if not _local_peer_gone():
+            return False
+        if self._stopping.acquire(blocking=False):
+            rank = os.environ.get("RANK", "0")
+            self.on_stop(f"[flexfloor] error: rank {rank}: {name} from the launcher after a "
+                         "worker of this node exited: stopping now (no checkpoint)")
+        return True
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -51,9 +78,7 @@ class Preemption:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             return
         rank = os.environ.get("RANK", "0")
-        if _local_peer_gone():  # torchrun stops the others of a failed group: no save to wait for
-            self.on_stop(f"[flexfloor] error: rank {rank}: {name} from the launcher after a "
-                            "worker of this node exited: stopping now (no checkpoint)")
+        if self._stop_if_peer_gone(name):
             return
         self.signal_name, self.signalled_at = name, time.monotonic()
         os.write(2, (f"[flexfloor] rank {rank}: {name}: finishing the step in progress, then "

@@ -6,13 +6,18 @@ Megatron-Core 0.16.1 site it covers (module:line). This is the only module in Fl
 patches Megatron-Core; everything else uses it as shipped.
 
 `apply()` is idempotent and a no-op when `torch.cuda.is_available()`: GPU runs get the real code
-paths (NCCL, CUDA streams, transformer-engine) untouched.
+paths (NCCL, CUDA streams, transformer-engine) untouched. One shim acts at import instead
+(`_EagerJitFuser`, installed when this module is imported, before any Megatron-Core import):
+Megatron-Core's `jit_fuser` is its own no-op decorator on CPU, not `torch.compile`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 import threading
 from typing import Callable
 
@@ -115,6 +120,45 @@ def _install_cpu_factory_torch(module_name: str) -> None:
 
 # --------------------------------------------------------------------------------------------
 # the shims
+
+
+class _EagerJitFuser(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """0. jit.py:21 sets `jit_fuser = torch.compile`, and dozens of functions are decorated
+    with it as Megatron-Core imports (fused_bias_geglu.py:16 first): that alone pulls in
+    TorchDynamo and Inductor, seconds of CPU in every process that imports Megatron-Core (each
+    worker, each restart), and the one such function our model calls (router.py:531
+    `_apply_expert_bias`, a no-op without expert bias) is then traced by Dynamo at its first
+    call. Every fusion is off in our model config (flexfloor/model.py), so on CPU
+    `megatron.core.jit` is loaded as shipped and then switched to its own `noop_decorator`
+    (its `disable_jit_fuser()`) before any module decorates with it: the same eager math."""
+
+    _MODULE = "megatron.core.jit"
+
+    def find_spec(self, name, path, target=None):
+        if name != self._MODULE or not cuda_absent():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        self._shipped = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._shipped.create_module(spec)
+
+    def exec_module(self, module):
+        self._shipped.exec_module(module)
+        module.disable_jit_fuser()
+
+
+def _install_eager_jit_fuser() -> None:
+    if "megatron.core.jit" not in sys.modules and not any(
+            isinstance(f, _EagerJitFuser) for f in sys.meta_path):
+        sys.meta_path.insert(0, _EagerJitFuser())
+
+
+_install_eager_jit_fuser()
 
 
 def _shim_cuda_streams() -> None:

@@ -165,6 +165,7 @@ class SharedLaunches:
                                 timeout=sum(w.timeout for w in workers), check=False)
             except AssertionError as e:  # killed past its timeout: each worker reports it
                 proc = subprocess.CompletedProcess([], None, "", str(e))
+            (out / "launch.log").write_text(proc.stdout + proc.stderr)  # its [shared] timings
             self._launches[worker.nproc] = (out, proc)
         out, proc = self._launches[worker.nproc]
         folder = out / worker.script
@@ -177,3 +178,54 @@ class SharedLaunches:
                 + "".join(f"--- {e.name} ---\n{e.read_text()[-4000:]}" for e in errors)
                 + f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
         return Launch(folder, proc)
+
+
+# The rollout benchmark's run that tests/test_bench.py reads and tests/test_sim.py replays in
+# the simulator (its "lognormal" case): 4 workers as two replicas of 2 ranks, the five modes.
+# One run for both (`BenchRuns`): a launch of the benchmark costs about as much as all the
+# checks on it together.
+BENCH_TWO_REPLICAS = ("--num-prompts", "12", "--samples-per-prompt", "4", "--length-median", "8",
+                      "--max-len", "60", "--replicas", "2")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRun:
+    """One finished `tools/bench_rollout.py` run: its JSON, the timeline plot it drew and its
+    output (the table)."""
+
+    out: pathlib.Path
+    plot: pathlib.Path
+    proc: subprocess.CompletedProcess
+
+    @functools.cached_property
+    def report(self) -> dict:
+        assert self.proc.returncode == 0, \
+            f"{' '.join(self.proc.args[1:])}\n{self.proc.stdout[-4000:]}\n{self.proc.stderr[-4000:]}"
+        with open(self.out) as f:
+            return json.load(f)
+
+
+class BenchRuns:
+    """`tools/bench_rollout.py FLAGS --out ... --plot ...`, run once per session for each
+    distinct FLAGS (in their order): the modules that ask for the same command read one run.
+    A failed run fails each reader with its output."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp, self._runs = tmp_path_factory, {}
+
+    def run(self, *flags: str, timeout: float = 600) -> BenchRun:
+        if flags not in self._runs:
+            d = self._tmp.mktemp("bench")
+            out, plot = d / "b.json", d / "b.png"
+            cmd = [sys.executable, "tools/bench_rollout.py", *flags, "--out", str(out),
+                   "--plot", str(plot)]
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                                      timeout=timeout)
+            except subprocess.TimeoutExpired as e:  # a hang is a failure, with its output
+                partial = e.stdout.decode(errors="replace") if e.stdout else ""
+                proc = subprocess.CompletedProcess(cmd, None, partial,
+                                                   f"killed after {timeout:.0f} s")
+            self._runs[flags] = BenchRun(out, plot, proc)
+        return self._runs[flags]
+

@@ -1,15 +1,17 @@
 """The rollout benchmark end to end on 4 gloo workers as 2 replicas, small: the JSON contract of the
 README for every mode, identical responses across the five modes, fewer occupied worker-steps with
-release, and the timeline plot."""
+release, and the timeline plot. The run is the one tests/test_sim.py replays in the simulator
+(distributed.BENCH_TWO_REPLICAS, one launch for both)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from distributed import BENCH_TWO_REPLICAS
+
+EPOCHS = 3
+FLAGS = ("--nproc", "4", "--epochs", str(EPOCHS), "--repeats", "1", *BENCH_TWO_REPLICAS)
+NUM_PROMPTS = int(FLAGS[FLAGS.index("--num-prompts") + 1])
 FIELDS = ("total_response_tokens", "occupied_worker_seconds", "occupied_worker_steps",
           "tail_fraction", "rollout_wall_seconds", "tokens_per_occupied_worker_second",
           "responses_sha256", "per_rank", "modelled_occupied_gpu_seconds",
@@ -20,19 +22,9 @@ MODES = ["static", "static_chunks", "replica_release", "single_group", "elastic"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bench")
-    out, png = d / "b.json", d / "b.png"
-    proc = subprocess.run(
-        [sys.executable, "tools/bench_rollout.py", "--nproc", "4", "--replicas", "2",
-         "--num-prompts", "8",
-         "--samples-per-prompt", "2", "--epochs", "2", "--repeats", "1", "--length-median", "6",
-         "--out", str(out), "--plot", str(png)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    with open(out) as f:
-        return json.load(f), png, proc.stdout
+def run(bench):
+    done = bench.run(*FLAGS)
+    return done.report, done.plot, done.proc.stdout
 
 
 def test_json_has_the_design_contract(run):
@@ -48,8 +40,8 @@ def test_json_has_the_design_contract(run):
     assert set(report["ratios_vs"]) == set(MODES) - {"elastic"}
     assert all(set(r) >= set(RATIOS) for r in report["ratios_vs"].values())
     assert report["ratios_vs"]["static"] == report["ratios"]
-    assert report["summary_epochs"] == [2]
-    assert [e["epoch"] for e in report["per_epoch"]] == [1, 2]
+    assert report["summary_epochs"] == list(range(2, EPOCHS + 1))
+    assert [e["epoch"] for e in report["per_epoch"]] == list(range(1, EPOCHS + 1))
     assert report["caveat"] and "tail_stats" in report["workload"]
     assert set(report["reconfiguration"]) >= {"plan_s", "transfer_s", "switch_s", "sent_bytes"}
 
@@ -68,8 +60,9 @@ def test_identical_responses_and_fewer_occupied_steps(run):
     # replica_release lets a replica go at its own end: never more than static
     assert (report["replica_release"]["occupied_worker_steps"]
             <= report["static"]["occupied_worker_steps"])
-    # epoch 2 places from history: its predictor saw every prompt before
-    assert report["per_epoch"][1]["predictor"]["sources"]["history"] == 8
+    # epochs 2.. place from history: the predictor saw every prompt before
+    for e in report["per_epoch"][1:]:
+        assert e["predictor"]["sources"]["history"] == NUM_PROMPTS, e["epoch"]
 
 
 def test_modelled_seconds_price_every_traced_step(run):
@@ -84,30 +77,37 @@ def test_modelled_seconds_price_every_traced_step(run):
     assert report["setup"]["cpu_seconds_warning"] is None or "CPU cores" in report["setup"][
         "cpu_seconds_warning"]
     for mode in ("static", "elastic"):
-        epoch = report["per_epoch"][-1][mode]  # the summary's one epoch
-        traces = {r["rank"]: StepTrace.from_dict(r["trace"]) for r in epoch["per_rank"]}
-        steps = {r["rank"]: r["steps"] for r in epoch["per_rank"]}
-        unit = price_trace(traces, UnitCost(), held_steps=steps)
-        assert unit.occupied_s == {r: float(n) for r, n in steps.items()}
-        priced = price_trace(traces, cost_model("H800", "qwen3-30b-a3b"), held_steps=steps)
-        assert sum(priced.occupied_s.values()) == pytest.approx(
-            report[mode]["modelled_occupied_gpu_seconds"])
-        assert priced.rollout_s == pytest.approx(report[mode]["modelled_rollout_seconds"])
-        assert [r["modelled_occupied_s"] for r in epoch["per_rank"]] == pytest.approx(
-            [priced.occupied_s[r] for r in sorted(steps)])
-        # a step samples one token per running request: one per decoding one, one per prefill
-        decode = sum(sum(t.decode_tokens) for t in traces.values())
-        prefill = sum(sum(t.prefill_tokens) for t in traces.values())
-        assert decode < epoch["total_response_tokens"] <= decode + prefill
+        occupied_s = rollout_s = 0.0  # the summary's epochs, each priced on its own, added up
+        for entry in report["per_epoch"]:
+            if entry["epoch"] not in report["summary_epochs"]:
+                continue
+            epoch = entry[mode]
+            traces = {r["rank"]: StepTrace.from_dict(r["trace"]) for r in epoch["per_rank"]}
+            steps = {r["rank"]: r["steps"] for r in epoch["per_rank"]}
+            unit = price_trace(traces, UnitCost(), held_steps=steps)
+            assert unit.occupied_s == {r: float(n) for r, n in steps.items()}
+            priced = price_trace(traces, cost_model("H800", "qwen3-30b-a3b"), held_steps=steps)
+            occupied_s += sum(priced.occupied_s.values())
+            rollout_s += priced.rollout_s
+            assert [r["modelled_occupied_s"] for r in epoch["per_rank"]] == pytest.approx(
+                [priced.occupied_s[r] for r in sorted(steps)])
+            # a step samples one token per running request: one per decoding one, one per
+            # prefill
+            decode = sum(sum(t.decode_tokens) for t in traces.values())
+            prefill = sum(sum(t.prefill_tokens) for t in traces.values())
+            assert decode < epoch["total_response_tokens"] <= decode + prefill
+        assert occupied_s == pytest.approx(report[mode]["modelled_occupied_gpu_seconds"])
+        assert rollout_s == pytest.approx(report[mode]["modelled_rollout_seconds"])
     assert set(report["ratios"]) >= {"tokens_per_modelled_occupied_gpu_second",
                                      "modelled_rollout_seconds"}
 
 
 def test_table_and_plot(run, tmp_path, capsys):
     report, png, stdout = run
-    assert "epoch 2/2" in stdout and "tokens_per_occupied_worker_step" in stdout
+    assert f"epoch {EPOCHS}/{EPOCHS}" in stdout and "tokens_per_occupied_worker_step" in stdout
     assert "tokens_per_modelled_occupied_gpu_second" in stdout
-    header = next(line for line in stdout.splitlines() if line.startswith("epoch 2 "))
+    header = next(line for line in stdout.splitlines()
+                  if line.startswith(f"epochs 2..{EPOCHS} "))
     assert header.split()[2:] == MODES + ["elastic/static"]  # a column per mode
     assert all(f"elastic / {b}" in stdout for b in MODES[:-1])
     assert png.exists() and png.stat().st_size > 0

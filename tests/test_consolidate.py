@@ -126,8 +126,11 @@ def test_a_replica_running_late_hands_its_longest_to_one_held_anyway():
     assert d.corrected_replicas == [0] and d.leaving_replicas == []
     # not when the taker would end past the bound with it: at 22 s (replica 1 from 1 s, when
     # the KV arrives: 300 steps at 20 ms, 1700 at 10 ms of the doubled estimate: 24 s)
+    # (without lightening, which test_a_late_replica_whose_longest_no_taker_takes_is_lightened
+    # covers)
     s = dataclasses.replace(state(*late), end_bound_s=22.0)
-    assert decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0]).moves == []
+    assert decide(s, ConsolidationRules(lighten=False), per_request, CHEAP_KV,
+                  givers=[0]).moves == []
     # at 25 s replica 0 must hand over two (900 steps at 30 ms: 28 s), which one taker cannot
     # take within the bound; with a second taker, one goes to each (a split)
     s = dataclasses.replace(state(*late, rank(4, 2, 300)), end_bound_s=25.0)
@@ -139,6 +142,26 @@ def test_a_replica_running_late_hands_its_longest_to_one_held_anyway():
         assert decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0]).moves == []
     # a taker with queued requests (lengths unknown) is not one
     s = dataclasses.replace(state(late[0], rank(2, 1, 300, queued=1)), end_bound_s=30.0)
+    assert decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0]).moves == []
+
+
+def test_a_late_replica_whose_longest_no_taker_takes_is_lightened():
+    """Replica 0 (clock 1 s) ends at 38 s, past a bound of 22 s; its longest (1000 tokens) would
+    end past the bound on replica 1 too (at 24 s, its estimate doubled). Lightened instead: its
+    three others go to replica 1, which then ends at 31 s (300 steps at 40 ms, 600 at 30 ms),
+    before replica 0 would have; replica 0 keeps its longest and ends at 11 s."""
+    import dataclasses
+
+    late = [rank(0, 0, 1000, 900, 900, 900), rank(2, 1, 300)]
+    s = dataclasses.replace(state(*late), end_bound_s=22.0)
+    d = decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0])
+    assert [(m.request_id, m.src, m.dst) for m in d.moves] == [
+        ("r0-1", 0, 2), ("r0-2", 0, 2), ("r0-3", 0, 2)]
+    assert d.corrected_replicas == [0] and d.leaving_replicas == []
+    # only a move that brings its end in: replica 0 on two ranks (2 and 2 requests, 20 s from
+    # its clock); replica 1 takes one within 20 s, which leaves the other rank as full
+    two_ranks = [rank(0, 0, 1000, 900), rank(1, 0, 900, 900), rank(2, 1, 300)]
+    s = dataclasses.replace(state(*two_ranks), end_bound_s=15.0)
     assert decide(s, ConsolidationRules(), per_request, CHEAP_KV, givers=[0]).moves == []
 
 
@@ -251,3 +274,110 @@ def test_the_simulator_with_consolidation_counts_the_same_tokens():
     release = lambda outs, i: max(r["release_s"] for r in outs[i].records)
     assert release(on, 1) < release(off, 1)
     assert max(release(on, i) for i in range(3)) <= max(release(off, i) for i in range(3))
+
+
+def test_a_finish_memo_changes_no_decision():
+    """The simulator keeps one `FinishMemo` per rollout: a replica's finish is remembered by its
+    running work (remaining and cached tokens), so a decision with it equals one without, also
+    when only a request's cached tokens differ (a longer context steps slower)."""
+    import dataclasses
+
+    from flexfloor.rollout.consolidate import FinishMemo
+
+    def kv_read(n, ctx):  # a step reads the cached tokens: context matters
+        return 0.01 + 1e-5 * np.asarray(ctx, dtype=float)
+
+    memo = FinishMemo(kv_read)
+    # replica 0 ends the rollout at 78 s; replica 2's last request fits on replica 1 while its
+    # own request has a short context (it ends at 8.4 s), not when it has 8,345 cached tokens
+    # (it ends at 77.96 s, and with the move at 78.02 s: past the rollout's end)
+    short = state(rank(0, 0, 3000), rank(2, 1, 800), rank(4, 2, 50), now={0: 0.0, 1: 0.0, 2: 0.0})
+    long_ctx = dataclasses.replace(short, ranks=(short.ranks[0], rank(2, 1, 800, cached=8345),
+                                                 short.ranks[2]))
+    for s in (short, long_ctx, short):
+        fresh = decide(s, ConsolidationRules(), kv_read, CHEAP_KV)
+        assert decide(s, ConsolidationRules(), kv_read, CHEAP_KV, memo=memo) == fresh
+    assert [(m.src, m.dst) for m in decide(short, ConsolidationRules(), kv_read, CHEAP_KV).moves
+            ] == [(4, 2)]
+    assert decide(long_ctx, ConsolidationRules(), kv_read, CHEAP_KV).moves == []
+    with pytest.raises(ValueError, match="memo"):
+        decide(short, ConsolidationRules(), flat, CHEAP_KV, memo=memo)
+
+
+def test_the_simulator_checks_a_late_replica_between_finishes():
+    """Replica 0's rank 0 holds eight long requests, its other ranks one each: no request
+    finishes before the end, so the simulator's replicas would jump to their last step at once.
+    Its end is checked from half the bound on all the same (`GroupView.wake_s`): replica 0 is
+    past the bound, no taker can take its longest within it, so its others on rank 0 go to
+    replica 1 (lightened), and it ends sooner than without the correction."""
+    from flexfloor.rollout.release import RankLimits, ReleaseRules
+    from flexfloor.sim.cost import RooflineCost
+    from flexfloor.sim.hardware import ACCELERATORS, ModelShape
+    from flexfloor.sim.rollout import SimRequest, TailConsolidation, replica_state, simulate_replicas
+    from flexfloor.sim.scenarios import rank_step_cost
+
+    shape = ModelShape.from_preset("qwen3-30b-a3b")
+    cost = RooflineCost(ACCELERATORS["H800"], shape)
+    limits = RankLimits(kv_bytes_per_token=shape.kv_bytes_per_token, max_seq_len=9000,
+                        max_batch_size=64, kv_budget_bytes=None, expert_nbytes=shape.expert_bytes)
+
+    def groups():
+        out = []
+        for i, ranks in enumerate([tuple(range(8)), tuple(range(8, 16))]):
+            placement, holding = replica_state(shape.num_experts, ranks)
+            assignment = {rank: [SimRequest(f"{rank}-{k}", rank * 10 + k, 200, 3000)
+                                 for k in range(8 if rank == 0 else 1)] for rank in ranks}
+            out.append({"assignment": assignment, "placement": placement,
+                        "rules": ReleaseRules(min_active_ranks=8, holding=holding)})
+        return out
+
+    step_cost = rank_step_cost(cost, groups()[0]["placement"], tuple(range(8)), 64)
+
+    def tails(bound):
+        return TailConsolidation(ConsolidationRules(max_requests=4), step_cost,
+                                 MovePrices(shape.kv_bytes_per_token, 35e9, 1e-4),
+                                 lambda req, produced, finished: float(req.length - produced),
+                                 16, end_bound_s=bound)
+
+    off = simulate_replicas(groups(), cost, limits=limits, kv_block_tokens=16,
+                            consolidation=tails(None))
+    end_off = max(r["release_s"] for r in off[0].records)
+    on = simulate_replicas(groups(), cost, limits=limits, kv_block_tokens=16,
+                           consolidation=tails(0.9 * end_off))
+    corrected = [t for t in on[0].timeline if "corrected" in t]
+    assert corrected and corrected[0]["to_replicas"] == [1], on[0].timeline
+    assert max(r["release_s"] for r in on[0].records) < end_off
+    assert sum(o.total_tokens for o in on) == sum(o.total_tokens for o in off) == 23 * 3000
+
+
+def test_prompts_without_history_are_placed_as_static_places_them():
+    """Across replicas, a prompt with no history has nothing to concentrate by: its samples go
+    round robin over the replicas, then their ranks (static's routing), which keeps the
+    replicas' loads alike; the prompts with history are placed around them, each on one
+    replica."""
+    h = LengthHistory()
+    for uid, n in enumerate([400, 300, 20, 10]):
+        h.record(uid, [n] * 4)
+    h.record(99, [50] * 4)  # a prompt of an earlier step: the prior's lengths
+
+    def cost(n, ctx):
+        return 1.0 + 0.002 * np.asarray(ctx, dtype=float)
+
+    gs = [PromptGroup(u, tuple(Request(prompt_uid=u, sample_index=s, prompt_ids=(1,) * 4,
+                                       max_new_tokens=500) for s in range(4))) for u in range(8)]
+    replicas = [[0, 1], [2, 3], [4, 5]]
+    plan = Scheduler(PlacementPolicy.FLEXFLOOR, h, max_batch_size=64).plan(
+        gs, range(6), replicas=replicas, step_cost=cost)
+    where = {q.request_id: r for r, v in plan.assignment.items() for q in v}
+    fresh = [q for g in gs[4:] for q in g.requests]
+    assert [where[q.request_id] for q in fresh] == [
+        replicas[i % 3][(i // 3) % 2] for i in range(len(fresh))]
+    replica_of = {r: i for i, g in enumerate(replicas) for r in g}
+    for g in gs[:4]:  # with history: each prompt's samples together on one replica
+        assert len({replica_of[where[q.request_id]] for q in g.requests}) == 1
+    # with no history at all, the plan is static's
+    plan = Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), max_batch_size=64).plan(
+        gs, range(6), replicas=replicas, step_cost=cost)
+    every = [q for g in gs for q in g.requests]
+    assert {q.request_id: r for r, v in plan.assignment.items() for q in v} == {
+        q.request_id: replicas[i % 3][(i // 3) % 2] for i, q in enumerate(every)}

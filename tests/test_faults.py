@@ -51,7 +51,85 @@ def test_released_ranks_wait_for_progress_not_for_a_fixed_timeout(tmp_path):
               f"hung survivor detected after {res['hung']['after_s']:.1f} s")
 
 
+class _Stopped(Exception):
+    pass
+
+
+def test_a_rank_waiting_at_resync_runs_a_signal_handler_at_once():
+    """A released rank waits at resync by looking at the job's store, not in one blocking
+    store.wait: a signal's handler (the launcher's SIGTERM to the survivors of a dead peer, a
+    preemption) runs while it waits, not only once the last rank is back (which, with a dead
+    peer, is never: the launcher then kills it after its grace period)."""
+    import torch.distributed as dist
+
+    from flexfloor.rollout.elastic import _wait_for_every_rank
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    peer = dist.TCPStore("127.0.0.1", port, is_master=False)  # its own connection
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(store.check(["resync/all"]))  # the last rank is back already?
+        raise _Stopped
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    signal_it = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    last_back = threading.Timer(10, peer.set, ("resync/all", "1"))  # the peer, much later
+    try:
+        signal_it.start()
+        last_back.start()
+        with pytest.raises(_Stopped):  # timeout 120 s: progress is looked for every 30 s
+            _wait_for_every_rank(store, "resync", "heartbeat", 2, 120.0, "rank 0, phase 'resync'")
+    finally:
+        signal_it.cancel()
+        last_back.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    assert seen == [False]
+
+
 # ------------------------------------------------------------------------------ worker loss
+
+
+BLOCKED_WORKER = """
+import datetime, os, sys
+import torch.distributed as dist
+from flexfloor.preemption import Preemption
+
+def stop(line):
+    print(line, file=sys.stderr, flush=True)
+    os._exit(1)
+
+Preemption(60, on_stop=stop).install()
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+print("waiting", flush=True)
+try:  # as a rendezvous waits for a peer that died in set-up
+    store.wait(["the dead peer's address"], datetime.timedelta(seconds=120))
+except dist.DistError:
+    pass
+print("the wait ended", flush=True)
+"""
+
+
+def test_launcher_sigterm_stops_a_worker_blocked_in_a_wait_for_a_dead_peer():
+    """torchrun SIGTERMs the survivors of a dead worker; one whose main thread is blocked in a
+    C++ wait (Python runs no handler there) stops at once all the same, with its line, instead
+    of after the wait or torchrun's SIGKILL 30 s later."""
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", RANK="1",
+               TORCHELASTIC_RESTART_COUNT="0", LOCAL_WORLD_SIZE="1000")  # a local peer is gone
+    proc = subprocess.Popen([PY, "-c", BLOCKED_WORKER, str(free_port())], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == "waiting\n", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)  # the wait lasts 120 s
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1 and "the wait ended" not in out
+    assert err.strip().splitlines()[-1] == (
+        "[flexfloor] error: rank 1: SIGTERM from the launcher after a worker of this node "
+        "exited: stopping now (no checkpoint)")
 
 NPROC = 2
 STEPS = 5

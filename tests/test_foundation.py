@@ -29,6 +29,14 @@ def test_forward_backward_at_every_ep_size(out):
         assert torch.isfinite(torch.tensor(res[f"ep{ep}"]["loss"]))
 
 
+def test_megatron_on_cpu_starts_without_torch_compile(out):
+    """megatron_ext.cpu_compat makes Megatron-Core's jit_fuser its no-op decorator on CPU
+    (every fusion is off): its import decorates nothing with torch.compile (TorchDynamo's and
+    Inductor's imports, seconds of CPU per process), and the router runs eagerly."""
+    assert out[1]["jit_fuser"] == "noop_decorator"
+    assert out[1]["expert_bias_compiled"] is False
+
+
 def test_same_weights_same_logits_at_ep_1_2_4(out):
     ref32, ref64 = load(out, "logits_ep1.pt"), load(out, "logits64_ep1.pt")
     assert ref32.shape == (4, 2, 12, 128)  # 4 ranks, each its own batch

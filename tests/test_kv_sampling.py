@@ -108,3 +108,44 @@ def test_top_k_top_p_greedy_and_mixed_batches():
     assert math.isclose(float(logprobs[1]), float(F.log_softmax(logits / 5.0, -1)[tokens[1]]))
     fields = key_fields(mixed, [0, 9], "cpu")
     assert fields.tolist() == [[5, 2, 0, 0, 0], [5, 2, 1, 0, 9]]
+
+
+def _full_vocabulary_draw(logits, requests, positions):
+    """The sampler's definition over the whole vocabulary: every token gets its noise, the
+    filtered ones -inf, Gumbel-max picks (what `sample` computes on the candidates only)."""
+    V = logits.shape[1]
+    out = []
+    keys = draw_keys(key_fields(requests, positions, "cpu"))
+    noise = -torch.log(-torch.log(uniforms(keys, V)))
+    for row, r, g in zip(logits, requests, noise):
+        p = r.sampling
+        if p.greedy:
+            out.append(int(row.argmax()))
+            continue
+        scaled = row / p.temperature
+        ordered, order = torch.sort(scaled, descending=True)
+        keep = torch.arange(V) < (p.top_k if 0 < p.top_k < V else V)
+        probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), -1)
+        if p.top_p < 1.0:
+            keep &= (torch.cumsum(probs, -1) - probs) < p.top_p
+        filtered = torch.full_like(scaled, float("-inf"))
+        filtered[order[keep]] = scaled[order[keep]]
+        out.append(int((filtered + g).argmax()))
+    return out
+
+
+def test_noise_on_the_candidates_only_draws_the_full_vocabularys_tokens():
+    torch.manual_seed(2)
+    V, n = 300, 240
+    logits = torch.randn(n, V, dtype=torch.float64) * 3
+    kinds = [SamplingParams(top_k=20), SamplingParams(top_k=7, top_p=0.8, temperature=0.6),
+             SamplingParams(greedy=True), SamplingParams(top_k=40, top_p=0.5)]
+    reqs = [req(i, kinds[i % len(kinds)], sample_index=i % 3) for i in range(n)]
+    positions = [i % 17 for i in range(n)]
+    tokens, logprobs = sample(logits, reqs, positions)
+    assert tokens.tolist() == _full_vocabulary_draw(logits, reqs, positions)
+    assert len(set(tokens[0::4].tolist())) > 5  # the draws vary
+    # top-p without top-k: every token is a candidate
+    nucleus = [req(i, SamplingParams(top_p=0.7)) for i in range(n)]
+    assert sample(logits, nucleus, positions)[0].tolist() == _full_vocabulary_draw(
+        logits, nucleus, positions)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from distributed import BENCH_TWO_REPLICAS
 from flexfloor.rollout.types import StepTrace
 from flexfloor.sim.cost import (
     CostParams, RankLoad, RooflineCost, UnitCost, kv_budget_bytes, price_trace,
@@ -22,8 +23,8 @@ PER_RANK = ("steps", "busy_steps", "tokens", "requests", "release_step", "local_
 # the benchmark's flags -> the same workload and policies as scenario overrides
 CASES = {
     # two replicas of 2 ranks, the five modes
-    "lognormal": (["--num-prompts", "12", "--samples-per-prompt", "4", "--length-median", "8",
-                   "--max-len", "60", "--replicas", "2"],
+    # (test_bench reads the same run: distributed.BENCH_TWO_REPLICAS)
+    "lognormal": (list(BENCH_TWO_REPLICAS),
                   dict(num_prompts=12, samples_per_prompt=4, length_params={"median": 8.0},
                        max_len=60, replicas=2)),
     # KV budget and batch limit: admission waves, borrowed experts against the budget, the
@@ -40,18 +41,11 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def engine_and_sim(request, tmp_path_factory):
+def engine_and_sim(request, bench):
     flags, overrides = CASES[request.param]
-    out = tmp_path_factory.mktemp("simval") / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "tools/bench_rollout.py", "--nproc", "4", "--epochs", "3",
-         "--repeats", "1", "--out", str(out), *flags],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    with open(out) as f:
-        bench = json.load(f)
+    real = bench.run("--nproc", "4", "--epochs", "3", "--repeats", "1", *flags).report
     sim = run(SCENARIOS["tiny-cpu"].with_overrides(epochs=3, **overrides))
-    return request.param, bench, sim
+    return request.param, real, sim
 
 
 def test_unit_cost_simulation_equals_the_real_engine_step_for_step(engine_and_sim):

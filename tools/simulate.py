@@ -44,7 +44,8 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     "max_share": ("max_share", float), "load_cap": ("load_cap", float),
     "pace_margin": ("pace_margin", float),
     "consolidate": ("consolidate", lambda v: bool(int(v))),  # 1: tail consolidation, 0: off
-    # 1: the online correction and the evacuation's hedges (docs/simulator.md), 0: off
+    # the online correction and the evacuation's hedges (docs/simulator.md): 1 on (the GPU
+    # scenarios' default), 0 off
     "correct": ("correct", lambda v: bool(int(v))),
 }
 

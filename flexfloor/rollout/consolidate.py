@@ -36,7 +36,10 @@ replicas that are running anyway (nothing queued, not leaving), as many as its e
 within the bound, each taker within the bound with them, the one planned to stay longest first
 (held anyway: the least extra occupancy); it stays and ends sooner. Hedged: a taker's end is
 taken with each moved request's estimate doubled (the requests that move are the ones whose
-estimates were wrong), and only a move that brings the giver's end in is made.
+estimates were wrong), and only a move that brings the giver's end in is made. Where no taker
+takes its longest (they would run about as long anywhere), the late replica is lightened
+instead (`ConsolidationRules.lighten`): its other requests go to takers that then still end
+before it would have, so it steps faster.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ class ConsolidationRules:
     # leaves (1: as estimated), and in the correction (the requests whose estimates were wrong)
     evacuation_hedge: float = 1.0
     correction_hedge: float = 2.0
+    # the correction lightens a late replica whose longest requests no taker takes (`_pull_in`)
+    lighten: bool = True
 
 
 @dataclass(frozen=True)
@@ -164,16 +169,54 @@ class _Load:
     ready: dict  # replica -> when it can step with what it was promised (its clock, or later)
     sent: dict  # replica -> seconds of KV transfers promised to it (one after another)
 
-    def copy(self) -> "_Load":
-        return _Load({k: list(v) for k, v in self.work.items()}, dict(self.free),
-                     dict(self.ready), dict(self.sent))
+    def copy(self, ranks: Sequence[int] = ()) -> "_Load":
+        """A copy in which the work of `ranks` may change: their lists are copied, the others'
+        are shared (never changed in place: a change copies its ranks first)."""
+        work = dict(self.work)
+        for r in ranks:
+            work[r] = list(work[r])
+        return _Load(work, dict(self.free), dict(self.ready), dict(self.sent))
+
+    def adopt(self, other: "_Load") -> None:
+        self.work, self.free, self.ready, self.sent = other.work, other.free, other.ready, other.sent
+
+
+class FinishMemo:
+    """`replica_finish` of a replica's running work, remembered by that work, for one step
+    cost: a driver deciding at every boundary of several replicas asks again about the ones that
+    have not stepped since (their requests and estimates unchanged). Holds at most `limit`."""
+
+    def __init__(self, step_cost: StepCost, limit: int = 4096):
+        self.step_cost = step_cost
+        self.limit = limit
+        self._known: dict = {}
+
+    def finish(self, work: Sequence[Sequence[tuple]]) -> float:
+        """The replica's finish (seconds from when it can go on): work per rank,
+        [(remaining, cached)]."""
+        key = tuple(tuple(w) for w in work)
+        got = self._known.get(key)
+        if got is None:
+            got = max(replica_finish([([n for n, _ in w], [c for _, c in w]) for w in work],
+                                     self.step_cost), default=0.0)
+            if len(self._known) >= self.limit:
+                self._known.clear()
+            self._known[key] = got
+        return got
 
 
 def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: StepCost,
-           prices: MovePrices, givers: Optional[Sequence[int]] = None) -> Consolidation:
+           prices: MovePrices, givers: Optional[Sequence[int]] = None,
+           memo: Optional[FinishMemo] = None) -> Consolidation:
     """The consolidation at this boundary, from the shared state alone (see the module doc).
     `givers`: the replicas that may give (None: any; the simulator, whose replicas run on their
-    own clocks, lets only the one at the earliest clock give)."""
+    own clocks, lets only the one at the earliest clock give). `memo`: replica finishes known
+    from earlier boundaries (of this `step_cost`), or None."""
+    if memo is None:
+        memo = FinishMemo(step_cost)
+    elif memo.step_cost is not step_cost:
+        raise ValueError("decide: memo was made for another step_cost; make one FinishMemo "
+                         "per step cost")
     by_replica: dict[int, list[RankState]] = {}
     for r in state.ranks:
         by_replica.setdefault(r.replica, []).append(r)
@@ -189,9 +232,7 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
         """Replica i's predicted end: when it can go on (its clock, or the arrival of the KV it
         was promised, or its clock plus the re-prefills), then its running work in lockstep at
         its fullest rank's pace, each rank's context growing as it decodes (`replica_finish`)."""
-        work = [ld.work[r.rank] for r in by_replica[i]]
-        finish = replica_finish([([n for n, _ in w], [c for _, c in w]) for w in work], step_cost)
-        return ld.ready[i] + max(finish, default=0.0)
+        return ld.ready[i] + memo.finish([ld.work[r.rank] for r in by_replica[i]])
 
     ends = {i: end(i, load) for i in live}
     rollout_end = max(ends.values())
@@ -282,72 +323,145 @@ def _hand_over(left: list, giver_now: float, staying, by_replica, load: _Load, e
     for i in list(staying) * 2:
         if not left:
             break
+        if end(i, load) > bound:
+            continue  # past the bound already: more work never ends sooner
+        ranks = [r.rank for r in by_replica[i]]
+        # the first k of `left` go where the first k of all of them go (each to its least
+        # loaded rank in turn): placed once, each probe of the search takes a prefix
+        placed = _placed_in_turn(left, i, ranks, load, giver_now, state, rules, prices, hedge)
 
         def place(k: int) -> Optional[tuple[_Load, list[Move]]]:
-            """The first k of `left` onto replica i, each to its least loaded rank with a slot
-            and KV room; None when one has no rank or the replica would end past the bound."""
-            ld, out = load.copy(), []
-            ctx = {r.rank: sum(c for _, c in ld.work[r.rank]) for r in by_replica[i]}
-            for q, src in left[:k]:
-                need = blocks_for(int(q.cached_tokens + hedge * q.remaining) + 1,
-                                  state.block_tokens)
-                ok = [r.rank for r in by_replica[i] if len(ld.work[r.rank]) < state.max_batch
-                      and (ld.free[r.rank] is None
-                           or ld.free[r.rank] - need >= rules.reserve_blocks)]
-                if not ok:
-                    return None
-                k_rank = min(ok, key=lambda r: (len(ld.work[r]), ctx[r], r))
-                ctx[k_rank] += q.cached_tokens
-                ld.work[k_rank].append((hedge * q.remaining, q.cached_tokens))
-                if ld.free[k_rank] is not None:
-                    ld.free[k_rank] -= need
-                kind, secs = prices.of(q.cached_tokens)
-                if kind == MoveKind.KV_TRANSFER:  # sent from the giver's clock, in turn
-                    ld.sent[i] += secs
-                    ld.ready[i] = max(ld.ready[i], giver_now + ld.sent[i])
-                    ready = giver_now + ld.sent[i]
-                else:  # the taker's prefill step
-                    ld.ready[i] += secs
-                    ready = 0.0
-                out.append(Move(q.request_id, src, k_rank, kind, secs, ready))
+            """The first k of `left` onto replica i; None when one has no rank with a slot and
+            KV room or the replica would end past the bound."""
+            if k > len(placed):
+                return None
+            ld = load.copy(ranks)
+            for p in placed[:k]:
+                ld.work[p.move.dst].append(p.entry)
+                if ld.free[p.move.dst] is not None:
+                    ld.free[p.move.dst] -= p.blocks
+            if k:
+                ld.ready[i], ld.sent[i] = placed[k - 1].ready, placed[k - 1].sent
             if end(i, ld) > bound:
                 return None
-            return ld, out
+            return ld, [p.move for p in placed[:k]]
 
-        lo, hi, best = 0, len(left), None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            got = place(mid)
-            if got is None:
-                hi = mid - 1
-            else:
-                lo, best = mid, got
+        lo, best = _most(place, min(len(left), len(placed)))
         if best is None:
             continue
         ld, out = best
-        load.work, load.free, load.ready, load.sent = ld.work, ld.free, ld.ready, ld.sent
+        load.adopt(ld)
         moves += out
         left = left[lo:]
     return moves, left
 
 
+def _most(fits: Callable[[int], object], n: int) -> tuple[int, object]:
+    """The largest k in 1..n with `fits(k)` not None, and that value ((0, None) when none):
+    `fits` holds up to some k and not after (more requests never end sooner). Doubling from 1,
+    then halving between the last k that fit and the first that did not: a few probes when few
+    fit (a taker near its bound), as many as a plain halving when most do."""
+    lo, best, k = 0, None, 1
+    while k <= n:
+        got = fits(k)
+        if got is None:
+            break
+        lo, best, k = k, got, 2 * k
+    hi = min(k, n + 1) - 1  # fits(hi + 1) is None, or hi = n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        got = fits(mid)
+        if got is None:
+            hi = mid - 1
+        else:
+            lo, best = mid, got
+    return lo, best
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """One request promised to a taker rank: its entry in the rank's work, the KV blocks it
+    takes, and the replica's (ready, sent) once it and those before it are promised."""
+
+    move: Move
+    entry: tuple  # (hedged remaining, cached)
+    blocks: int
+    ready: float
+    sent: float
+
+
+def _placed_in_turn(left: list, i: int, ranks: Sequence[int], load: _Load, giver_now: float,
+                    state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices,
+                    hedge: float) -> list[_Placed]:
+    """`left` onto replica i's `ranks` one after another, each to its least loaded rank with a
+    batch slot and KV room, until one finds none: the promises in order (`_hand_over` takes a
+    prefix). `load` is not changed."""
+    size = {r: len(load.work[r]) for r in ranks}
+    ctx = {r: sum(c for _, c in load.work[r]) for r in ranks}
+    free = {r: load.free[r] for r in ranks}
+    ready, sent = load.ready[i], load.sent[i]
+    out: list[_Placed] = []
+    for q, src in left:
+        need = blocks_for(int(q.cached_tokens + hedge * q.remaining) + 1, state.block_tokens)
+        ok = [r for r in ranks if size[r] < state.max_batch
+              and (free[r] is None or free[r] - need >= rules.reserve_blocks)]
+        if not ok:
+            break
+        k_rank = min(ok, key=lambda r: (size[r], ctx[r], r))
+        ctx[k_rank] += q.cached_tokens
+        size[k_rank] += 1
+        if free[k_rank] is not None:
+            free[k_rank] -= need
+        kind, secs = prices.of(q.cached_tokens)
+        if kind == MoveKind.KV_TRANSFER:  # sent from the giver's clock, in turn
+            sent += secs
+            ready = max(ready, giver_now + sent)
+            at = giver_now + sent
+        else:  # the taker's prefill step
+            ready += secs
+            at = 0.0
+        out.append(_Placed(Move(q.request_id, src, k_rank, kind, secs, at),
+                           (hedge * q.remaining, q.cached_tokens), need, ready, sent))
+    return out
+
+
 def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
              state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices
              ) -> list[Move]:
-    """The correction (module doc): the fewest of replica g's longest requests whose leaving
-    brings its predicted end within `bound` (a binary search: fewer requests never end later),
-    handed to `takers` within the bound (`_hand_over`, hedged); the moves, promised in `load`,
-    or none when they would not bring g's end in."""
+    """The correction (module doc), for a replica g predicted past `bound`: the fewest of its
+    longest requests whose leaving brings its predicted end within the bound (a binary search:
+    fewer requests never end later), handed to `takers` within the bound; where no taker takes
+    them (its longest would run as long elsewhere), g is lightened instead: its other requests,
+    longest first, to takers that then still end before g would have, so that g steps faster
+    and no taker ends later than g would have. Hedged (`correction_hedge`); the moves, promised
+    in `load`, or none when they would not bring g's end in."""
+    if not takers:
+        return []
     mine = sorted(((q, r.rank) for r in by_replica[g] for q in r.running),
                   key=lambda x: (-x[0].remaining, x[0].request_id))
 
     def without(ld: _Load, gone) -> _Load:
-        ld = ld.copy()
+        ld = ld.copy([r.rank for r in by_replica[g]])
         for q, src in gone:
             ld.work[src].remove((q.remaining, q.cached_tokens))
         return ld
 
     before = end(g, load)
+
+    def hand(give: list, within: float, hedge: float) -> list[Move]:
+        """`give` to the takers within `within`, kept only if g's end comes in."""
+        trial = load.copy()
+        moves, _ = _hand_over(give[:rules.max_requests], state.now_s[g], takers, by_replica,
+                              trial, end, within, state, rules, prices, hedge=hedge)
+        if not moves:
+            return []
+        moved = {m.request_id for m in moves}
+        trial = without(trial, [(q, src) for q, src in mine if q.request_id in moved])
+        if end(g, trial) >= before:
+            return []
+        load.adopt(trial)
+        return moves
+
     lo, hi = 1, len(mine)  # the fewest k with g's end within the bound without its first k
     while lo < hi:
         mid = (lo + hi) // 2
@@ -355,14 +469,6 @@ def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
             hi = mid
         else:
             lo = mid + 1
-    trial = load.copy()  # at most `max_requests` of them at once (the rest at later checks)
-    moves, left = _hand_over(list(mine[:min(lo, rules.max_requests)]), state.now_s[g], takers, by_replica, trial, end,
-                             bound, state, rules, prices, hedge=rules.correction_hedge)
-    if not moves:
-        return []
-    moved = {m.request_id for m in moves}
-    trial = without(trial, [(q, src) for q, src in mine if q.request_id in moved])
-    if end(g, trial) >= before:
-        return []
-    load.work, load.free, load.ready, load.sent = trial.work, trial.free, trial.ready, trial.sent
-    return moves
+    # at most `max_requests` at once (the rest at later checks)
+    return (hand(list(mine[:lo]), bound, rules.correction_hedge)
+            or (rules.lighten and hand(list(mine[1:]), before, rules.evacuation_hedge)) or [])

@@ -30,7 +30,6 @@ rank, the phase and the step only when nothing moves for `parallel.timeout_s`.
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -523,6 +522,7 @@ def pace_of(cost, max_batch: int) -> Pace:
 
 
 HEARTBEAT_S = 0.5  # how often the active ranks of an elastic rollout post progress
+RESYNC_POLL_S = 0.1  # how often a rank waiting at resync looks whether every rank is back
 
 
 def _heartbeat(key: str, last: float) -> float:
@@ -567,7 +567,7 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
     timeout_s = parallel.timeout.total_seconds() if timeout_s is None else timeout_s
     where = (f"rank {parallel.rank}, phase 'resync'" + (f", step {step}" if step is not None else "")
              + (f" (released at engine step {released[0]})" if released else ""))
-    _wait_for_every_rank(f"flexfloor/resync/{layout.layout_id}.{layout.resyncs}",
+    _wait_for_every_rank(_store(), f"flexfloor/resync/{layout.layout_id}.{layout.resyncs}",
                          layout.heartbeat_key, parallel.world_size, timeout_s, where)
     moe.rebind(layout.group, layout.placement)
     layout.started = False
@@ -577,26 +577,26 @@ def resync(moe: PlacedMoE, layout: RolloutLayout, parallel, membership, *,
     return time.perf_counter() - t0
 
 
-def _wait_for_every_rank(key: str, heartbeat_key: str, world: int, timeout_s: float,
+def _wait_for_every_rank(store, key: str, heartbeat_key: str, world: int, timeout_s: float,
                          where: str) -> None:
-    """Add this rank to `key`'s count; return once it reaches `world`. Fails when neither the
-    count nor the heartbeat counter moved for `timeout_s`."""
-    store = _store()
+    """Add this rank to `key`'s count on `store`; return once it reaches `world`. Fails when
+    neither the count nor the heartbeat counter moved for `timeout_s`."""
     try:
         if store.add(key, 1) == world:
-            store.set(key + "/all", "1")  # wakes the waiting ranks at once
+            store.set(key + "/all", "1")  # the waiting ranks see it at their next look
             return
-        # store.wait returns the moment the last rank arrives; between waits, look for progress
-        # (each timed-out wait logs a c10d warning, so not too often)
+        # A non-blocking look every RESYNC_POLL_S, not a blocking store.wait: Python runs a
+        # signal's handler only between its own calls, so a SIGTERM (the launcher stopping the
+        # survivors of a dead peer, a preemption) would wait out the whole store.wait. Progress
+        # is looked for every slice_s.
         slice_s = min(30.0, timeout_s / 4)
         last, since = None, time.monotonic()
-        while True:
-            try:
-                store.wait([key + "/all"], datetime.timedelta(seconds=slice_s))
-                return
-            except dist.DistStoreError as e:
-                if "timeout" not in str(e).lower():
-                    raise
+        looked = since
+        while not store.check([key + "/all"]):
+            time.sleep(RESYNC_POLL_S)
+            if time.monotonic() - looked < slice_s:
+                continue
+            looked = time.monotonic()
             now = (store.add(key, 0), store.add(heartbeat_key, 0))
             if now != last:
                 last, since = now, time.monotonic()

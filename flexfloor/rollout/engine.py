@@ -9,8 +9,9 @@ different positions (continuous batching).
 
 A step is a handful of batched operations: one forward over every new token of this rank
 (prefill chunks and decode tokens together) with, per layer, one attention call for all running
-requests reading K/V from the rank's block pool (`flexfloor.rollout.kv`) through their block
-tables (SDPA with grouped-query attention: no copy of the cache per head), and the MoE layer as
+requests reading K/V from the rank's block pool (`flexfloor.rollout.kv`): as one view of the
+pool's lanes when every request sits in its lane, else gathered through the block tables (SDPA
+with grouped-query attention: no copy of the cache per head), and the MoE layer as
 route -> dispatch -> compute -> combine (`megatron_ext.elastic_moe`); then one batched sampling
 call (`flexfloor.rollout.sampling`) and one device-to-host copy of the new tokens.
 
@@ -105,12 +106,21 @@ def _paired_norms(q_norm, k_norm, head_dim: int) -> bool:
             and k_norm.weight is not None)
 
 
-def qk_norm_rope(mixed: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor):
+def paired_norm_weight(q_norm, k_norm, r: int) -> torch.Tensor:
+    """[r+1, D]: the q norm's weight for each of a group's r query heads, then the k norm's
+    (the multiply of `qk_norm_rope`'s paired norms)."""
+    D = q_norm.weight.shape[-1]
+    return torch.cat([q_norm.weight.expand(r, D), k_norm.weight.view(1, D)])
+
+
+def qk_norm_rope(mixed: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor,
+                 weight: Optional[torch.Tensor] = None):
     """The fused projection's rows per query group, mixed [T, G, r+2, D] ([r query heads, k, v]
     of each group), -> q [T, G*r, D] and k [T, G, D] after their norms (None: none) and RoPE
     (cos, signed sin [T, 1, rot]), and v [T, G, D]; k and v are strided views. Per-head norms
     (`_paired_norms`) and RoPE run once over the query heads and keys together (the same
-    products as apart, bit for bit: tests/test_experts.py); other norms apart."""
+    products as apart, bit for bit: tests/test_experts.py); other norms apart. `weight`: the
+    paired norms' `paired_norm_weight`, when the caller keeps it (else built here)."""
     r, D = mixed.shape[2] - 2, mixed.shape[3]
     qk, v = mixed[:, :, : r + 1], mixed[:, :, r + 1]  # [T, G, r+1, D]: q heads, then k
     if q_norm is not None or k_norm is not None:
@@ -119,7 +129,8 @@ def qk_norm_rope(mixed: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: to
             q = q if q_norm is None else _norm(q_norm, q)
             k = k if k_norm is None else _norm(k_norm, k)
             return _rope(q, cos, sin), _rope(k, cos, sin), v
-        weight = torch.cat([q_norm.weight.expand(r, D), k_norm.weight.view(1, D)])  # [r+1, D]
+        if weight is None:
+            weight = paired_norm_weight(q_norm, k_norm, r)  # [r+1, D]
         qk = F.rms_norm(qk, (D,), None, q_norm.eps) * weight
     qk = _rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))  # one RoPE for q and k
     return qk[:, :, :r].reshape(mixed.shape[0], -1, D), qk[:, :, r], v
@@ -237,6 +248,7 @@ class _Running:
     pending: list[int] = field(default_factory=list)  # tokens to feed at the next step
     blocks: list[int] = field(default_factory=list)  # block table: positions in block order
     length: int = 0  # tokens whose K/V are stored
+    lane: Optional[int] = None  # the pool lane its blocks fill from the start (None: anywhere)
 
     @property
     def position(self) -> int:
@@ -245,7 +257,7 @@ class _Running:
 
     def restart(self) -> None:
         """Back to no stored K/V: the next admission re-prefills prompt + tokens so far."""
-        self.blocks, self.length = [], 0
+        self.blocks, self.length, self.lane = [], 0, None
         self.pending = list(self.request.prompt_ids) + self.tokens
 
     def resume(self, blocks: list[int], length: int) -> None:
@@ -274,6 +286,7 @@ class Rollout:
     tokens: int = 0
     migrated_out: list = field(default_factory=list)  # request ids handed to another rank
     adopted: list = field(default_factory=list)  # requests taken over from another rank
+    norm_weights: Optional[list] = None  # per layer, the paired q/k norms' weight (or None)
 
     @property
     def has_work(self) -> bool:
@@ -301,11 +314,16 @@ class _Batch:
     tokens: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [1, T]
     new_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
-    tables: torch.Tensor  # [B * blocks] block table of each request, padded with block 0
-    mask: torch.Tensor  # [B, 1, Q, L] additive (0 / -inf), causal over each request's own context
+    tables: Optional[torch.Tensor]  # [B * blocks] block tables padded with block 0; None: lanes
+    mask: torch.Tensor  # [R, 1, Q, L] additive (0 / -inf), causal over each request's own context
     query_index: Optional[torch.Tensor]  # [B, Q] new token of each query row; None: T == B
     out_index: Optional[torch.Tensor]  # [T] row of each new token in [B*Q]; None: T == B
     last: Optional[torch.Tensor]  # [B] index of each request's last new token; None: T == B
+    # attention rows R: B requests, K/V gathered through the tables; or, when every request is
+    # in a pool lane, `lanes` rows read as a view of the pool (`BlockPool.lane_view`), request b
+    # in row lane_rows[b] (None: row b), the other rows idle (mask 0, output dropped)
+    lanes: Optional[int] = None
+    lane_rows: Optional[torch.Tensor] = None  # [B]
 
 
 class RolloutEngine:
@@ -326,6 +344,7 @@ class RolloutEngine:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         progress: bool = False,
         valid_vocab: Optional[int] = None,
+        kv_lanes: bool = True,
     ):
         self.model = model
         self.moe = moe  # megatron_ext.elastic_moe.PlacedMoE over the current EP group
@@ -337,6 +356,9 @@ class RolloutEngine:
         self.progress = progress
         # the tokenizer's vocabulary when the model's is padded beyond it: never sample padding
         self.valid_vocab = valid_vocab
+        # requests' blocks in pool lanes, read by attention as views (False: always gathered
+        # through the block tables; the same tokens, for tests and A/B runs)
+        self.kv_lanes = kv_lanes
         self.max_seq_len = model.max_sequence_length
         cfg = self.config
         self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -439,43 +461,99 @@ class RolloutEngine:
         bt = self.block_tokens
         lens = [len(r.pending) for r in running]
         q_max = max(lens)
+        dev = self.device
+        as_long = dict(dtype=torch.long, device=dev)
+        width = max(len(r.blocks) for r in running)
+        lanes = [r.lane for r in running]
+        if None in lanes:
+            lanes, tables = None, torch.tensor(
+                [b for r in running for b in r.blocks + [0] * (width - len(r.blocks))], **as_long)
+        else:
+            tables = None
+        if q_max == 1:  # decode only: query b is token b, at the position after the stored ones
+            stored = [r.length for r in running]
+            ids = [r.pending[0] for r in running]
+            new_slots = [r.blocks[n // bt] * bt + n % bt for r, n in zip(running, stored)]
+            host = torch.tensor([ids, stored, new_slots], **as_long)  # [3, B]: one copy
+            positions = host[1]
+            seen = torch.arange(width * bt, device=dev).unsqueeze(0) <= positions.unsqueeze(1)
+            return self._in_lanes(_Batch(
+                tokens=host[0].view(1, -1), positions=positions.view(1, -1), new_slots=host[2],
+                tables=tables, mask=self._additive(seen).view(len(running), 1, 1, -1),
+                query_index=None, out_index=None, last=None), lanes)
         ids, pos, new_slots = [], [], []
         for r, n in zip(running, lens):
             ids.extend(r.pending)
             pos.extend(range(r.length, r.length + n))
             new_slots.extend(pool.slots(r.blocks, r.length, r.length + n))
-        dev = self.device
-        width = max(len(r.blocks) for r in running)
-        tables = [b for r in running for b in r.blocks + [0] * (width - len(r.blocks))]
         j = torch.arange(width * bt, device=dev)  # [L]
         p0 = torch.tensor([r.length for r in running], device=dev)  # [B] stored before this step
         ctx = torch.tensor([r.length + n for r, n in zip(running, lens)], device=dev)  # [B]
-        as_long = dict(dtype=torch.long, device=dev)
-        query_index = out_index = last = None
-        if q_max == 1:  # decode only: query b is token b
-            qpos = p0.unsqueeze(1)  # [B, 1]
-        else:
-            i = torch.arange(q_max, device=dev)
-            n_new = torch.tensor(lens, device=dev)
-            valid_q = i.unsqueeze(0) < n_new.unsqueeze(1)  # [B, Q]
-            ends = torch.cumsum(n_new, 0)  # [B] one past each request's last new token
-            query_index = torch.where(valid_q, (ends - n_new).unsqueeze(1) + i, 0)
-            qpos = torch.where(valid_q, p0.unsqueeze(1) + i, 0)  # padding rows see position 0
-            out_index = torch.tensor([b * q_max + t for b, n in enumerate(lens) for t in range(n)],
-                                     **as_long)
-            last = ends - 1
+        i = torch.arange(q_max, device=dev)
+        n_new = torch.tensor(lens, device=dev)
+        valid_q = i.unsqueeze(0) < n_new.unsqueeze(1)  # [B, Q]
+        ends = torch.cumsum(n_new, 0)  # [B] one past each request's last new token
+        query_index = torch.where(valid_q, (ends - n_new).unsqueeze(1) + i, 0)
+        qpos = torch.where(valid_q, p0.unsqueeze(1) + i, 0)  # padding rows see position 0
+        out_index = torch.tensor([b * q_max + t for b, n in enumerate(lens) for t in range(n)],
+                                 **as_long)
         seen = (j.view(1, 1, -1) <= qpos.unsqueeze(2)) & (j.view(1, 1, -1) < ctx.view(-1, 1, 1))
-        # additive, as SDPA turns a boolean mask into one in every layer: once per step here
-        mask = torch.zeros(seen.shape, dtype=self.dtype, device=dev).masked_fill_(
-            ~seen, float("-inf"))  # every row sees its position 0 at least: no row is all -inf
-        return _Batch(tokens=torch.tensor(ids, **as_long).view(1, -1),
-                      positions=torch.tensor(pos, **as_long).view(1, -1),
-                      new_slots=torch.tensor(new_slots, **as_long),
-                      tables=torch.tensor(tables, **as_long), mask=mask.unsqueeze(1),
-                      query_index=query_index, out_index=out_index, last=last)
+        return self._in_lanes(_Batch(
+            tokens=torch.tensor(ids, **as_long).view(1, -1),
+            positions=torch.tensor(pos, **as_long).view(1, -1),
+            new_slots=torch.tensor(new_slots, **as_long), tables=tables,
+            mask=self._additive(seen).unsqueeze(1), query_index=query_index, out_index=out_index,
+            last=ends - 1), lanes)
+
+    @staticmethod
+    def _in_lanes(batch: _Batch, lanes: Optional[list[int]]) -> _Batch:
+        """The batch's attention rows as pool lanes (`lanes`: each request's lane; None: keep
+        the gathered rows): request b in row lanes[b] of lanes 0 .. max(lanes), idle rows
+        unmasked (they read finite stale or zero K/V; their output is dropped)."""
+        if lanes is None:
+            return batch
+        batch.lanes = max(lanes) + 1
+        if lanes != list(range(len(lanes))):
+            rows = torch.tensor(lanes, dtype=torch.long, device=batch.mask.device)
+            batch.lane_rows = rows
+            batch.mask = batch.mask.new_zeros((batch.lanes,) + batch.mask.shape[1:]).index_copy_(
+                0, rows, batch.mask)
+        return batch
+
+    def _additive(self, seen: torch.Tensor) -> torch.Tensor:
+        """A boolean attention mask as the additive one (0 / -inf) SDPA would make of it in every
+        layer: once per step here. Every row sees its position 0 at least: no row is all -inf."""
+        return torch.zeros(seen.shape, dtype=self.dtype, device=seen.device).masked_fill_(
+            ~seen, float("-inf"))
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Megatron's `LanguageModelEmbedding` of tokens [1, T] -> [T, H]: at TP=1 in eval, with
+        no position or token-type embedding, sequence parallelism or fp32 residual, that is
+        `F.embedding` on the word embedding's weight (its module call adds a TP reduction, a
+        transpose and an identity dropout); any other embedding through its forward."""
+        emb = self.model.embedding
+        if (emb.training or emb.add_position_embedding or emb.tokentype_embeddings is not None
+                or emb.reduce_scatter_embeddings or emb.word_embeddings.tp_group.size() > 1
+                or self.config.sequence_parallel or self.config.fp32_residual_connection):
+            return emb(input_ids=tokens, position_ids=positions).view(-1, self.config.hidden_size)
+        return F.embedding(tokens.view(-1), emb.word_embeddings.weight)
+
+    def _paired_weights(self) -> list[Optional[torch.Tensor]]:
+        """Per layer, the paired q/k norms' `paired_norm_weight` (None: not paired), built once
+        per rollout (the weights do not change inside one)."""
+        r = self.heads // self.groups
+        out = []
+        for layer in self.model.decoder.layers:
+            attn = layer.self_attention
+            q_norm, k_norm = getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)
+            paired = (_is_plain_linear(attn.linear_qkv) and q_norm is not None
+                      and k_norm is not None and _paired_norms(q_norm, k_norm, self.head_dim))
+            out.append(paired_norm_weight(q_norm, k_norm, r) if paired else None)
+        return out
 
     @torch.inference_mode()
-    def forward(self, running: list[_Running], pool: BlockPool) -> torch.Tensor:
+    def forward(self, running: list[_Running], pool: BlockPool,
+                norm_weights: Optional[list] = None) -> torch.Tensor:
         """One forward over the pending tokens of every running request (their blocks already
         taken); returns the logits of each request's last new token [B, V] and stores the new
         K/V in the pool.
@@ -486,36 +564,43 @@ class RolloutEngine:
         afterwards.
 
         Every rank of the EP group must call this once per step, even with no requests: the MoE
-        all-to-all needs all of them.
+        all-to-all needs all of them. `norm_weights`: the rollout's `_paired_weights`.
         """
         if not running:
             return self._empty_step()
         batch = self._batch(running, pool)
-        B, Q, L = batch.mask.shape[0], batch.mask.shape[2], batch.mask.shape[3]
+        B, Q, L = len(running), batch.mask.shape[2], batch.mask.shape[3]
         G, D, heads = self.groups, self.head_dim, self.heads
         blocks = pool.k.shape[1] // self.block_tokens
-        x = self.model.embedding(input_ids=batch.tokens, position_ids=batch.positions)
-        x = x.view(-1, self.config.hidden_size)  # [T, H]
+        x = self._embed(batch.tokens, batch.positions)  # [T, H]
         rope = self._rotary(batch.positions[0])  # cos, signed sin [T, 1, rot], every layer
         keys_of = pool.k.view(-1, blocks, self.block_tokens, G, D).unbind(0)  # per layer
         values_of = pool.v.view(-1, blocks, self.block_tokens, G, D).unbind(0)
         for li, layer in enumerate(self.model.decoder.layers):
             attn = layer.self_attention
             # q [T, heads, D], k and v [T, groups, D], RoPE applied
-            q, k, v = self._qkv(attn, _norm(layer.input_layernorm, x), *rope)
+            q, k, v = self._qkv(attn, _norm(layer.input_layernorm, x), *rope,
+                                None if norm_weights is None else norm_weights[li])
             kb, vb = keys_of[li], values_of[li]  # [blocks, block_tokens, G, D]
             kb.view(-1, G, D).index_copy_(0, batch.new_slots, k)
             vb.view(-1, G, D).index_copy_(0, batch.new_slots, v)
-            # whole blocks through the block tables: [B, L, G, D] -> [B, G, L, D]
-            keys = kb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
-            values = vb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
+            if batch.lanes is not None:  # the lanes as views of the pool: [R, G, L, D]
+                keys, values = pool.lane_view(li, batch.lanes, L // self.block_tokens)
+            else:  # whole blocks through the block tables: [B, L, G, D] -> [B, G, L, D]
+                keys = kb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
+                values = vb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
             if batch.query_index is None:  # decode only: query b is token b, Q == 1
                 queries = q.view(B, heads, 1, D)
             else:
                 queries = q[batch.query_index].view(B, Q, heads, D).transpose(1, 2)
+            if batch.lane_rows is not None:  # request b in row lane_rows[b]
+                queries = queries.new_zeros((batch.lanes,) + queries.shape[1:]).index_copy_(
+                    0, batch.lane_rows, queries)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
                                                scale=attn.core_attention.softmax_scale,
-                                               enable_gqa=True)  # [B, heads, Q, D]
+                                               enable_gqa=True)  # [R, heads, Q, D]
+            if batch.lane_rows is not None:
+                o = o.index_select(0, batch.lane_rows)
             o = o.transpose(1, 2).reshape(B * Q, heads * D)
             if batch.out_index is not None:
                 o = o[batch.out_index]
@@ -529,18 +614,19 @@ class RolloutEngine:
             logits = logits[:, : self.valid_vocab]
         return logits.float() if logits.dtype != torch.float64 else logits
 
-    def _qkv(self, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             norm_weight: Optional[torch.Tensor] = None):
         """Megatron's `get_query_key_value_tensors` at TP=1 and RoPE as raw ops on `linear_qkv`'s
         weight (h [T, H], cos and signed sin [T, 1, rot] -> q [T, heads, D], k and v [T, groups,
         D], k and v possibly strided views): the fused projection viewed per query group as
         [q heads..., k, v], then `qk_norm_rope`. A transformer-engine projection (its input
-        norm fused in) goes through Megatron's call."""
+        norm fused in) goes through Megatron's call. `norm_weight`: the paired norms' weight."""
         if not _is_plain_linear(attn.linear_qkv):
             q, k, v = attn.get_query_key_value_tensors(h.unsqueeze(1), None)[:3]
             return _rope(q[:, 0], cos, sin), _rope(k[:, 0], cos, sin), v[:, 0]
         r, D = self.heads // self.groups, self.head_dim
         mixed = _linear(attn.linear_qkv, h).view(-1, self.groups, r + 2, D)  # [T, G, r+2, D]
-        return qk_norm_rope(mixed, attn.q_layernorm, attn.k_layernorm, cos, sin)
+        return qk_norm_rope(mixed, attn.q_layernorm, attn.k_layernorm, cos, sin, norm_weight)
 
     def _output_weight(self) -> torch.Tensor:
         if self.model.share_embeddings_and_output_weights:
@@ -568,13 +654,15 @@ class RolloutEngine:
         self.model.eval()
         pool = BlockPool(num_layers=len(self.model.decoder.layers), groups=self.groups,
                          head_dim=self.head_dim, dtype=self.dtype, device=self.device,
-                         block_tokens=self.block_tokens, capacity=self.capacity_blocks)
+                         block_tokens=self.block_tokens, capacity=self.capacity_blocks,
+                         lane_blocks=self._lane_blocks(requests))
         trace = StepTrace(num_experts=self.moe.num_experts, num_layers=len(self.moe.layers),
                           expert_bytes=self.moe.expert_nbytes)
         trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
         st = self.rollout = Rollout(record=RankRecord(rank=self.rank, requests=len(requests),
                                                       trace=trace),
-                                    pool=pool, t0=time.perf_counter(), requests=len(requests))
+                                    pool=pool, t0=time.perf_counter(), requests=len(requests),
+                                    norm_weights=self._paired_weights())
         st.queue.extend(_Running(r, pending=list(r.prompt_ids)) for r in requests)
         record = st.record
         try:
@@ -591,7 +679,7 @@ class RolloutEngine:
                 touched = self.moe.experts_touched
                 trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
                 with collective_phase(self.rank, "decode (MoE all-to-all)", record.steps):
-                    logits = self.forward(running, pool)
+                    logits = self.forward(running, pool, st.norm_weights)
                 trace.add_step(contexts, self.moe.experts_touched - touched)
                 record.steps += 1
                 if running:
@@ -732,7 +820,9 @@ class RolloutEngine:
                         "elastic.min_active_ranks")
                 break
             st.queue.popleft()
-            r.blocks = pool.allocate(need)
+            fits = pool.lane_blocks is not None and blocks_for(
+                r.request.max_total_tokens, self.block_tokens) <= pool.lane_blocks
+            self._extend(r, pool, need, pool.open_lane() if fits else None)
             if r.admitted_s is None:
                 r.admitted_s = st.elapsed()
             st.running.append(r)
@@ -745,12 +835,12 @@ class RolloutEngine:
         i = 0
         while i < len(st.running):
             r = st.running[i]
-            need = blocks_for(r.length + len(r.pending), bt) - len(r.blocks)
-            if need <= 0:
+            if r.length + len(r.pending) <= len(r.blocks) * bt:  # its blocks hold them
                 i += 1
                 continue
+            need = blocks_for(r.length + len(r.pending), bt) - len(r.blocks)
             if pool.can_allocate(need):
-                r.blocks += pool.allocate(need)
+                self._extend(r, pool, need, r.lane)
                 i += 1
                 continue
             victim = st.running.pop()  # the youngest (possibly r itself)
@@ -758,6 +848,22 @@ class RolloutEngine:
             victim.restart()
             st.queue.appendleft(victim)
             st.record.preempted += 1
+
+    @staticmethod
+    def _extend(r: _Running, pool: BlockPool, n: int, lane: Optional[int]) -> None:
+        """Give r n more blocks, the next ones of `lane` where they are free; r stays in the
+        lane only while its table is the lane's first blocks in order."""
+        start = len(r.blocks)
+        new = pool.allocate(n, lane=lane, start=start)
+        first = None if lane is None else lane * pool.lane_blocks + start
+        r.lane = lane if first is not None and new == list(range(first, first + n)) else None
+        r.blocks += new
+
+    def _lane_blocks(self, requests: Sequence[Request]) -> Optional[int]:
+        """The pool's lane width: the blocks the longest request of this rank may need (None:
+        no requests). Requests adopted later that need more are stored outside lanes."""
+        longest = max((r.max_total_tokens for r in requests), default=0)
+        return (blocks_for(longest, self.block_tokens) or None) if self.kv_lanes else None
 
     def _sample(self, st: Rollout, logits: torch.Tensor) -> None:
         """One batched draw for every running request; one device-to-host copy of the results."""

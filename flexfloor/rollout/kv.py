@@ -6,7 +6,9 @@ finishes, is preempted, migrates or its rank is released. A request that moves t
 of its EP group may take its K/V along (`BlockPool.export_kv` on the giver, `import_kv` on the
 taker: exactly its stored tokens, in position order, as one tensor). `rollout.kv_budget_tokens` (tokens per
 rank) stays the user-facing budget: the pool holds `kv_budget_tokens // kv_block_tokens` blocks.
-Borrowed experts take their bytes from the same room (`withhold`). `blocks_for` is the one block
+Borrowed experts take their bytes from the same room (`withhold`). The storage may be laid out
+in lanes (`BlockPool.lane_blocks`): a request's blocks then fill its lane in order, so attention
+reads every lane-resident request's K/V as one view of the storage instead of a gathered copy. `blocks_for` is the one block
 count and `BlockLedger` the one set of block counters (admission keeps `watermark_blocks` free):
 the engine, the scheduler's memory model and the simulator use them.
 """
@@ -76,37 +78,115 @@ class BlockLedger:
 class BlockPool(BlockLedger):
     """K and V of every layer in blocks of `block_tokens` slots: storage [layers, slots, groups,
     head_dim], slot = block * block_tokens + offset. `capacity` blocks at most (None: unbounded);
-    storage grows on demand up to it, so an unbounded or large budget costs only what is used.
+    storage grows on demand up to it.
 
-    Lifecycle: one pool per `generate()`; `allocate`/`free` per request; `withhold` for bytes a
-    borrowed expert takes from the KV room; everything is dropped with the pool."""
+    Lanes (`lane_blocks` W, optional): blocks i*W .. (i+1)*W - 1 form lane i. A request that
+    opens a lane (`open_lane`: the lowest lane whose blocks are all free and inside the
+    capacity) takes its blocks in order from the start of its lane (`allocate(n, lane=i,
+    start=...)`), so the lane-resident requests' K/V are one strided view of the storage
+    ([lanes, W * block_tokens, groups, head_dim]: `lane_view`) and attention reads them without
+    a copy. The ledger still counts blocks in use only, and lane blocks not in use stay free
+    for any request (taken last); storage then covers the lanes opened, at most the capacity.
+    A lane is open while its first block is in use.
+
+    Lifecycle: one pool per `generate()`; `open_lane`/`allocate`/`free` per request;
+    `withhold` for bytes a borrowed expert takes from the KV room; everything is dropped with
+    the pool."""
 
     GROW = 64  # blocks added at least when the storage grows
 
     def __init__(self, *, num_layers: int, groups: int, head_dim: int, dtype, device,
-                 block_tokens: int, capacity: Optional[int]):
+                 block_tokens: int, capacity: Optional[int], lane_blocks: Optional[int] = None):
         elem = torch.empty((), dtype=dtype).element_size()
         super().__init__(capacity=capacity,
                          block_bytes=2 * num_layers * groups * head_dim * block_tokens * elem)
         self.block_tokens = block_tokens
+        self.lane_blocks = lane_blocks
         self._shape = (num_layers, 0, groups, head_dim)
         self.k = torch.empty(self._shape, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
-        self._free: list[int] = []  # blocks of the storage not in use (LIFO)
+        # free blocks: the set is the truth; the list is the LIFO order, with stale entries
+        # (blocks since taken by a lane allocation) skipped when popped
+        self._free: list[int] = []
+        self._free_set: set[int] = set()
 
-    def allocate(self, n: int) -> list[int]:
-        """n new blocks; the caller checked `can_allocate` (an error otherwise, nothing taken)."""
+    @property
+    def stored_blocks(self) -> int:
+        """Blocks the storage holds now."""
+        return self.k.shape[1] // self.block_tokens
+
+    def open_lane(self) -> Optional[int]:
+        """The lowest lane whose blocks are all free and fit the capacity (storage grown to hold
+        it), or None (no lanes, or none free)."""
+        W = self.lane_blocks
+        if W is None:
+            return None
+        lane = 0
+        while self.capacity is None or (lane + 1) * W <= self.capacity:
+            first, stop = lane * W, (lane + 1) * W
+            have = self.stored_blocks
+            if all(b in self._free_set for b in range(first, min(stop, have))):
+                if stop > have:
+                    self._grow(stop - have)
+                return lane
+            lane += 1
+        return None
+
+    def allocate(self, n: int, *, lane: Optional[int] = None, start: int = 0) -> list[int]:
+        """n new blocks; the caller checked `can_allocate` (an error otherwise, nothing taken).
+        With `lane`: blocks `start .. start + n - 1` of that lane when they are all free (a
+        request's next blocks in its lane), else any free ones."""
         self.take(n)
-        while len(self._free) < n:
-            self._grow(n - len(self._free))
-        return [self._free.pop() for _ in range(n)]
+        if lane is not None and start + n <= self.lane_blocks:
+            first = lane * self.lane_blocks + start
+            want = range(first, first + n)
+            if first + n <= self.stored_blocks and all(b in self._free_set for b in want):
+                self._free_set.difference_update(want)
+                self._compact()
+                return list(want)
+        return self._pop(n)
+
+    def _pop(self, n: int) -> list[int]:
+        """n free blocks in LIFO order; blocks of open lanes only when nothing else is free and
+        the storage cannot grow (their lane's request then leaves its lane)."""
+        W = self.lane_blocks
+        out, later = [], []
+        while len(out) < n:
+            if not self._free:
+                if self.capacity is None or self.stored_blocks < self.capacity:
+                    self._grow(n - len(out))
+                    continue
+                out.append(later.pop(0))  # only open lanes' blocks are left (take() counted)
+                continue
+            b = self._free.pop()
+            if b not in self._free_set or b in out or b in later:
+                continue  # stale entry
+            if W is not None and b % W and (b - b % W) not in self._free_set:
+                later.append(b)  # in an open lane (its first block is in use)
+                continue
+            out.append(b)
+        self._free.extend(reversed(later))
+        self._free_set.difference_update(out)
+        return out
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
+        self._free_set.update(blocks)
         self.give_back(len(blocks))
 
+    def _compact(self) -> None:
+        """Drop the free list's stale entries once they outnumber the free blocks."""
+        if len(self._free) > 2 * len(self._free_set) + 64:
+            seen: set[int] = set()
+            keep = []
+            for b in reversed(self._free):  # the most recent entry of each block wins
+                if b in self._free_set and b not in seen:
+                    seen.add(b)
+                    keep.append(b)
+            self._free = keep[::-1]
+
     def _grow(self, at_least: int) -> None:
-        have = self.k.shape[1] // self.block_tokens
+        have = self.stored_blocks
         add = max(at_least, self.GROW, have)
         if self.capacity is not None:
             add = min(add, max(at_least, self.capacity - have))
@@ -116,6 +196,18 @@ class BlockPool(BlockLedger):
         self.k = torch.cat([self.k, self.k.new_zeros(L, extra, G, D)], dim=1)
         self.v = torch.cat([self.v, self.v.new_zeros(L, extra, G, D)], dim=1)
         self._free.extend(range(have + add - 1, have - 1, -1))
+        self._free_set.update(range(have, have + add))
+
+    def lane_view(self, layer: int, lanes: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` for lanes 0 .. lanes-1, the first `width` blocks of each, as views
+        [lanes, groups, width * block_tokens, head_dim] of the storage (no copy)."""
+        W, bt = self.lane_blocks, self.block_tokens
+        G, D = self._shape[2], self._shape[3]
+        views = []
+        for store in (self.k, self.v):
+            s = store[layer, : lanes * W * bt].view(lanes, W * bt, G, D)
+            views.append(s[:, : width * bt].transpose(1, 2))
+        return views[0], views[1]
 
     def slots(self, table: list[int], start: int, stop: int) -> list[int]:
         """Slot of each position start..stop-1 of a request with block table `table`."""

@@ -1,6 +1,7 @@
 """Sampling for a whole batch at once, on the device, with counter-based randomness.
 
-Each draw is Gumbel-max over the filtered, temperature-scaled logits, with noise from an integer
+Each draw is Gumbel-max over the filtered, temperature-scaled logits (noise drawn only for the
+candidates top-k keeps), with noise from an integer
 hash (splitmix64 in int64 torch ops: the same bits on CPU and CUDA) of the key (seed, step,
 prompt_uid, sample_index, position, token id). The token a request samples at a position
 therefore depends on nothing else: not its rank, batch, placement, preemption or migration, and
@@ -54,8 +55,15 @@ def draw_keys(fields: torch.Tensor) -> torch.Tensor:
 
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [B] -> uniforms [B, V] in (0, 1), float64, one per (key, token id)."""
-    ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
-    bits = _shr(splitmix64(keys.unsqueeze(1) ^ (ids * _GOLDEN).unsqueeze(0)), 11)  # 53 bits
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    return uniforms_at(keys, ids.unsqueeze(0))
+
+
+def uniforms_at(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """keys [B], token_ids [B or 1, K] -> the uniforms of those tokens [B, K]: the same values
+    as the columns `token_ids` of `uniforms(keys, V)`."""
+    salt = (token_ids + 1) * _GOLDEN  # token id t hashes as t + 1
+    bits = _shr(splitmix64(keys.unsqueeze(1) ^ salt), 11)  # 53 bits
     return (bits.double() + 0.5) * (1.0 / (1 << 53))
 
 
@@ -83,18 +91,26 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], positions: Sequenc
                         dtype=torch.float64, device=dev)
     scaled = logits / temp.unsqueeze(1)
     logprobs = F.log_softmax(scaled, dim=-1)  # [B, V] before filtering: what the trainer uses
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)
+    ks = [p.top_k if 0 < p.top_k < V else V for p in params]
+    # candidates: the K most likely tokens of each row, K the largest top_k (all V when a row
+    # has none): only they get noise; the rest are filtered out anyway
+    K = max(k for k, g in zip(ks, is_greedy) if not g)
+    top_k = torch.tensor(ks, device=dev)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
-    ordered, order = torch.sort(scaled, dim=-1, descending=True)  # [B, V]
-    rank = torch.arange(V, device=dev).unsqueeze(0)
+    if K < V:  # [B, K] in descending order, as the first K of a full sort
+        ordered, order = torch.topk(scaled, K, dim=-1, sorted=True)
+    else:
+        ordered, order = torch.sort(scaled, dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(K, device=dev).unsqueeze(0)
     ordered = ordered.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    # drop a token when the tokens before it already cover top_p
-    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)
-    ordered = ordered.masked_fill(drop & (top_p < 1.0).unsqueeze(1), float("-inf"))
-    filtered = torch.empty_like(scaled).scatter_(1, order, ordered)
-    gumbel = -torch.log(-torch.log(uniforms(draw_keys(key_fields(requests, positions, dev)), V)))
-    sampled = torch.argmax(filtered + gumbel, dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        probs = torch.softmax(ordered, dim=-1)
+        # drop a token when the tokens before it already cover top_p
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)
+        ordered = ordered.masked_fill(drop & (top_p < 1.0).unsqueeze(1), float("-inf"))
+    keys = draw_keys(key_fields(requests, positions, dev))
+    gumbel = -torch.log(-torch.log(uniforms_at(keys, order)))  # each candidate's own noise
+    sampled = order.gather(1, torch.argmax(ordered + gumbel, dim=-1, keepdim=True)).view(-1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
     chosen = torch.where(greedy.unsqueeze(1), F.log_softmax(logits, dim=-1), logprobs)
     return tokens, chosen.gather(1, tokens.view(-1, 1)).view(-1)

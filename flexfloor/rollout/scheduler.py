@@ -567,14 +567,17 @@ def _longest_first(groups: Sequence[PromptGroup], per_request: dict[str, float])
 
 def _fill_replicas(order: Sequence[PromptGroup], replicas: Sequence[Sequence[int]], refusals: int,
                    accepts: Callable[[dict[int, list[Request]], list[int]], bool],
-                   end_of: Callable[[dict[int, list[Request]]], object]
+                   end_of: Callable[[dict[int, list[Request]]], object],
+                   start: Optional[dict[int, list[Request]]] = None
                    ) -> dict[int, list[Request]]:
     """Groups in `order` onto the replicas, the first ones first: each group's samples spread
     over a replica's ranks (each to the rank with the fewest), kept where `accepts(trial, grown)`
     (trial: rank -> requests of the replica with the group; grown: its ranks that got samples);
     a replica that refuses `refusals` groups in a row is full. A group no replica accepts goes to
-    the replica with the least `end_of(trial)`. Returns rank -> requests."""
-    placed: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
+    the replica with the least `end_of(trial)`. `start`: requests already placed (rank ->
+    requests). Returns rank -> requests."""
+    placed: dict[int, list[Request]] = {r: list((start or {}).get(r, ())) for g in replicas
+                                        for r in g}
 
     def spread(ranks, g) -> dict[int, list[Request]]:
         trial = {r: list(placed[r]) for r in ranks}
@@ -714,6 +717,15 @@ class Scheduler:
         bound = tuple(max((e[k] for e in static_ends), default=0.0) * self.pace_margin
                       for k in (0, 1))
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
+        # a prompt with no history has nothing to concentrate by: its samples go as static's
+        # do (round robin over the replicas, then their ranks), which keeps the replicas'
+        # loads alike; the prompts with history are placed around them
+        fresh = [q for g in groups if not self.history.last(g.uid) for q in g.requests]
+        start: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
+        for i, q in enumerate(fresh):
+            g = replicas[i % len(replicas)]
+            start[g[(i // len(replicas)) % len(g)]].append(q)
+        order = [g for g in order if self.history.last(g.uid)]
         if order:  # the longest group alone, spread over a replica's ranks
             alone: list[list[Request]] = [[] for _ in replicas[0]]
             for i, q in enumerate(order[0].requests):
@@ -733,7 +745,7 @@ class Scheduler:
             return predicted_end <= bound[0] and worst_end <= bound[1]
 
         placed = _fill_replicas(order, replicas, self.refusals, fits,
-                                lambda trial: ends(list(trial.values())))
+                                lambda trial: ends(list(trial.values())), start)
         out = {}
         for rank, reqs in placed.items():
             out[rank] = sorted(reqs, key=lambda q: (-est[q.request_id], q.prompt_uid,

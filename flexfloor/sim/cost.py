@@ -20,8 +20,9 @@ for each part):
   never under `a2a_floor_s` per collective.
 Ranks are packed `gpus_per_node` to a node in rank order. A shrink costs the expert bytes moved
 (per-link bandwidth, all transfers in parallel) and the survivors' group: a group built ahead
-(`GroupSource.PREBUILT`: a switch, `switch_s`) or a new communicator (`GroupSource.NEW`, what the
-engine does today: `group_create_s`).
+(`GroupSource.PREBUILT`: a switch, `switch_s`; the engine builds the groups its plan implies before
+decoding, flexfloor/rollout/survivors.py) or a new communicator (`GroupSource.NEW`, what a release
+off the plan costs: `group_create_s`).
 
 `UnitCost` prices every step at 1 and a shrink at 0: the simulator then counts engine steps, and
 its figures equal the real engine's exactly (tests/test_sim.py).

@@ -162,6 +162,9 @@ class GroupView:
     # (those of the set of request ids `ids`), removed
     adopt: object  # (rank, [(SimRequest, produced)], kv_transfer: bool, ready_s)
     lengths: dict  # prompt uid -> lengths finished here so far
+    # the driver's next check of this group (seconds on its clock): steps where nothing changes
+    # are jumped over only up to it, so the group yields there; None: to the next event
+    wake_s: Optional[float] = None
 
 
 def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[ReleaseRules],
@@ -488,6 +491,10 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
         if skip <= 0:
             continue
         first = cost.step_seconds(loads(step), placement.owner)
+        if view.wake_s is not None:  # no further than the driver's next check
+            skip = min(skip, max(0, int((view.wake_s - now) / first)) if first > 0 else skip)
+            if skip <= 0:
+                continue
         last = cost.step_seconds(loads(step + skip - 1), placement.owner)
         step += skip
         now += skip * (first + last) / 2
@@ -625,6 +632,9 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
     moves_log: dict[int, list] = {i: [] for i in range(len(gens))}
     bound = consolidation.end_bound_s
     checked: dict[int, float] = {}  # replica -> its clock when its end is checked next
+    from flexfloor.rollout.consolidate import FinishMemo
+
+    memo = FinishMemo(consolidation.step_cost)  # the replicas that did not step since: known
 
     def advance(i: int, first: bool = False) -> None:
         try:
@@ -641,20 +651,24 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
         if consolidation.within is not None:
             _consolidate_within(views[i], consolidation, changed, i, limits)
         finished = sum(v.finished() for v in views.values())
-        if seen.get(i) != finished and len(views) > consolidation.rules.min_replicas:
+        # the check of its end (the correction): from half the bound on, a hundredth of it
+        # apart, whether or not a request finished (a misprediction shows as a long request
+        # outlives it, between finishes)
+        due = bound is not None and views[i].now() >= checked.get(i, bound / 2)
+        if (seen.get(i) != finished or due) and len(views) > consolidation.rules.min_replicas:
             seen[i] = finished
             mine = views[i].ranks()
             n = sum(len(run) for run, _, _ in mine.values())
+            if due:
+                checked[i] = views[i].now() + bound / 100
             if all(q == 0 for _, q, _ in mine.values()) and n:
-                # it may give all (few requests left), or, past the next check of its end
-                # (from half the bound on, a hundredth of it apart: a misprediction shows once
-                # a long request outlives it), hand its longest over (the correction)
-                late = bound is not None and views[i].now() >= checked.get(i, bound / 2)
-                if late:
-                    checked[i] = views[i].now() + bound / 100
-                if n <= consolidation.rules.max_requests or late:
+                # it may give all (few requests left), or, at a check of its end, hand its
+                # longest over (the correction)
+                if n <= consolidation.rules.max_requests or due:
                     _consolidate(i, views, replica_of, consolidation, changed, moves_log,
-                                 limits, correct=late)
+                                 limits, correct=due, memo=memo)
+        if i in views and bound is not None:
+            views[i].wake_s = checked.get(i, bound / 2)
         advance(i)
     for i, out in outs.items():
         out.timeline.extend(moves_log[i])
@@ -703,9 +717,11 @@ def _consolidate_within(view: GroupView, tc: TailConsolidation, changed: dict, i
 
 
 def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidation,
-                 changed: dict, moves_log: dict, limits: RankLimits, correct: bool) -> None:
+                 changed: dict, moves_log: dict, limits: RankLimits, correct: bool,
+                 memo=None) -> None:
     """One decision at `giver`'s boundary, applied: its requests out, into the takers.
-    `correct`: its end is checked against the end to keep (the correction) at this one."""
+    `correct`: its end is checked against the end to keep (the correction) at this one;
+    `memo`: the replicas' finishes known so far (`consolidate.FinishMemo`)."""
     from flexfloor.rollout import consolidate as cons
 
     finished: dict[int, list[int]] = {}
@@ -726,7 +742,7 @@ def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidatio
     state = cons.ConsolidationState(tuple(states), {k: v.now() for k, v in views.items()},
                                     limits.max_batch_size, tc.block_tokens, tc.end_bound_s,
                                     correct=correct)
-    decision = cons.decide(state, tc.rules, tc.step_cost, tc.prices, givers=[giver])
+    decision = cons.decide(state, tc.rules, tc.step_cost, tc.prices, givers=[giver], memo=memo)
     if not decision.moves:
         return
     gone, leaving = {}, giver in decision.leaving_replicas

@@ -92,9 +92,9 @@ class Scenario:
     # replicas on an accelerator
     consolidate: bool = False
     # with it, the online correction (a replica predicted past the plan's bound hands its
-    # longest requests to replicas held anyway) and the evacuation's hedges (takers within that
-    # bound, moved estimates counted 1.5x); off by default: not yet measured at scale, and it
-    # costs the simulator about three times the CPU on paper-like (docs/simulator.md)
+    # longest requests to replicas held anyway, or is lightened) and the evacuation's hedges
+    # (takers within that bound, moved estimates counted 1.5x); on in the GPU scenarios
+    # (docs/simulator.md)
     correct: bool = False
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
@@ -114,9 +114,9 @@ PAPER_TARGETS = {"baseline": Mode.SINGLE_GROUP.value, "tokens_per_occupied_worke
                  "static_tail_fraction_about": 1 / 3}
 
 # the policies a GPU deployment runs: placement for memory-bound lockstep decoding (see Scenario),
-# tail consolidation across replicas, and a floor of one node: a replica of one node is released
+# tail consolidation across replicas with the online correction, and a floor of one node: a replica of one node is released
 # whole (a shrink inside it would stall it for a new communicator and buys nothing there)
-ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True)
+ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True, correct=True)
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
@@ -399,8 +399,12 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     # the end to keep: the plan's bound (static's predicted end times `pace_margin`); a
     # leaving replica's requests counted half as long again on their takers
     rules = ConsolidationRules(min_replicas=1, evacuation_hedge=1.5)
+    # none where no prompt has history: the plan's ends then come from the prior (or the
+    # default) alone, a guess (paper-like --dataset-prompts 16384: 155 s against the 207 s the
+    # replicas take, which would hold every replica late and refuse every hand-over)
+    bound = plan.finish_bound if plan.sources.get("history") else None
     return TailConsolidation(rules, step_cost, prices, remaining, sc.kv_block_tokens or 1,
-                             end_bound_s=plan.finish_bound)
+                             end_bound_s=bound)
 
 
 def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:

@@ -19,9 +19,11 @@ case leaves no group behind and exits non-zero with its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
 from typing import Callable
 
 import torch.distributed as dist
@@ -56,6 +58,18 @@ def write(out: str, name: str, obj, every_rank: bool = False) -> str:
         with open(path, "w") as f:
             json.dump(obj, f, indent=1)
     return path
+
+
+@contextlib.contextmanager
+def timed(label: str):
+    """Rank 0 prints how long the block took, `[time] LABEL: S s`: where a launch's seconds go
+    (the suite's budget), in its output."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if rank() == 0:
+            print(f"[time] {label}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def out_dir() -> str:

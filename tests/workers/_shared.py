@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 
+import psutil
 import torch.distributed as dist
 
 from _harness import RESULTS, rank, teardown, write
@@ -31,8 +32,10 @@ def run_one(out: str, spec: str) -> None:
     folder = os.path.join(out, script)
     os.makedirs(folder, exist_ok=True)
     start = time.monotonic()
+    imported = start
     try:
         main = importlib.import_module(script[:-3]).main  # this folder is sys.path[0]
+        imported = time.monotonic()
         results = main(folder, *(args.split(",") if args else ()))
         if results is not None:
             write(folder, RESULTS, results)
@@ -43,7 +46,8 @@ def run_one(out: str, spec: str) -> None:
     finally:
         teardown()
         if rank() == 0:  # where a launch's time goes (the suite's budget), in its output
-            print(f"[shared] {spec}: {time.monotonic() - start:.1f} s", flush=True)
+            print(f"[shared] {spec}: {time.monotonic() - start:.1f} s (import "
+                  f"{imported - start:.1f} s)", flush=True)
 
 
 def wait_for(store: dist.TCPStore, key: str, world_size: int) -> None:
@@ -55,6 +59,9 @@ def wait_for(store: dist.TCPStore, key: str, world_size: int) -> None:
 
 def main() -> None:
     out, specs = sys.argv[1], sys.argv[2:]
+    if rank() == 0:  # the interpreter's and torch's start, before any worker's own imports
+        print(f"[shared] start-up: {time.time() - psutil.Process().create_time():.1f} s",
+              flush=True)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False)
     for index, spec in enumerate(specs):

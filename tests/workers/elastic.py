@@ -17,7 +17,7 @@ from flexfloor.parallel import Parallel
 from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 
-from _harness import gather, run
+from _harness import gather, run, timed
 
 # the response length of each rank's longest request: who finishes when
 SEQUENCES = {"4-2-1": [30, 20, 10, 10], "4-3-1": [30, 20, 20, 10], "4-3-2-1": [40, 30, 20, 10]}
@@ -51,9 +51,10 @@ def static_vs_elastic(stack, reqs, *, expected_finish=None):
     `expected_finish` (rank -> predicted steps): the plan the survivor groups are built from."""
     case = {}
     for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
-        run = stack.start(policy, expected_finish=expected_finish)
-        out = run.generate(reqs)
-        run.resync(timeout_s=60)
+        with timed(f"elastic: {policy.value} rollout"):
+            run = stack.start(policy, expected_finish=expected_finish)
+            out = run.generate(reqs)
+            run.resync(timeout_s=60)
         case[policy.value] = {"tokens": {r.request_id: r.token_ids for r in out.results},
                               "record": out.record.as_dict(),
                               "timeline": getattr(run.membership, "timeline", [])}
@@ -69,9 +70,10 @@ def main(out):
     probe = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(50 + rank))
     for experts, train_ep in ((8, 4), (6, 2)):
         model_cfg = dataclasses.replace(ModelConfig(), num_experts=experts)
-        par = Parallel.build(expert_parallel_size=train_ep, timeout_s=60)
-        model = build_model(model_cfg, par)
-        stack = stack_of(par, model)
+        with timed(f"elastic: e{experts} world, model and stack"):
+            par = Parallel.build(expert_parallel_size=train_ep, timeout_s=60)
+            model = build_model(model_cfg, par)
+            stack = stack_of(par, model)
         before = forward_logits(model, probe).detach()
         for seq, lengths in SEQUENCES.items():
             for kind, sampling in SAMPLING.items():

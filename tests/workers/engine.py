@@ -18,7 +18,7 @@ from flexfloor.rollout.engine import RolloutError
 from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 
-from _harness import gather, run, write
+from _harness import gather, run, timed, write
 
 MODEL = ModelConfig()
 GREEDY = SamplingParams(greedy=True)
@@ -97,39 +97,43 @@ def main(out_dir):
 
     for dtype in ("float32", "float64"):
         for ep in (1, 2, 4):
-            par = Parallel.build(expert_parallel_size=ep, timeout_s=60)
-            model = build_model(MODEL, par, params_dtype=dtype)
-            stack = stack_of(par, model)
-            out_greedy = decode(stack, mine(greedy, rank, world))
-            out_sampled = decode(stack, mine(sampled, rank, world))
+            with timed(f"engine: {dtype} ep{ep} world, model and stack"):
+                par = Parallel.build(expert_parallel_size=ep, timeout_s=60)
+                model = build_model(MODEL, par, params_dtype=dtype)
+                stack = stack_of(par, model)
+            with timed(f"engine: {dtype} ep{ep} greedy + sampled"):
+                out_greedy = decode(stack, mine(greedy, rank, world))
+                out_sampled = decode(stack, mine(sampled, rank, world))
             write(out_dir, f"greedy_{dtype}_ep{ep}.json", gathered(out_greedy))
             write(out_dir, f"sampled_{dtype}_ep{ep}.json", gathered(out_sampled))
             if dtype == "float64" and ep == 4:
-                # other batch sizes and another assignment of requests to ranks
-                for bs in (1, 3):
-                    write(out_dir, f"sampled_{dtype}_ep4_bs{bs}.json", gathered(decode_once(
-                        par, model, mine(sampled, rank, world, shift=1), max_batch_size=bs)))
-                # all 16 requests on one rank, decoded as one batch of 16
-                write(out_dir, "sampled_float64_ep4_bs16.json", gathered(decode_once(
-                    par, model, sampled if rank == 0 else [], max_batch_size=16)))
-                # a KV budget that holds about two requests at once
-                out = decode_once(par, model, mine(greedy, rank, world), kv_budget_tokens=2 * 32)
-                write(out_dir, "kv_budget.json", {"budget": 2 * 32 * run_kv_bytes(model),
-                                                  "parts": gathered(out)})
-                # a pool of 3 blocks for 4 requests of up to 2 blocks each: running requests
-                # are preempted and re-prefilled later
-                out = decode_once(par, model, mine(sampled, rank, world), kv_budget_tokens=3 * 16)
-                write(out_dir, "preempted.json", {"budget": 3 * 16 * run_kv_bytes(model),
-                                                  "parts": gathered(out)})
+                with timed(f"engine: {dtype} ep4 batch sizes and KV budgets"):
+                    # other batch sizes and another assignment of requests to ranks
+                    for bs in (1, 3):
+                        write(out_dir, f"sampled_{dtype}_ep4_bs{bs}.json", gathered(decode_once(
+                            par, model, mine(sampled, rank, world, shift=1), max_batch_size=bs)))
+                    # all 16 requests on one rank, decoded as one batch of 16
+                    write(out_dir, "sampled_float64_ep4_bs16.json", gathered(decode_once(
+                        par, model, sampled if rank == 0 else [], max_batch_size=16)))
+                    # a KV budget that holds about two requests at once
+                    out = decode_once(par, model, mine(greedy, rank, world), kv_budget_tokens=2 * 32)
+                    write(out_dir, "kv_budget.json", {"budget": 2 * 32 * run_kv_bytes(model),
+                                                      "parts": gathered(out)})
+                    # a pool of 3 blocks for 4 requests of up to 2 blocks each: running requests
+                    # are preempted and re-prefilled later
+                    out = decode_once(par, model, mine(sampled, rank, world), kv_budget_tokens=3 * 16)
+                    write(out_dir, "preempted.json", {"budget": 3 * 16 * run_kv_bytes(model),
+                                                      "parts": gathered(out)})
             if ep == 1:
-                # no-cache reference of the EP=1 rollouts above: each rank ran the stock layer
-                # alone
-                ref = recompute(model, out_greedy.results)
-                refs = recompute(model, out_sampled.results)
-                outt = decode(stack, mine(workload(TEMPERED, seed=2), rank, world))
-                reft = recompute(model, outt.results, temperature=TEMPERED.temperature)
-                write(out_dir, f"reference_{dtype}.json",
-                      gather({"greedy": ref, "sampled": refs, "tempered": reft}))
+                with timed(f"engine: {dtype} ep1 no-cache reference"):
+                    # no-cache reference of the EP=1 rollouts above: each rank ran the stock layer
+                    # alone
+                    ref = recompute(model, out_greedy.results)
+                    refs = recompute(model, out_sampled.results)
+                    outt = decode(stack, mine(workload(TEMPERED, seed=2), rank, world))
+                    reft = recompute(model, outt.results, temperature=TEMPERED.temperature)
+                    write(out_dir, f"reference_{dtype}.json",
+                          gather({"greedy": ref, "sampled": refs, "tempered": reft}))
             stack.close()
             del model, stack
 

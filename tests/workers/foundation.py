@@ -81,6 +81,12 @@ def main(out):
         results[f"ep{ep}"] = {"loss": loss.item(), "grads_finite": bool(grads_ok),
                               "local_experts": model.decoder.layers[0].mlp.num_local_experts}
         del model
+    # Megatron-Core's jit_fuser on CPU: its no-op decorator (megatron_ext.cpu_compat), so the
+    # one decorated function the model calls is the plain function, not a torch.compile wrapper
+    from megatron.core import jit
+    from megatron.core.transformer.moe.router import TopKRouter
+    results["jit_fuser"] = jit.jit_fuser.__name__
+    results["expert_bias_compiled"] = hasattr(TopKRouter._apply_expert_bias, "__wrapped__")
 
     # 2. train one step at EP=4, save; load at EP=2: same logits; one more step on each layout
     ckpt = os.path.join(out, "ckpt")

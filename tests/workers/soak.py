@@ -26,7 +26,7 @@ from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.survivors import live_process_groups
 from flexfloor.rollout.types import Request, SamplingParams
 
-from _harness import gather, run
+from _harness import gather, run, timed
 
 
 def workload(round_: int, world: int):
@@ -75,10 +75,12 @@ def live_tensor_bytes() -> int:
 
 
 def main(out, rollouts):
-    par = Parallel.build(timeout_s=60)
-    rank, world = par.rank, par.world_size
-    model = build_model(ModelConfig(), par, params_dtype="float64")
-    stack = RolloutStack.build(par, model, rollout=RolloutConfig(max_batch_size=4, progress=False))
+    with timed("soak: world, model and stack"):
+        par = Parallel.build(timeout_s=60)
+        rank, world = par.rank, par.world_size
+        model = build_model(ModelConfig(), par, params_dtype="float64")
+        stack = RolloutStack.build(par, model,
+                                   rollout=RolloutConfig(max_batch_size=4, progress=False))
     layout, moe, engine = stack.layout, stack.moe, stack.engine
     start_placement = layout.placement.as_dict()
     groups_at_start = live_process_groups()

@@ -1,0 +1,153 @@
+"""KV pool lanes: a request's blocks at the start of its lane, read by attention as one view.
+
+Pool tests without Megatron; then one in-process engine (one gloo rank, the default tiny
+model) run twice over the same requests, with lanes and with every step's K/V gathered
+through the block tables: the tokens and log-probs must be the same bits, for greedy and
+sampled requests, with admissions into freed lanes out of order, and under a KV budget that
+forces preemption and requests outside lanes.
+"""
+
+import os
+
+import pytest
+import torch
+
+from flexfloor.rollout.kv import BlockPool
+from flexfloor.rollout.types import Request, SamplingParams
+
+
+def lanes_pool(capacity, lane_blocks=3, block_tokens=4):
+    return BlockPool(num_layers=2, groups=2, head_dim=8, dtype=torch.float32, device="cpu",
+                     block_tokens=block_tokens, capacity=capacity, lane_blocks=lane_blocks)
+
+
+def test_lanes_fill_in_order_and_other_requests_take_their_blocks_last():
+    p = lanes_pool(capacity=9)  # three lanes of three blocks
+    a = p.open_lane()
+    assert a == 0 and p.allocate(1, lane=a) == [0]
+    b = p.open_lane()
+    assert b == 1 and p.allocate(2, lane=b) == [3, 4]
+    assert p.allocate(1, lane=a, start=1) == [1]  # a's next block, in its lane
+    # a request outside lanes takes lane 2 (not open) before the open lanes' free blocks
+    loose = p.allocate(3)
+    assert sorted(loose) == [6, 7, 8] and p.open_lane() is None
+    # nothing else is free now: the open lanes' free blocks go, and their owners' next
+    # allocation in the lane falls back to any free block
+    assert sorted(p.allocate(2)) == [2, 5]
+    p.free([2])
+    assert p.allocate(1, lane=b, start=2) == [2]  # not lane b's block 5: b leaves its lane
+    assert p.used == 9 and p.free_blocks == 0
+    p.free([0, 1])  # a finishes; lane 0 holds b's block 2 now, so it is not free yet
+    assert p.open_lane() is None
+    p.free([2])
+    assert p.open_lane() == 0
+
+
+def test_lane_view_is_the_storage_and_no_lane_passes_the_capacity():
+    p = lanes_pool(capacity=7)  # two whole lanes fit, a third would pass the capacity
+    lanes = [p.open_lane(), None, None]
+    p.allocate(2, lane=lanes[0])
+    lanes[1] = p.open_lane()
+    p.allocate(3, lane=lanes[1])
+    assert lanes[:2] == [0, 1] and p.open_lane() is None
+    assert p.k.shape[1] <= 7 * 4
+    p.k[1, p.slots([3, 4, 5], 0, 12)] = torch.arange(12.0).view(12, 1, 1)
+    k, v = p.lane_view(1, 2, 3)  # [lanes, groups, 3 blocks * 4, head_dim]
+    assert k.shape == (2, 2, 12, 8) and k.data_ptr() == p.k[1].data_ptr()
+    assert torch.equal(k[1, 0, :, 0], torch.arange(12.0))
+    # unbounded: lanes are always there, the storage grows to hold them
+    q = lanes_pool(capacity=None)
+    assert q.open_lane() == 0 and q.allocate(1, lane=0) == [0]
+    assert q.open_lane() == 1 and q.free_blocks is None
+
+
+# --------------------------------------------------------------------------------------------
+# the engine, in this process: one gloo rank
+
+
+@pytest.fixture(scope="module")
+def engine_parts():
+    from distributed import free_port
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                            "MASTER_PORT")}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    from flexfloor.config import ModelConfig, RolloutConfig
+    from flexfloor.model import build_model
+    from flexfloor.parallel import Parallel
+    from flexfloor.rollout.stack import RolloutStack
+
+    par = Parallel.build(expert_parallel_size=1, backend="gloo")
+    try:
+        model = build_model(ModelConfig(), par)
+        model.eval()
+        stack = RolloutStack.build(par, model, rollout=RolloutConfig(progress=False))
+        yield model, stack.moe, stack.engine
+        stack.close()
+    finally:
+        par.destroy()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _requests(vocab):
+    g = torch.Generator().manual_seed(3)
+    kinds = [SamplingParams(greedy=True), SamplingParams(temperature=0.9, top_k=20)]
+    out = []
+    for i in range(10):
+        plen = int(torch.randint(2, 14, (1,), generator=g))
+        out.append(Request(prompt_uid=i, sample_index=0, max_new_tokens=int(torch.randint(
+            3, 30, (1,), generator=g)), sampling=kinds[i % 2], seed=1, step=2,
+            prompt_ids=tuple(torch.randint(1, vocab, (plen,), generator=g).tolist())))
+    return out
+
+
+def _decode(model, moe, engine, *, lanes, **kw):
+    from flexfloor.rollout.engine import RolloutEngine, StaticMembership
+    import flexfloor.rollout.engine as engine_module
+
+    eng = RolloutEngine(model, moe, rank=0, block_tokens=4, kv_lanes=lanes, **kw)
+    seen = {"lanes": 0, "gathered": 0, "rows": 0}
+    real = RolloutEngine._batch
+
+    def counting(self, running, pool):  # which attention path each step took
+        batch = real(self, running, pool)
+        seen["lanes" if batch.lanes is not None else "gathered"] += 1
+        seen["rows"] += batch.lane_rows is not None
+        return batch
+
+    engine_module.RolloutEngine._batch = counting
+    try:
+        out = eng.generate(_requests(model.vocab_size), StaticMembership())
+    finally:
+        engine_module.RolloutEngine._batch = real
+    return {r.request_id: (r.token_ids, r.logprobs) for r in out.results}, seen, out.record
+
+
+@pytest.mark.parametrize("engine_kw", [
+    dict(max_batch_size=4),  # later admissions take freed lanes, not in request order
+    dict(max_batch_size=10, kv_budget_bytes=None),  # every request in a lane from the start
+], ids=["freed-lanes", "all-lanes"])
+def test_lanes_give_the_gathered_steps_tokens_bit_for_bit(engine_parts, engine_kw):
+    model, moe, engine = engine_parts
+    want, gathered, _ = _decode(model, moe, engine, lanes=False, **engine_kw)
+    got, seen, _ = _decode(model, moe, engine, lanes=True, **engine_kw)
+    assert gathered["lanes"] == 0 and seen["gathered"] == 0 and seen["lanes"] > 0
+    if engine_kw["max_batch_size"] == 4:
+        assert seen["rows"] > 0  # running requests sat in lanes other than 0 .. B-1
+    assert got == want
+
+
+def test_a_tight_budget_preempts_and_leaves_lanes_with_the_same_tokens(engine_parts):
+    model, moe, engine = engine_parts
+    # 14 blocks of 4 tokens: fewer than 10 whole lanes, so requests run outside lanes too,
+    # and too few for every running request's growth, so some are preempted
+    kw = dict(max_batch_size=10, kv_budget_bytes=14 * 4 * engine.kv_bytes_per_token)
+    want, _, _ = _decode(model, moe, engine, lanes=False, **kw)
+    got, seen, record = _decode(model, moe, engine, lanes=True, **kw)
+    assert record.preempted > 0 and seen["gathered"] > 0
+    assert got == want
