@@ -229,3 +229,13 @@ class BenchRuns:
             self._runs[flags] = BenchRun(out, plot, proc)
         return self._runs[flags]
 
+
+def by_request(parts, policy: str, what: str = "tokens") -> dict:
+    """Every rank's `what` (tokens, logprobs) of the rollouts run under `policy`, merged by
+    request id; a request finished on two ranks fails."""
+    out = {}
+    for p in parts:
+        for rid, v in p[policy][what].items():
+            assert rid not in out, f"{rid} finished twice"
+            out[rid] = v
+    return out

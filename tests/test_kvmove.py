@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from distributed import Worker
+from distributed import Worker, by_request as merged
 from flexfloor.config import ConfigError, ElasticConfig, MoveKV, load_config
 from flexfloor.rollout.consolidate import MoveKind
 from flexfloor.rollout.kv import BlockPool, blocks_for
@@ -27,15 +27,6 @@ KINDS = ["greedy", "sampled"]
 @pytest.fixture(scope="module")
 def res(shared):
     return shared.run(WORKER).results
-
-
-def merged(parts, policy, what):
-    out = {}
-    for p in parts:
-        for rid, v in p[policy][what].items():
-            assert rid not in out, f"{rid} finished twice"
-            out[rid] = v
-    return out
 
 
 def moves(parts, policy):

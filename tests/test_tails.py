@@ -6,7 +6,7 @@ decision with unit cost, takes the engine's steps rank for rank. Plus the pure p
 
 import pytest
 
-from distributed import Worker
+from distributed import Worker, by_request as tokens
 from flexfloor.config import ConfigError, ElasticConfig
 from flexfloor.rollout.consolidate import RankState, Running
 from flexfloor.rollout.engine import StepReport
@@ -21,15 +21,6 @@ KINDS = ["greedy", "sampled"]
 @pytest.fixture(scope="module")
 def res(shared):
     return shared.run(WORKER).results
-
-
-def tokens(parts, policy, what="tokens"):
-    out = {}
-    for p in parts:
-        for rid, t in p[policy][what].items():
-            assert rid not in out, f"{rid} finished twice"
-            out[rid] = t
-    return out
 
 
 def moves(parts):

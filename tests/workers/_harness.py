@@ -98,3 +98,14 @@ def teardown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rollout_outcome(stack, policy, reqs) -> dict:
+    """One rollout of this rank's requests under `policy` on a `RolloutStack`, then resync: its
+    tokens and log-probs by request id, its record and the membership's release timeline."""
+    run = stack.start(policy)
+    out = run.generate(reqs)
+    run.resync(timeout_s=60)
+    return {"tokens": {r.request_id: r.token_ids for r in out.results},
+            "logprobs": {r.request_id: r.logprobs for r in out.results},
+            "record": out.record.as_dict(), "timeline": getattr(run.membership, "timeline", [])}

@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 import torch
-from _harness import gather, run
+from _harness import gather, rollout_outcome as rollout, run
 
 from flexfloor.config import (ElasticConfig, ModelConfig, MoveKV, ReleasePolicy, RolloutConfig,
                               SchedulerConfig)
@@ -49,15 +49,6 @@ def requests(lengths, rank, sampling):
                     prompt_ids=tuple(torch.randint(1, 128, (3 + i,), generator=g).tolist()),
                     max_new_tokens=MAX_NEW, target_len=n, sampling=sampling)
             for i, n in enumerate(lengths[rank])]
-
-
-def rollout(stack, policy, reqs):
-    run = stack.start(policy)
-    out = run.generate(reqs)
-    run.resync(timeout_s=60)
-    return {"tokens": {r.request_id: r.token_ids for r in out.results},
-            "logprobs": {r.request_id: r.logprobs for r in out.results},
-            "record": out.record.as_dict(), "timeline": getattr(run.membership, "timeline", [])}
 
 
 def main(out):

@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 import torch
-from _harness import gather, run
+from _harness import gather, rollout_outcome as rollout, run
 
 from flexfloor.config import ElasticConfig, ModelConfig, ReleasePolicy, RolloutConfig
 from flexfloor.model import build_model
@@ -54,17 +54,6 @@ def requests(lengths, rank, sampling, step, max_new):
                         sampling=sampling)
                 for s, m in enumerate(n if isinstance(n, list) else [n])]
     return out
-
-
-def rollout(stack, policy, reqs):
-    """One rollout of this rank's requests under `policy` (elastic: the stack's elastic
-    section, consolidation on)."""
-    run = stack.start(policy)
-    out = run.generate(reqs)
-    run.resync(timeout_s=60)
-    return {"tokens": {r.request_id: r.token_ids for r in out.results},
-            "logprobs": {r.request_id: r.logprobs for r in out.results},
-            "record": out.record.as_dict(), "timeline": getattr(run.membership, "timeline", [])}
 
 
 def main(out):
