@@ -78,6 +78,11 @@ def engine_parts():
     from flexfloor.parallel import Parallel
     from flexfloor.rollout.stack import RolloutStack
 
+    # one intra-op thread, as every launcher's rank runs (torchrun sets OMP_NUM_THREADS=1): with
+    # several, CPU SDPA splits its work by the batch's shape, so a row's last bits depend on the
+    # batch whichever way K/V is read (the same rows alone and in a larger batch differ too)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     par = Parallel.build(expert_parallel_size=1, backend="gloo")
     try:
         model = build_model(ModelConfig(), par)
@@ -87,6 +92,7 @@ def engine_parts():
         stack.close()
     finally:
         par.destroy()
+        torch.set_num_threads(threads)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
