@@ -496,7 +496,7 @@ def pace_of(cost, max_batch: int) -> Pace:
     `sim.scenarios.rank_step_cost`, which loads every rank of the group)."""
     import numpy as np
 
-    from flexfloor.sim.cost import RankLoad, _model_owner
+    from flexfloor.sim.cost import RankLoad, model_owner
 
     priced: dict = {}
     ref = 1 << 20
@@ -504,7 +504,7 @@ def pace_of(cost, max_batch: int) -> Pace:
     def group_cost(placement, busy: tuple):
         key = (tuple(placement.owner), tuple(placement.ranks), tuple(busy))
         if key not in priced:
-            owner = _model_owner(placement.owner, cost)
+            owner = model_owner(placement.owner, cost)
             hosted = {r: owner.count(r) for r in placement.ranks}
 
             def at(n: int, ctx: float) -> float:

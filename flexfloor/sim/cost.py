@@ -374,7 +374,7 @@ def _step_seconds(key, rows, cost) -> float:
                          "a lockstep step needs the trace of every rank of its group (gather "
                          "every rank's record)")
     _, tr, _ = rows[0]
-    owner = _model_owner(tr.group_at(k).owner, cost)
+    owner = model_owner(tr.group_at(k).owner, cost)
     hosted = {r: owner.count(r) for r in ranks}
     measured = isinstance(cost, RooflineCost) and (
         tr.num_experts, tr.num_layers) == (cost.model.num_experts, cost.model.num_layers)
@@ -396,7 +396,7 @@ def _shrink_seconds(key, rows, cost) -> float:
     return cost.measured_shrink_seconds(moved, ranks, max(sh.groups_created for _, _, sh in rows))
 
 
-def _model_owner(traced: Sequence[int], cost) -> list[int]:
+def model_owner(traced: Sequence[int], cost) -> list[int]:
     """A traced expert -> rank map stretched to the cost's model (UnitCost: as traced)."""
     if not isinstance(cost, RooflineCost):
         return list(traced)
