@@ -8,6 +8,7 @@ forces preemption and requests outside lanes.
 """
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -157,3 +158,18 @@ def test_a_tight_budget_preempts_and_leaves_lanes_with_the_same_tokens(engine_pa
     got, seen, record = _decode(model, moe, engine, lanes=True, **kw)
     assert record.preempted > 0 and seen["gathered"] > 0
     assert got == want
+
+
+def test_an_engine_on_several_cpu_threads_warns_that_tokens_may_follow_the_batch(engine_parts):
+    from flexfloor.rollout.engine import RolloutEngine
+
+    model, moe, _ = engine_parts
+    torch.set_num_threads(2)
+    try:
+        with pytest.warns(RuntimeWarning, match="OMP_NUM_THREADS=1"):
+            RolloutEngine(model, moe, rank=0)
+    finally:
+        torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RolloutEngine(model, moe, rank=0)  # one thread: no warning

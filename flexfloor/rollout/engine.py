@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
@@ -326,6 +327,15 @@ class _Batch:
     lane_rows: Optional[torch.Tensor] = None  # [B]
 
 
+# CPU attention with several intra-op threads splits its work by the batch's shape, so a row's
+# last bits differ alone and in a larger batch: placement-independent tokens need one thread
+CPU_THREADS_WARNING = (
+    "rollout engine on CPU with {threads} intra-op threads: attention splits its work by the "
+    "batch's shape, so a request's last bits, and so a sampled token, may depend on its batch "
+    "and placement; run one thread per rank (OMP_NUM_THREADS=1, torchrun's default) for "
+    "placement-independent tokens")
+
+
 class RolloutEngine:
     """Token-only generation on a Megatron-Core `GPTModel` (the trainer's own weights).
 
@@ -365,6 +375,9 @@ class RolloutEngine:
         self.groups = cfg.num_query_groups or cfg.num_attention_heads
         self.heads = cfg.num_attention_heads
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu" and torch.get_num_threads() > 1:
+            warnings.warn(CPU_THREADS_WARNING.format(threads=torch.get_num_threads()),
+                          RuntimeWarning, stacklevel=2)
         self.dtype = cfg.params_dtype
         self.kv_bytes_per_token = kv_bytes_per_token(cfg)
         self.block_bytes = self.kv_bytes_per_token * block_tokens
