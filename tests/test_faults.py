@@ -370,11 +370,14 @@ def workers_of(popen) -> list[int]:
     return pids
 
 
-def random_killer(seed: int, record: list):
+def random_killer(seed: int, record: list, within_s: float):
     """SIGKILL a random worker at a random time of each of the first RANDOM_KILLS attempts:
     set-up, rollout, training or a save, wherever the clock falls (fewer kills when the job
-    ends first)."""
+    ends first). Each kill falls 1 s to 15 s after the attempt's workers exist, and within
+    0.4 of `within_s` (the uninterrupted run's wall on this machine), so the first kill lands
+    before a fast machine's job is over."""
     rng = random.Random(seed)
+    latest = max(1.5, min(15.0, 0.4 * within_s))
 
     def run(popen, lines):
         dead = set()
@@ -383,7 +386,7 @@ def random_killer(seed: int, record: list):
             while popen.poll() is None and len(workers) < NPROC:
                 workers = [p for p in workers_of(popen) if p not in dead]
                 time.sleep(0.1)
-            delay = rng.uniform(1.0, 15.0)
+            delay = rng.uniform(1.0, latest)
             time.sleep(delay)
             if popen.poll() is not None or not workers:
                 break  # the job finished before this kill: the run is shorter than the clock
@@ -404,15 +407,15 @@ def soak(runs):
     seed = int(os.environ.get("FLEXFLOOR_SOAK_SEED", time.time_ns() % 10_000))
     record = []
     rc, lines = launch(runs["base"], "random_kills", max_restarts=RANDOM_KILLS,
-                       during=random_killer(seed, record))
+                       during=random_killer(seed, record, runs["reference_wall_s"]))
     print(json.dumps({"seed (FLEXFLOOR_SOAK_SEED)": seed, "kills": record}))
     assert rc == 0, f"seed {seed}, kills {record}\n" + "\n".join(t for _, t in lines[-80:])
     return {"seed": seed, "kills": record, "lines": lines}
 
 
 def test_random_kills_resume_to_an_uninterrupted_run(runs, soak):
-    """A few kill -9s at random times (a random worker, 1-15 s into each attempt), each
-    resumed by torchrun: metrics and final weights and optimizer state equal the uninterrupted
+    """A few kill -9s at random times (a random worker, 1-15 s into each attempt and within 0.4
+    of the uninterrupted run's wall), each resumed by torchrun: metrics and final weights and optimizer state equal the uninterrupted
     run's; no process is left."""
     # how many kills land depends on how long the run lasts on this machine (the job may end
     # before the last one): at least one, each resumed
