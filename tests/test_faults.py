@@ -415,8 +415,8 @@ def soak(runs):
 
 def test_random_kills_resume_to_an_uninterrupted_run(runs, soak):
     """A few kill -9s at random times (a random worker, 1-15 s into each attempt and within 0.4
-    of the uninterrupted run's wall), each resumed by torchrun: metrics and final weights and optimizer state equal the uninterrupted
-    run's; no process is left."""
+    of the uninterrupted run's wall), each resumed by torchrun: metrics and final weights and
+    optimizer state equal the uninterrupted run's; no process is left."""
     # how many kills land depends on how long the run lasts on this machine (the job may end
     # before the last one): at least one, each resumed
     assert 1 <= len(soak["kills"]) <= RANDOM_KILLS, soak["kills"]
