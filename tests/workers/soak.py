@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import random
 import time
+from collections import Counter
 
 import psutil
 import torch
@@ -59,19 +60,57 @@ def workload(round_: int, world: int):
     return per_rank, prompts, knobs
 
 
-def live_tensor_bytes() -> int:
-    """Bytes of every tensor storage Python can reach (parameters, caches, borrowed experts)."""
-    seen, total = set(), 0
+def live_storages() -> dict[int, tuple[int, str]]:
+    """Every tensor storage Python can reach (parameters, caches, borrowed experts), by address:
+    its bytes, and the shape and dtype of one tensor on it."""
+    seen = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor):
             try:
                 st = obj.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 continue
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
+            if st.data_ptr() not in seen or st.nbytes() > seen[st.data_ptr()][0]:
+                seen[st.data_ptr()] = (st.nbytes(), f"{tuple(obj.shape)} {obj.dtype}")
+    return seen
+
+
+def settled_storages(tries: int = 3) -> dict[int, tuple[int, str]]:
+    """`live_storages()` once two readings a moment apart agree: a tensor that a collective or
+    an exception's frame holds for an instant is gone by the second, one that outlives its
+    rollout is in both."""
+    last = live_storages()
+    for _ in range(tries):
+        gc.collect()
+        time.sleep(0.05)
+        now = live_storages()
+        if sum(v[0] for v in now.values()) == sum(v[0] for v in last.values()):
+            return now
+        last = now
+    return last
+
+
+def added(before: dict[int, tuple[int, str]], after: dict[int, tuple[int, str]]) -> list[int]:
+    """Addresses of the storages in `after` beyond `before`'s, compared by (bytes, shape, dtype)
+    (a cache rebuilt at every resync lands elsewhere: not an addition)."""
+    extra = Counter(after.values()) - Counter(before.values())
+    picked = []
+    for a, sig in sorted(after.items(), key=lambda kv: kv[0] in before):
+        if extra[sig] > 0:
+            extra[sig] -= 1
+            picked.append(a)
+    return picked
+
+
+def described(storages: dict[int, tuple[int, str]], addresses) -> list[str]:
+    """What a leak report names for each storage at `addresses`: bytes, shape, dtype, holders."""
+    holders = {a: set() for a in addresses}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.untyped_storage().data_ptr() in holders:
+            holders[obj.untyped_storage().data_ptr()] |= {
+                type(h).__name__ for h in gc.get_referrers(obj)} - {"list", "frame"}
+    return sorted(f"{storages[a][0]} B {storages[a][1]} held by {','.join(sorted(h)) or '?'}"
+                  for a, h in holders.items())
 
 
 def main(out, rollouts):
@@ -86,7 +125,7 @@ def main(out, rollouts):
     groups_at_start = live_process_groups()
     own = [sorted(h) for h in moe.hosted]
     proc = psutil.Process()
-    rounds = []
+    rounds, baseline = [], None
     t_start = time.perf_counter()
     for i in range(int(rollouts)):
         per_rank, prompts, knobs = workload(i, world)
@@ -105,6 +144,9 @@ def main(out, rollouts):
         elastic = run.generate(mine)
         run.resync()
         gc.collect()
+        storages = settled_storages()
+        if i == 1:  # round 0 warmed every path up: from here on nothing may be added
+            baseline = storages
         rounds.append({
             "prompts": prompts, "knobs": knobs,
             "static": {r.request_id: r.token_ids for r in static.results},
@@ -121,7 +163,10 @@ def main(out, rollouts):
                                         *layout.survivors.late.values()]),
             "kv_cache_bytes": sum(r.cache.nbytes for r in engine.running),
             "running": len(engine.running), "queued": len(engine.queue),
-            "tensor_bytes": live_tensor_bytes(), "rss": proc.memory_info().rss,
+            "tensor_bytes": sum(v[0] for v in storages.values()),
+            "storages_added": [] if baseline is None else described(storages, added(baseline,
+                                                                                     storages)),
+            "rss": proc.memory_info().rss,
             "seconds": time.perf_counter() - t0,
         })
     return {"ranks": gather(rounds), "seconds": time.perf_counter() - t_start}
