@@ -72,6 +72,19 @@ def timed(label: str):
             print(f"[time] {label}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
+def launch_store() -> dist.TCPStore:
+    """The launcher's own store (torchrun's agent store), reachable before any world is built."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False)
+
+
+def wait_for(store: dist.TCPStore, key: str, world_size: int) -> None:
+    """A barrier over the store: count this rank in `key`, return once every rank is."""
+    store.add(key, 1)
+    while store.add(key, 0) < world_size:
+        time.sleep(0.05)
+
+
 def out_dir() -> str:
     """OUT_DIR, the worker's first argument (for paths a worker names at module level)."""
     if len(sys.argv) < 2:

@@ -22,9 +22,8 @@ import time
 import traceback
 
 import psutil
-import torch.distributed as dist
 
-from _harness import RESULTS, rank, teardown, write
+from _harness import RESULTS, launch_store, rank, teardown, wait_for, write
 
 
 def run_one(out: str, spec: str) -> None:
@@ -50,20 +49,12 @@ def run_one(out: str, spec: str) -> None:
                   f"{imported - start:.1f} s)", flush=True)
 
 
-def wait_for(store: dist.TCPStore, key: str, world_size: int) -> None:
-    """A barrier over the store: count this rank in `key`, return once every rank is."""
-    store.add(key, 1)
-    while store.add(key, 0) < world_size:
-        time.sleep(0.05)
-
-
 def main() -> None:
     out, specs = sys.argv[1], sys.argv[2:]
     if rank() == 0:  # the interpreter's and torch's start, before any worker's own imports
         print(f"[shared] start-up: {time.time() - psutil.Process().create_time():.1f} s",
               flush=True)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False)
+    store = launch_store()
     for index, spec in enumerate(specs):
         run_one(out, spec)
         # every rank is done with this worker (passed or failed) before the next one starts

@@ -14,7 +14,7 @@ from flexfloor.rollout.engine import RolloutError, StaticMembership
 from flexfloor.rollout.stack import RolloutStack
 from flexfloor.rollout.types import Request, SamplingParams
 
-from _harness import run
+from _harness import launch_store, run, wait_for
 
 MODEL = ModelConfig(num_experts=6)
 
@@ -33,6 +33,9 @@ class StallsAtStep3(StaticMembership):
 
 
 def main(out):
+    # the 4 s timeout is for the rollout: every rank arrives before the world is built with it
+    # (under load one rank's imports may take seconds longer than another's)
+    wait_for(launch_store(), "flexfloor_tests/hang/start", int(os.environ["WORLD_SIZE"]))
     par = Parallel.build(timeout_s=4)
     rank = par.rank
     model = build_model(MODEL, par)
