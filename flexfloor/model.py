@@ -206,13 +206,17 @@ def stack_expert_weights(model) -> None:
 
 
 def stack_experts(experts) -> None:
-    """Every expert's `linear_fc1.weight` [F', H] becomes a view of one [experts, F', H] tensor,
-    in the given order (likewise `linear_fc2`)."""
+    """Every expert's `linear_fc1.weight` [F', H] becomes a view of one [experts, H, F']
+    tensor, in the given order (likewise `linear_fc2`): the parameter keeps its shape [out, in]
+    and its values, stored transposed (strides (1, out)). A GEMM of a few rows with the weight
+    [in, out] row-major is the layout this CPU's sgemm runs fastest (the rollout's grouped
+    expert GEMMs, each F.linear of training alike: `x @ W.t()` with W.t() contiguous); code
+    that needs the weight flat takes `.contiguous()` or `reshape`."""
     for name in ("linear_fc1", "linear_fc2"):
         params = [getattr(e, name).weight for e in experts]
-        stacked = torch.stack([p.detach() for p in params])  # [experts, out, in]
+        stacked = torch.stack([p.detach().t() for p in params])  # [experts, in, out]
         for p, view in zip(params, stacked):
-            p.data = view
+            p.data = view.t()  # [out, in], strides (1, out)
 
 
 def global_param_name(name: str, local_expert_ids: Sequence[int]) -> str:
