@@ -198,21 +198,37 @@ def stack_expert_weights(model) -> None:
     (`stack_experts`), so the rollout's expert GEMMs can run grouped over the stack
     (`megatron_ext.elastic_moe.stacked_weights`) on the trainer's own weights. Only the storage
     moves: the parameters stay the same objects, so call it before the optimizer and DDP wrap
-    them (as `build_model` does); values are unchanged."""
+    them (as `build_model` does); values are unchanged. Megatron's own linears get the stack
+    [experts, in, out]; others (transformer-engine's, whose kernels may want their weight
+    row-major) [experts, out, in]."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
     for layer in model.decoder.layers:
         experts = getattr(getattr(layer.mlp, "experts", None), "local_experts", None)
         if experts:
-            stack_experts(experts)
+            plain = all(type(e.linear_fc1) is ColumnParallelLinear
+                        and type(e.linear_fc2) is RowParallelLinear for e in experts)
+            stack_experts(experts, transposed=plain)
 
 
-def stack_experts(experts) -> None:
-    """Every expert's `linear_fc1.weight` [F', H] becomes a view of one [experts, F', H] tensor,
-    in the given order (likewise `linear_fc2`)."""
+def stack_experts(experts, *, transposed: bool = True) -> None:
+    """Every expert's `linear_fc1.weight` [F', H] becomes a view of one stacked tensor, in the
+    given order (likewise `linear_fc2`); the parameter keeps its shape [out, in] and its
+    values. `transposed`: the stack is [experts, H, F'] and each parameter its transposed view
+    (strides (1, out)): a GEMM of a few rows with the weight [in, out] row-major is the layout
+    this CPU's sgemm runs fastest (the rollout's grouped expert GEMMs, and training's
+    F.linear alike: `x @ W.t()` with W.t() contiguous); code that needs a weight flat takes
+    `.contiguous()` or `reshape`. Else the stack is [experts, F', H], each parameter row-major."""
     for name in ("linear_fc1", "linear_fc2"):
         params = [getattr(e, name).weight for e in experts]
-        stacked = torch.stack([p.detach() for p in params])  # [experts, out, in]
-        for p, view in zip(params, stacked):
-            p.data = view
+        if transposed:
+            stacked = torch.stack([p.detach().t() for p in params])  # [experts, in, out]
+            for p, view in zip(params, stacked):
+                p.data = view.t()  # [out, in], strides (1, out)
+        else:
+            stacked = torch.stack([p.detach() for p in params])  # [experts, out, in]
+            for p, view in zip(params, stacked):
+                p.data = view
 
 
 def global_param_name(name: str, local_expert_ids: Sequence[int]) -> str:

@@ -68,19 +68,26 @@ class ExpertStack:
 
 
 def stacked_weights(weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[n, out, in] view of n equally shaped contiguous weights that lie one after another in
-    one storage (`flexfloor.model.stack_expert_weights` stores them so); None otherwise."""
+    """[n, out, in] view of n equally shaped weights [out, in] that lie one after another in one
+    storage, each stored whole either row-major or transposed ([in, out] row-major, as
+    `flexfloor.model.stack_expert_weights` stores them); None otherwise."""
     w0 = weights[0]
-    if not w0.is_contiguous():
+    if w0.dim() != 2 or not _dense(w0):
         return None
     step = w0.numel() * w0.element_size()
     for i, w in enumerate(weights):
-        if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
+        if (w.shape != w0.shape or w.dtype != w0.dtype or w.stride() != w0.stride()
                 or w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr()
                 or w.data_ptr() != w0.data_ptr() + i * step):
             return None
     return w0.detach().as_strided((len(weights),) + tuple(w0.shape),
                                   (w0.numel(),) + tuple(w0.stride()))
+
+
+def _dense(w: torch.Tensor) -> bool:
+    """Whether a 2-D tensor's elements fill one block of memory, row- or column-major."""
+    rows, cols = w.shape
+    return w.stride() in ((cols, 1), (1, rows))
 
 
 _GROUPED_MM: dict[tuple, bool] = {}

@@ -31,12 +31,17 @@ def _groups(experts_by_id, counts):
     return groups
 
 
-def test_stacked_weights_is_a_view_of_the_parameters_only_when_they_are_stacked():
+@pytest.mark.parametrize("transposed", [True, False], ids=["in-out", "out-in"])
+def test_stacked_weights_is_a_view_of_the_parameters_only_when_they_are_stacked(transposed):
     torch.manual_seed(0)
     experts = [_Expert(16, 8) for _ in range(3)]
     loose = [e.linear_fc1.weight for e in experts]
     assert stacked_weights(loose) is None  # three separate storages
-    stack_experts(experts)
+    before = [w.detach().clone() for w in loose]
+    stack_experts(experts, transposed=transposed)
+    for e, want in zip(experts, before):  # the same values, [out, in], stored as asked
+        assert torch.equal(e.linear_fc1.weight, want)
+        assert e.linear_fc1.weight.stride() == ((1, 16) if transposed else (16, 1))
     w = stacked_weights([e.linear_fc1.weight for e in experts])
     assert w is not None and w.shape == (3, 16, 16)
     for i, e in enumerate(experts):
@@ -56,12 +61,13 @@ def test_stacked_weights_is_a_view_of_the_parameters_only_when_they_are_stacked(
     [0, 0, 4, 7, 1, 2, 0, 0],  # only own experts received rows
     [2, 1, 0, 0, 0, 0, 3, 0],  # no own expert received rows
 ])
-def test_grouped_projection_equals_one_gemm_per_expert(counts):
+@pytest.mark.parametrize("transposed", [True, False], ids=["in-out", "out-in"])
+def test_grouped_projection_equals_one_gemm_per_expert(counts, transposed):
     torch.manual_seed(1)
     hidden, ffn = 32, 24
     experts = {e: _Expert(hidden, ffn) for e in range(8)}
     own = [experts[e] for e in range(2, 6)]
-    stack_experts(own)
+    stack_experts(own, transposed=transposed)
     stack = ExpertStack(2, 4, {n: stacked_weights([getattr(m, n).weight for m in own])
                                for n in ("linear_fc1", "linear_fc2")})
     assert all(w is not None for w in stack.weights.values())
