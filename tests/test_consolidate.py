@@ -381,3 +381,46 @@ def test_prompts_without_history_are_placed_as_static_places_them():
     every = [q for g in gs for q in g.requests]
     assert {q.request_id: r for r, v in plan.assignment.items() for q in v} == {
         q.request_id: replicas[i % 3][(i // 3) % 2] for i, q in enumerate(every)}
+
+
+def test_a_prompt_that_alone_on_one_replica_would_end_past_static_is_split():
+    """`split_group`: the longest prompt's 4 samples alone on one replica of 2 ranks (2 a rank)
+    step slower than static's one a rank (a step costs more per request it decodes) and would
+    end past static's predicted end: they are split over the fewest replicas whose pieces end
+    within it (2: one sample a rank), and no replica is planned past static's end."""
+    from flexfloor.rollout.scheduler import split_group
+
+    h = LengthHistory()
+    h.record(0, [400] * 4)
+    for uid in range(1, 8):
+        h.record(uid, [10] * 8)
+
+    def cost(n, ctx):  # 0.5 s per request decoding on the rank, plus its KV read
+        return 1.0 + 0.5 * np.asarray(n, dtype=float) + 0.001 * np.asarray(ctx, dtype=float)
+
+    gs = [PromptGroup(u, tuple(Request(prompt_uid=u, sample_index=s, prompt_ids=(1,) * 4,
+                                       max_new_tokens=400) for s in range(4 if u == 0 else 8)))
+          for u in range(8)]
+    replicas = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    plan = Scheduler(PlacementPolicy.FLEXFLOOR, h, max_batch_size=64).plan(
+        gs, range(8), replicas=replicas, step_cost=cost)
+    replica_of = {r: i for i, g in enumerate(replicas) for r in g}
+    where = {q.request_id: replica_of[r] for r, v in plan.assignment.items() for q in v}
+    assert sorted(where[q.request_id] for q in gs[0].requests) == [0, 0, 1, 1]
+    assert all(len([q for q in plan.assignment[r] if q.prompt_uid == 0]) == 1 for r in range(4))
+    # no replica planned past static's predicted end (its samples one a rank, as static's)
+    from flexfloor.rollout.replicas import route_least_outstanding
+
+    static = route_least_outstanding(gs, replicas)
+    static_end = max(max(replica_finish([([h.last(q.prompt_uid)[0] for q in static[r]],
+                                          [4] * len(static[r])) for r in g], cost))
+                     for g in replicas)
+    assert max(plan.expected_finish.values()) <= static_end
+    # the rule itself: whole where it fits, else the fewest pieces (every k-th sample)
+    g = PromptGroup(0, tuple(Request(prompt_uid=0, sample_index=s, prompt_ids=(1,),
+                                     max_new_tokens=9) for s in range(8)))
+    assert split_group(g, 4, lambda reqs: True) == [g]
+    pieces = split_group(g, 4, lambda reqs: len(reqs) <= 3)  # 8 -> 4 (k=2) no, 3 (k=3) yes
+    assert [[q.sample_index for q in p.requests] for p in pieces] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    assert all(p.uid == 0 for p in pieces)
+    assert len(split_group(g, 4, lambda reqs: False)) == 4  # at most one piece a replica
