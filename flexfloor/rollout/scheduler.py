@@ -605,21 +605,6 @@ def _fill_replicas(order: Sequence[PromptGroup], replicas: Sequence[Sequence[int
     return placed
 
 
-def split_group(group: PromptGroup, replicas: int,
-                within: Callable[[Sequence[Request]], bool]) -> list[PromptGroup]:
-    """A prompt group as it goes to the replicas: whole where `within(its requests)` (they end
-    within the bound alone on one replica), else split over the fewest k <= `replicas` replicas
-    whose pieces (every k-th sample: the samples are longest predicted first, so the first piece
-    is the heaviest) are each within it, else over as many as there are samples or replicas.
-    Each piece is a group of the same uid."""
-    reqs = group.requests
-    most = max(1, min(replicas, len(reqs)))
-    for k in range(1, most + 1):
-        if k == most or within(reqs[::k]):
-            return [group] if k == 1 else [PromptGroup(group.uid, reqs[j::k]) for j in range(k)]
-    return [group]
-
-
 @dataclass
 class Scheduler:
     """Places prompt groups on ranks for one rollout, and learns lengths from its results."""
@@ -729,8 +714,8 @@ class Scheduler:
             g = replicas[i % len(replicas)]
             static[g[(i // len(replicas)) % len(g)]].append(q)
         static_ends = [ends([static[r] for r in g]) for g in replicas]
-        static_end = tuple(max((e[k] for e in static_ends), default=0.0) for k in (0, 1))
-        bound = tuple(e * self.pace_margin for e in static_end)
+        bound = tuple(max((e[k] for e in static_ends), default=0.0) * self.pace_margin
+                      for k in (0, 1))
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
         # a prompt with no history has nothing to concentrate by: its samples go as static's
         # do (round robin over the replicas, then their ranks), which keeps the replicas'
@@ -741,23 +726,11 @@ class Scheduler:
             g = replicas[i % len(replicas)]
             start[g[(i // len(replicas)) % len(g)]].append(q)
         order = [g for g in order if self.history.last(g.uid)]
-
-        def alone(reqs: Sequence[Request]) -> list[list[Request]]:
-            """`reqs` alone on a replica, spread over its ranks in turn."""
-            per_rank: list[list[Request]] = [[] for _ in replicas[0]]
-            for i, q in enumerate(reqs):
-                per_rank[i % len(per_rank)].append(q)
-            return per_rank
-
-        # a prompt whose samples together on one replica would end past static's end is split
-        # over the fewest replicas that end within it (`split_group`); the bound is then no
-        # less than the longest piece alone
-        order = [piece for g in order
-                 for piece in split_group(g, len(replicas),
-                                          lambda reqs: all(e <= b for e, b in
-                                                           zip(ends(alone(reqs)), static_end)))]
-        if order:
-            bound = tuple(max(b, e) for b, e in zip(bound, ends(alone(order[0].requests))))
+        if order:  # the longest group alone, spread over a replica's ranks
+            alone: list[list[Request]] = [[] for _ in replicas[0]]
+            for i, q in enumerate(order[0].requests):
+                alone[i % len(alone)].append(q)
+            bound = tuple(max(b, e) for b, e in zip(bound, ends(alone)))
 
         def fits(trial, _grown) -> bool:
             if max(len(v) for v in trial.values()) > self.max_batch_size:
