@@ -97,7 +97,8 @@ class Scenario:
     # (docs/simulator.md)
     correct: bool = False
     # with the correction, a taker's own running requests counted at this times their estimate
-    # when it takes requests (`ConsolidationRules.taker_hedge`)
+    # when it takes requests, and those that outlived their prediction up to the cap
+    # (`ConsolidationRules.taker_hedge`; 1.25 in the GPU scenarios, 1: off)
     taker_hedge: float = 1.0
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
@@ -119,7 +120,8 @@ PAPER_TARGETS = {"baseline": Mode.SINGLE_GROUP.value, "tokens_per_occupied_worke
 # the policies a GPU deployment runs: placement for memory-bound lockstep decoding (see Scenario),
 # tail consolidation across replicas with the online correction, and a floor of one node: a replica of one node is released
 # whole (a shrink inside it would stall it for a new communicator and buys nothing there)
-ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True, correct=True)
+ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True, correct=True,
+               taker_hedge=1.25)
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
