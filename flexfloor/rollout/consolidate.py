@@ -27,7 +27,10 @@ The rules, in order:
   (`ConsolidationRules.hedged`; off where the estimates are bounds on one clock: inside one
   replica the engine estimates each request up to its cap);
 - takers from the replica planned to stay longest (latest predicted end): each takes the most
-  of the giver's longest requests that keep its bound, each on its least loaded rank.
+  of the giver's longest requests that keep its bound, each on its least loaded rank;
+- a taker's own work may run past its prediction too (`ConsolidationRules.taker_hedge`): its
+  own running requests are then counted at that times their estimate for its bound, and those
+  already known mispredicted (`Running.worst`) at their worst.
 
 The other direction, the online correction (`ConsolidationState.end_bound_s`, the static
 baseline's predicted end): a replica whose predicted end with its running work is past that
