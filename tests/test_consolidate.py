@@ -381,3 +381,31 @@ def test_prompts_without_history_are_placed_as_static_places_them():
     every = [q for g in gs for q in g.requests]
     assert {q.request_id: r for r, v in plan.assignment.items() for q in v} == {
         q.request_id: replicas[i % 3][(i // 3) % 2] for i, q in enumerate(every)}
+
+
+def test_a_taker_whose_own_work_may_run_long_takes_nothing():
+    """`ConsolidationRules.taker_hedge`: replica 2 ends at 9 s with its own request and at 9.1 s
+    with replica 1's last one (10 steps at 20 ms), within the rollout's 11 s; counted 1.5 times
+    (its own may run past its prediction) it would end at 13.6 s, past it: it takes nothing, and
+    replica 0 (which ends the rollout) cannot either, so replica 1 keeps its request. A taker's
+    request known mispredicted counts at its `Running.worst`."""
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 900))
+    d = decide(s, ConsolidationRules(), per_request, CHEAP_KV)
+    assert d.leaving_replicas == [1] and [(m.src, m.dst) for m in d.moves] == [(2, 4)]
+    assert decide(s, ConsolidationRules(taker_hedge=1.5), per_request, CHEAP_KV).moves == []
+    # a taker with slack for its own work counted so (ends at 7.6 s with the move) still takes
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), rank(4, 2, 500))
+    d = decide(s, ConsolidationRules(taker_hedge=1.5), per_request, CHEAP_KV)
+    assert [(m.src, m.dst) for m in d.moves] == [(2, 4)]
+    # a request of the taker's known mispredicted (it outlived its prediction) counts at its
+    # `worst` (up to its cap): 2,000 steps from replica 2's clock, past the rollout's 11 s
+    def taker(worst):
+        return RankState(4, 2, (Running("r4-0", 600, 100.0, worst=worst),
+                                Running("r4-1", 100, 100.0)), 0, None)
+
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), taker(2000.0))
+    d = decide(s, ConsolidationRules(taker_hedge=1.25), per_request, CHEAP_KV)
+    assert 1 not in d.leaving_replicas and not any(m.src == 2 for m in d.moves)
+    s = state(rank(0, 0, 1000), rank(2, 1, 10), taker(None))
+    d = decide(s, ConsolidationRules(taker_hedge=1.25), per_request, CHEAP_KV)
+    assert [(m.src, m.dst) for m in d.moves] == [(2, 4)]

@@ -47,6 +47,7 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     # the online correction and the evacuation's hedges (docs/simulator.md): 1 on (the GPU
     # scenarios' default), 0 off
     "correct": ("correct", lambda v: bool(int(v))),
+    "taker_hedge": ("taker_hedge", float),
 }
 
 

@@ -27,7 +27,10 @@ The rules, in order:
   (`ConsolidationRules.hedged`; off where the estimates are bounds on one clock: inside one
   replica the engine estimates each request up to its cap);
 - takers from the replica planned to stay longest (latest predicted end): each takes the most
-  of the giver's longest requests that keep its bound, each on its least loaded rank.
+  of the giver's longest requests that keep its bound, each on its least loaded rank;
+- a taker's own work may run past its prediction too (`ConsolidationRules.taker_hedge`): its
+  own running requests are then counted at that times their estimate for its bound, and those
+  already known mispredicted (`Running.worst`) at their worst.
 
 The other direction, the online correction (`ConsolidationState.end_bound_s`, the static
 baseline's predicted end): a replica whose predicted end with its running work is past that
@@ -71,6 +74,10 @@ class Running:
     request_id: str
     cached_tokens: int  # prompt + produced: what its KV holds
     remaining: float  # predicted tokens still to produce (see `remaining_estimate`)
+    # where its prediction is known wrong (it outlived it), the most it may still produce (its
+    # cap): a taker counts its own such requests so (`ConsolidationRules.taker_hedge`); None:
+    # as estimated
+    worst: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,10 @@ class ConsolidationRules:
     correction_hedge: float = 2.0
     # the correction lightens a late replica whose longest requests no taker takes (`_pull_in`)
     lighten: bool = True
+    # a taker's own running requests counted at this times their estimate when it takes (its
+    # own may run past their predictions, and what it took would then end late with them), and
+    # those known mispredicted at their `Running.worst`; 1.0: as estimated (the engine's)
+    taker_hedge: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -234,6 +245,19 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
         its fullest rank's pace, each rank's context growing as it decodes (`replica_finish`)."""
         return ld.ready[i] + memo.finish([ld.work[r.rank] for r in by_replica[i]])
 
+    # each rank's own running work as a taker counts it (`ConsolidationRules.taker_hedge`)
+    own = {r.rank: [(q.worst if q.worst is not None else rules.taker_hedge * q.remaining,
+                     q.cached_tokens) for q in r.running] for r in state.ranks}
+
+    def taker_end(i: int, ld: _Load) -> float:
+        """Replica i's end as a taker: its own running requests (the first entries of each
+        rank's work: promises are appended) counted pessimistically (`own`), what it was
+        promised as promised."""
+        if rules.taker_hedge == 1.0:
+            return end(i, ld)
+        return ld.ready[i] + memo.finish([own[r.rank] + ld.work[r.rank][len(own[r.rank]):]
+                                          for r in by_replica[i]])
+
     ends = {i: end(i, load) for i in live}
     rollout_end = max(ends.values())
     # room for mispredictions: a request moves only while it has at most this share of the
@@ -265,7 +289,7 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                           and not (rules.hedged and any(r.queued for r in by_replica[i]))),
                          key=lambda i: (-ends[i], i))
         trial = load.copy()
-        got = _evacuate(by_replica[g], state.now_s[g], staying, by_replica, trial, end,
+        got = _evacuate(by_replica[g], state.now_s[g], staying, by_replica, trial, taker_end,
                         taken_bound, state, rules, prices)
         if got is not None:
             moves += got
@@ -284,7 +308,8 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
             takers = sorted((i for i in live if i != g and i not in giving and i not in late
                              and not any(r.queued for r in by_replica[i])),
                             key=lambda i: (-ends[i], i))
-            got = _pull_in(g, by_replica, takers, load, end, bound, state, rules, prices)
+            got = _pull_in(g, by_replica, takers, load, end, taker_end, bound, state, rules,
+                           prices)
             if got:
                 moves += got
                 corrected.append(g)
@@ -303,7 +328,8 @@ def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica,
               end, rollout_end, state: ConsolidationState, rules: ConsolidationRules,
               prices: MovePrices) -> Optional[list[Move]]:
     """Every running request of `giver` onto ranks of `staying` replicas within the bounds,
-    promising them in `load`; None when one does not fit (then `load` is to be dropped)."""
+    promising them in `load` (`end`: a taker's end); None when one does not fit (then `load` is
+    to be dropped)."""
     left = sorted(((q, r.rank) for r in giver for q in r.running),
                   key=lambda x: (-x[0].remaining, x[0].request_id))
     moves, left = _hand_over(left, giver_now, staying, by_replica, load, end, rollout_end,
@@ -316,7 +342,7 @@ def _hand_over(left: list, giver_now: float, staying, by_replica, load: _Load, e
                hedge: float = 1.0) -> tuple[list[Move], list]:
     """`left` ([(Running, src rank)], longest first) onto ranks of `staying` replicas, promising
     them in `load`. Each taker, in turn, takes the most of the longest requests left that keep
-    its predicted end within `bound` (a binary search: more requests never end sooner), each
+    its predicted end (`end`: a taker's) within `bound` (a binary search: more requests never end sooner), each
     counted `hedge` times its remaining estimate; a second pass offers the rest (shorter ones)
     again. Returns (the moves, the requests no taker took)."""
     moves: list[Move] = []
@@ -425,7 +451,7 @@ def _placed_in_turn(left: list, i: int, ranks: Sequence[int], load: _Load, giver
     return out
 
 
-def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
+def _pull_in(g: int, by_replica, takers, load: _Load, end, taker_end, bound: float,
              state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices
              ) -> list[Move]:
     """The correction (module doc), for a replica g predicted past `bound`: the fewest of its
@@ -452,7 +478,7 @@ def _pull_in(g: int, by_replica, takers, load: _Load, end, bound: float,
         """`give` to the takers within `within`, kept only if g's end comes in."""
         trial = load.copy()
         moves, _ = _hand_over(give[:rules.max_requests], state.now_s[g], takers, by_replica,
-                              trial, end, within, state, rules, prices, hedge=hedge)
+                              trial, taker_end, within, state, rules, prices, hedge=hedge)
         if not moves:
             return []
         moved = {m.request_id for m in moves}

@@ -608,6 +608,9 @@ class TailConsolidation:
     # consolidation inside each replica as the engine does it (flexfloor.rollout.tails:
     # `within_replica`, unit step cost); None: across replicas only
     within: object = None  # flexfloor.rollout.tails.TailRules
+    # (request, produced, lengths finished by uid) -> the most it may still produce where its
+    # prediction is known wrong, else None (`consolidate.Running.worst`); None: never known
+    worst: object = None
 
 
 def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
@@ -736,7 +739,8 @@ def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidatio
             for req, produced in running:
                 by_id[req.request_id] = (req, produced)
                 rs.append(cons.Running(req.request_id, req.prompt_len + produced,
-                                       tc.remaining(req, produced, finished)))
+                                       tc.remaining(req, produced, finished),
+                                       tc.worst(req, produced, finished) if tc.worst else None))
             states.append(cons.RankState(rank, k, tuple(rs), queued,
                                          None if free >= UNBOUNDED_KV else free // block_bytes))
     state = cons.ConsolidationState(tuple(states), {k: v.now() for k, v in views.items()},

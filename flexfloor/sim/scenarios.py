@@ -96,6 +96,10 @@ class Scenario:
     # (takers within that bound, moved estimates counted 1.5x); on in the GPU scenarios
     # (docs/simulator.md)
     correct: bool = False
+    # with the correction, a taker's own running requests counted at this times their estimate
+    # when it takes requests, and those that outlived their prediction up to the cap
+    # (`ConsolidationRules.taker_hedge`; 1.25 in the GPU scenarios, 1: off)
+    taker_hedge: float = 1.0
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
     # figures to reach, checked and printed: {"baseline": mode, metric thresholds}
@@ -116,7 +120,8 @@ PAPER_TARGETS = {"baseline": Mode.SINGLE_GROUP.value, "tokens_per_occupied_worke
 # the policies a GPU deployment runs: placement for memory-bound lockstep decoding (see Scenario),
 # tail consolidation across replicas with the online correction, and a floor of one node: a replica of one node is released
 # whole (a shrink inside it would stall it for a new communicator and buys nothing there)
-ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True, correct=True)
+ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True, correct=True,
+               taker_hedge=1.25)
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
@@ -385,26 +390,32 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
                         reprefill_s_per_token=prefill)
     with_history = {uid for uid in plan.predicted if predictor.history.last(uid)}
 
-    def remaining(req: SimRequest, produced: int, finished: dict) -> float:
+    def predicted(req: SimRequest, finished: dict) -> float:
         # a request still running is one of its prompt's longer samples: predicted as long as
         # the longest (which sample index ran longest last time says nothing of this one)
-        predicted = plan.predicted.get(req.prompt_uid, plan.per_request.get(req.request_id, 0.0))
         if req.prompt_uid not in with_history and finished.get(req.prompt_uid):
-            predicted = predictor.predict(req.prompt_uid, finished[req.prompt_uid])[0]
-        return remaining_estimate(predicted, produced, sc.max_len)
+            return predictor.predict(req.prompt_uid, finished[req.prompt_uid])[0]
+        return plan.predicted.get(req.prompt_uid, plan.per_request.get(req.request_id, 0.0))
+
+    def remaining(req: SimRequest, produced: int, finished: dict) -> float:
+        return remaining_estimate(predicted(req, finished), produced, sc.max_len)
+
+    def worst(req: SimRequest, produced: int, finished: dict) -> Optional[float]:
+        """Outlived its prediction (known wrong): up to the cap."""
+        return float(sc.max_len - produced) if produced >= predicted(req, finished) else None
 
     if not sc.correct:
         return TailConsolidation(ConsolidationRules(min_replicas=1), step_cost, prices,
                                  remaining, sc.kv_block_tokens or 1)
     # the end to keep: the plan's bound (static's predicted end times `pace_margin`); a
     # leaving replica's requests counted half as long again on their takers
-    rules = ConsolidationRules(min_replicas=1, evacuation_hedge=1.5)
+    rules = ConsolidationRules(min_replicas=1, evacuation_hedge=1.5, taker_hedge=sc.taker_hedge)
     # none where no prompt has history: the plan's ends then come from the prior (or the
     # default) alone, a guess (paper-like --dataset-prompts 16384: 155 s against the 207 s the
     # replicas take, which would hold every replica late and refuse every hand-over)
     bound = plan.finish_bound if plan.sources.get("history") else None
     return TailConsolidation(rules, step_cost, prices, remaining, sc.kv_block_tokens or 1,
-                             end_bound_s=bound)
+                             end_bound_s=bound, worst=worst)
 
 
 def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
