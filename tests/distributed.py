@@ -11,6 +11,7 @@ side asserts on them. The worker side of this is tests/workers/_harness.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -30,6 +31,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_world():
+    """A one-rank gloo world in this (pytest) process, on one intra-op thread as every
+    launcher's rank runs (torchrun sets OMP_NUM_THREADS=1: with several, CPU SDPA splits its work
+    by the batch's shape, so a row's last bits depend on the batch); yields its `Parallel`. The
+    world, the thread count and the environment are restored afterwards."""
+    import torch
+
+    from flexfloor.parallel import Parallel
+
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        par = Parallel.build(expert_parallel_size=1, backend="gloo")
+        try:
+            yield par
+        finally:
+            par.destroy()
+    finally:
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,6 @@ backward's `grad @ W` reads W in the other order, so its sgemm may sum in anothe
 a rollout gives the same tokens, greedy and sampled, with log-probs equal to fp32 rounding.
 """
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,33 +17,16 @@ from flexfloor.rollout.types import Request, SamplingParams
 
 @pytest.fixture(scope="module")
 def parts():
-    from distributed import free_port
-
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                            "MASTER_PORT")}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    from distributed import one_rank_world
     from flexfloor.config import ModelConfig, RolloutConfig
     from flexfloor.model import build_model
-    from flexfloor.parallel import Parallel
     from flexfloor.rollout.stack import RolloutStack
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    par = Parallel.build(expert_parallel_size=1, backend="gloo")
-    try:
+    with one_rank_world() as par:
         model = build_model(ModelConfig(), par)
         stack = RolloutStack.build(par, model, rollout=RolloutConfig(progress=False))
         yield model, stack.moe
         stack.close()
-    finally:
-        par.destroy()
-        torch.set_num_threads(threads)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _expert_params(model):

@@ -7,7 +7,6 @@ sampled requests, with admissions into freed lanes out of order, and under a KV 
 forces preemption and requests outside lanes.
 """
 
-import os
 import warnings
 
 import pytest
@@ -68,37 +67,18 @@ def test_lane_view_is_the_storage_and_no_lane_passes_the_capacity():
 
 @pytest.fixture(scope="module")
 def engine_parts():
-    from distributed import free_port
-
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                            "MASTER_PORT")}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    from distributed import one_rank_world
     from flexfloor.config import ModelConfig, RolloutConfig
     from flexfloor.model import build_model
-    from flexfloor.parallel import Parallel
     from flexfloor.rollout.stack import RolloutStack
 
-    # one intra-op thread, as every launcher's rank runs (torchrun sets OMP_NUM_THREADS=1): with
-    # several, CPU SDPA splits its work by the batch's shape, so a row's last bits depend on the
-    # batch whichever way K/V is read (the same rows alone and in a larger batch differ too)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    par = Parallel.build(expert_parallel_size=1, backend="gloo")
-    try:
+    # one intra-op thread (`one_rank_world`): with several, CPU SDPA's last bits follow the batch
+    with one_rank_world() as par:
         model = build_model(ModelConfig(), par)
         model.eval()
         stack = RolloutStack.build(par, model, rollout=RolloutConfig(progress=False))
         yield model, stack.moe, stack.engine
         stack.close()
-    finally:
-        par.destroy()
-        torch.set_num_threads(threads)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _requests(vocab):
