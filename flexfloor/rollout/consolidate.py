@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from flexfloor.rollout.kv import blocks_for
-from flexfloor.rollout.scheduler import replica_finish
+from flexfloor.rollout.scheduler import lockstep_end
 
 # a rank's step: (requests decoding on it, their cached tokens) -> seconds (scheduler.StepCost)
 StepCost = Callable[[int, float], float]
@@ -208,8 +208,7 @@ class FinishMemo:
         key = tuple(tuple(w) for w in work)
         got = self._known.get(key)
         if got is None:
-            got = max(replica_finish([([n for n, _ in w], [c for _, c in w]) for w in work],
-                                     self.step_cost), default=0.0)
+            got = lockstep_end(work, self.step_cost)
             if len(self._known) >= self.limit:
                 self._known.clear()
             self._known[key] = got
@@ -245,9 +244,11 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
         its fullest rank's pace, each rank's context growing as it decodes (`replica_finish`)."""
         return ld.ready[i] + memo.finish([ld.work[r.rank] for r in by_replica[i]])
 
-    # each rank's own running work as a taker counts it (`ConsolidationRules.taker_hedge`)
-    own = {r.rank: [(q.worst if q.worst is not None else rules.taker_hedge * q.remaining,
-                     q.cached_tokens) for q in r.running] for r in state.ranks}
+    # each rank's own running work as a taker counts it (`ConsolidationRules.taker_hedge`;
+    # with 1.0 as estimated: `end`)
+    own = {} if rules.taker_hedge == 1.0 else {
+        r.rank: [(q.worst if q.worst is not None else rules.taker_hedge * q.remaining,
+                  q.cached_tokens) for q in r.running] for r in state.ranks}
 
     def taker_end(i: int, ld: _Load) -> float:
         """Replica i's end as a taker: its own running requests (the first entries of each

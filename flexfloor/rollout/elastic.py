@@ -490,16 +490,12 @@ def pace_cost_of(elastic_cfg, model_shape: Optional[dict]):
 def pace_of(cost, max_batch: int) -> Pace:
     """The pace rule's step cost of an EP group from a cost model: a decoding rank's step with
     every decoding rank of its group loaded alike and the others at empty batches (their experts
-    compute what is routed to them), the engine's experts stretched to the cost model's. A step
-    is linear in the cached tokens it reads, so each (group, decoding ranks) is priced once per
-    batch size up to `max_batch` at two contexts and interpolated (as
+    compute what is routed to them), the engine's experts stretched to the cost model's; each
+    (group, decoding ranks) priced once (`sim.cost.linear_step_cost`, as
     `sim.scenarios.rank_step_cost`, which loads every rank of the group)."""
-    import numpy as np
-
-    from flexfloor.sim.cost import RankLoad, model_owner
+    from flexfloor.sim.cost import RankLoad, linear_step_cost, model_owner
 
     priced: dict = {}
-    ref = 1 << 20
 
     def group_cost(placement, busy: tuple):
         key = (tuple(placement.owner), tuple(placement.ranks), tuple(busy))
@@ -512,10 +508,7 @@ def pace_of(cost, max_batch: int) -> Pace:
                     [RankLoad(r, n if r in busy else 0, int(ctx) if r in busy else 0, hosted[r],
                               ctx if r in busy else 0.0) for r in placement.ranks], owner)
 
-            table = np.array([(at(n, 0), (at(n, n * ref) - at(n, 0)) / (n * ref)) if n
-                              else (0.0, 0.0) for n in range(max_batch + 1)])
-            priced[key] = lambda n, ctx: (table[np.minimum(n, max_batch), 0]
-                                          + table[np.minimum(n, max_batch), 1] * ctx)
+            priced[key] = linear_step_cost(at, max_batch)
         return priced[key]
 
     return Pace(group_cost)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from flexfloor.rollout.scheduler import StepCost, replica_finish
+from flexfloor.rollout.scheduler import StepCost, lockstep_end
 from megatron_ext.placement import plan_shrink
 
 
@@ -134,20 +134,14 @@ def slows_replica(pace: Pace, placement, new_placement, work: Work) -> bool:
     `migrated_work`). Pure."""
     ranks = list(placement.ranks)
     survivors = [work[ranks.index(r)] for r in new_placement.ranks]
-    before = _end(work, pace.group_cost(placement, _busy(placement.ranks, work)))
-    after = _end(survivors, pace.group_cost(new_placement,
-                                            _busy(new_placement.ranks, survivors)))
+    before = lockstep_end(work, pace.group_cost(placement, _busy(placement.ranks, work)))
+    after = lockstep_end(survivors, pace.group_cost(new_placement,
+                                                    _busy(new_placement.ranks, survivors)))
     return after > before * (1 + 1e-9)
 
 
 def _busy(ranks, work: Work) -> tuple:
     return tuple(r for r, w in zip(ranks, work) if w)
-
-
-def _end(work: Work, step_cost: StepCost) -> float:
-    """A lockstep group's predicted end, seconds from now."""
-    per_rank = [([n for n, _ in w], [c for _, c in w]) for w in work]
-    return max(replica_finish(per_rank, step_cost), default=0.0)
 
 
 def migrated_work(ranks, work: Work, migrate: dict[int, int]) -> list[list[tuple[float, int]]]:

@@ -315,6 +315,13 @@ def replica_finish(work: Sequence[tuple[Sequence[float], Sequence[int]]], step_c
     return [float(clock[np.searchsorted(points, ls[-1])]) if len(ls) else 0.0 for ls in lens]
 
 
+def lockstep_end(work: Sequence[Sequence[tuple[float, int]]], step_cost: StepCost) -> float:
+    """A lockstep group's predicted end, seconds from now: work per rank [(remaining tokens,
+    cached tokens)] of each of its running requests (`replica_finish`'s last rank; 0: none)."""
+    return max(replica_finish([([n for n, _ in w], [c for _, c in w]) for w in work], step_cost),
+               default=0.0)
+
+
 def _worst_end(lengths: Sequence[Sequence[float]], prompt_lens: Sequence[Sequence[int]],
                cap: float, step_cost: StepCost) -> float:
     """A lockstep replica's end (`replica_finish`) if its longest request ran to `cap`.
@@ -565,6 +572,17 @@ def _longest_first(groups: Sequence[PromptGroup], per_request: dict[str, float])
     return reqs
 
 
+def _round_robin(reqs: Sequence[Request], replicas: Sequence[Sequence[int]]
+                 ) -> dict[int, list[Request]]:
+    """`reqs` in order round robin over the replicas, then over each replica's ranks (least
+    outstanding routing of a batch submitted at once). Returns rank -> requests."""
+    out: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
+    for i, q in enumerate(reqs):
+        g = replicas[i % len(replicas)]
+        out[g[(i // len(replicas)) % len(g)]].append(q)
+    return out
+
+
 def _fill_replicas(order: Sequence[PromptGroup], replicas: Sequence[Sequence[int]], refusals: int,
                    accepts: Callable[[dict[int, list[Request]], list[int]], bool],
                    end_of: Callable[[dict[int, list[Request]]], object],
@@ -709,10 +727,7 @@ class Scheduler:
             return (max(replica_finish(list(zip(lengths, prompts)), step_cost), default=0.0),
                     _worst_end(lengths, prompts, cap, step_cost))
 
-        static: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
-        for i, q in enumerate(reqs_all):
-            g = replicas[i % len(replicas)]
-            static[g[(i // len(replicas)) % len(g)]].append(q)
+        static = _round_robin(reqs_all, replicas)
         static_ends = [ends([static[r] for r in g]) for g in replicas]
         bound = tuple(max((e[k] for e in static_ends), default=0.0) * self.pace_margin
                       for k in (0, 1))
@@ -720,11 +735,8 @@ class Scheduler:
         # a prompt with no history has nothing to concentrate by: its samples go as static's
         # do (round robin over the replicas, then their ranks), which keeps the replicas'
         # loads alike; the prompts with history are placed around them
-        fresh = [q for g in groups if not self.history.last(g.uid) for q in g.requests]
-        start: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
-        for i, q in enumerate(fresh):
-            g = replicas[i % len(replicas)]
-            start[g[(i // len(replicas)) % len(g)]].append(q)
+        start = _round_robin([q for g in groups if not self.history.last(g.uid)
+                              for q in g.requests], replicas)
         order = [g for g in order if self.history.last(g.uid)]
         if order:  # the longest group alone, spread over a replica's ranks
             alone: list[list[Request]] = [[] for _ in replicas[0]]

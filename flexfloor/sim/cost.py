@@ -306,6 +306,22 @@ def cost_model(accelerator: str, model_shape: str,
     return RooflineCost(ACCELERATORS[accelerator], ModelShape.from_preset(model_shape), params)
 
 
+def linear_step_cost(priced, max_batch: int):
+    """A `scheduler.StepCost` from `priced(n, ctx)` (a rank's step seconds with n requests
+    reading ctx cached tokens): decoding, a step is linear in the cached tokens it reads, so it
+    is priced once per batch size up to `max_batch` at two contexts and interpolated; larger
+    batches at `max_batch`'s. Elementwise over numpy arrays (or on plain numbers)."""
+    ref = 1 << 20
+    table = np.array([(priced(n, 0), (priced(n, n * ref) - priced(n, 0)) / (n * ref)) if n
+                      else (0.0, 0.0) for n in range(max_batch + 1)])
+
+    def step_cost(n, ctx):
+        i = np.minimum(n, max_batch)
+        return table[i, 0] + table[i, 1] * ctx
+
+    return step_cost
+
+
 @dataclass(frozen=True)
 class ModelledRollout:
     """One rollout's real steps priced by a cost model."""

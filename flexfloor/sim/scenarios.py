@@ -346,26 +346,16 @@ def _mix_params(sc: Scenario) -> dict:
 
 def rank_step_cost(cost, placement, ranks: tuple[int, ...], max_batch: int):
     """The scheduler's `StepCost` from the cost model: a rank's step with every rank of its EP
-    group (`ranks`, `placement`) loaded alike. Decoding, a step is linear in the cached tokens it
-    reads, so the model is priced once per batch size at two contexts and interpolated."""
-    from flexfloor.sim.cost import RankLoad
+    group (`ranks`, `placement`) loaded alike (`linear_step_cost`)."""
+    from flexfloor.sim.cost import RankLoad, linear_step_cost
 
     hosted = {r: placement.owner.count(r) for r in ranks}
-    ref = 1 << 20
 
     def priced(n: int, ctx: float) -> float:
         return cost.step_seconds([RankLoad(r, n, int(ctx), hosted[r], ctx) for r in ranks],
                                  placement.owner)
 
-    table = np.array([(priced(n, 0), (priced(n, n * ref) - priced(n, 0)) / (n * ref)) if n
-                      else (0.0, 0.0) for n in range(max_batch + 1)])
-
-    def step_cost(n, ctx):
-        """Elementwise over numpy arrays (or on plain numbers)."""
-        i = np.minimum(n, max_batch)
-        return table[i, 0] + table[i, 1] * ctx
-
-    return step_cost
+    return linear_step_cost(priced, max_batch)
 
 
 def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, step_cost,
