@@ -455,11 +455,14 @@ def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
                     f"the job ended (exit status {job.poll()}) before step 1:\n{tail}"
                 assert time.monotonic() < deadline, f"no step 1 within 240 s:\n{tail}"
                 continue
-            if line.startswith("[flexfloor.launch.ray] rank "):
-                pids.append(int(line.split(" pid ")[1].split()[0]))
-                if line.startswith("[flexfloor.launch.ray] rank 1:"):
+            # Ray prints a worker's line and its newline in two writes from its own thread, so the
+            # driver's line may follow a worker's text on one line: look for it anywhere
+            rank = re.search(r"\[flexfloor\.launch\.ray\] rank (\d+): .* pid (\d+) ", line)
+            if rank:
+                pids.append(int(rank[2]))
+                if rank[1] == "1":
                     victim = pids[-1]
-            if line.startswith("[flexfloor.launch.ray] step 1/"):
+            if "[flexfloor.launch.ray] step 1/" in line:
                 break
         assert victim is not None, "".join(out)
         os.kill(victim, signal.SIGKILL)

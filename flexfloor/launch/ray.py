@@ -200,8 +200,9 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
             m, done = every("step", f"step {step + 1}")[0]
             step = m["step"]
             history.append(m)
-            lent = [e["rank"] for e in ray.get(pool.events.remote(), timeout=timeout_s)
-                    if e["event"] == "released" and e["step"] == step]
+            # a step with validation has two rollouts, and a rank may be lent in each: name it once
+            lent = sorted({e["rank"] for e in ray.get(pool.events.remote(), timeout=timeout_s)
+                           if e["event"] == "released" and e["step"] == step})
             say(f"step {step}/{cfg.trainer.steps} | reward {m['reward/mean']:.3f} | "
                 f"released ranks {lent or '-'} (lent to the pool until resync) | "
                 f"{time.perf_counter() - t0:.1f}s")
@@ -308,7 +309,9 @@ def main(argv=None) -> int:
     import ray
 
     def say(text: str) -> None:
-        print(f"[flexfloor.launch.ray] {text}", flush=True)
+        # one write, line and newline together: Ray's log thread prints to the same stream
+        sys.stdout.write(f"[flexfloor.launch.ray] {text}\n")
+        sys.stdout.flush()
 
     say(f"Ray auth: {describe_ray_auth()}")
 
