@@ -632,8 +632,9 @@ def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int,
     `steps_vary`: its step counts may differ between repeats (only its tokens must not)."""
     from flexfloor.rollout.metrics import rollout_metrics
 
-    records = median_records([run["records"] for run in runs])
-    results = runs[0]["results"]
+    kept = alike_steps(runs) if steps_vary else runs
+    records = median_records([run["records"] for run in kept])
+    results = kept[0]["results"]
     m = rollout_metrics(records, results, args.cost)
     m["repeats"] = {k: [run["metrics"][k] for run in runs] for k in (
         "occupied_worker_seconds", "rollout_wall_seconds", "occupied_worker_steps",
@@ -642,8 +643,8 @@ def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int,
         len(set(m["repeats"][k])) == 1
         for k in ("responses_sha256",) + (() if steps_vary else ("occupied_worker_steps",)))
     # tail consolidation: requests moved inside a replica and to another one, and the
-    # corrections (a replica handing its longest requests over and staying), first repeat
-    first = runs[0]["records"]
+    # corrections (a replica handing its longest requests over and staying), in those repeats
+    first = kept[0]["records"]
     per_replica = world // args.replicas
     m["tails"] = {"moved_within": sum(r["migrated_out"] - r["migrated_across"] for r in first),
                   "moved_across": sum(r["migrated_across"] for r in first),
@@ -654,6 +655,16 @@ def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int,
     if expected_finish is not None:
         m["placement"]["expected_finish_steps"] = [expected_finish[r] for r in range(world)]
     return m, (records, results)
+
+
+def alike_steps(runs: list[dict]) -> list[dict]:
+    """The repeats whose ranks took the steps of the repeat with the median occupied
+    worker-steps: their records are medians of one run of steps (a rank's steps, release and
+    trace from one repeat, its timings from another would price a step it did not take)."""
+    steps = [[r["steps"] for r in run["records"]] for run in runs]
+    order = sorted(range(len(runs)), key=lambda i: (sum(steps[i]), i))
+    mid = steps[order[(len(order) - 1) // 2]]
+    return [run for run, s in zip(runs, steps) if s == mid]
 
 
 def median_records(repeats: list[list[dict]]) -> list[dict]:
