@@ -14,7 +14,8 @@ module feeds it what the engine knows and carries its moves out:
   lands at depends on the replicas' timing, so the ranks' steps vary from run to run, never the
   tokens): `Mailbox`, a protocol on the job's key-value store. Each replica's leader (the
   lowest rank of its current group) posts its ranks' states and its clock at every boundary;
-  a replica that may give (nothing queued, few running) closes its own inbox, reads the
+  a replica that may give (nothing queued, few running; or, with the correction, nothing
+  queued at a check of its end) closes its own inbox, reads the
   others' latest states, decides with itself as the only giver, claims each taker's inbox
   (compare-and-set "open" -> "busy:<giver>"), writes the requests and reopens it; a taker's
   leader reads its inbox at every boundary and its group learns the arrivals in the gather it
