@@ -417,7 +417,8 @@ def test_example_configs_load(name, algorithm):
     assert not cfg.elastic.consolidate_across
     assert ElasticConfig().consolidate and not ElasticConfig().consolidate_across  # defaults
     # the simulator's hedge and correction: off by default, across replicas only
-    assert ElasticConfig().consolidate_taker_hedge == 1.0 and not ElasticConfig().consolidate_correct
+    assert ElasticConfig().consolidate_taker_hedge == 1.0
+    assert not ElasticConfig().consolidate_correct
     cfg = load_config(None, ["elastic.consolidate_across=true", "elastic.consolidate_correct=true",
                              "elastic.consolidate_taker_hedge=1.25"])
     assert cfg.elastic.consolidate_correct and cfg.elastic.consolidate_taker_hedge == 1.25

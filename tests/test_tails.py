@@ -107,7 +107,8 @@ def test_the_simulators_hedge_and_correction_keep_the_tokens_across_replicas(res
     got, ref = tokens(parts, "hedged", "logprobs"), tokens(parts, "static", "logprobs")
     assert {k: pytest.approx(v, abs=1e-5) for k, v in ref.items()} == got
     recs = [p["hedged"]["record"] for p in parts]
-    across = [m for r in recs for m in r["trace"]["moves"] if m["across"] and m["src"] == r["rank"]]
+    across = [m for r in recs for m in r["trace"]["moves"]
+              if m["across"] and m["src"] == r["rank"]]
     assert across and sum(r["migrated_across"] for r in recs) == sum(
         r["adopted_across"] for r in recs) == len(across)
     assert not any("corrected" in t for p in parts for t in p["hedged"]["timeline"])
@@ -260,7 +261,8 @@ def test_the_correction_hands_a_late_replicas_longest_request_over_and_it_stays(
     assert decided(LATE + taker, CLOCKS, 0, on, end_bound=None, correct=True)[0] == []
     assert decided(LATE + taker, CLOCKS, 0, on, end_bound=100, correct=False)[0] == []
     # the correction counts a leaving replica's requests 1.5x on their takers (the simulator's)
-    assert on.across_rules().evacuation_hedge == 1.5 and ACROSS.across_rules().evacuation_hedge == 1
+    assert on.across_rules().evacuation_hedge == 1.5
+    assert ACROSS.across_rules().evacuation_hedge == 1.0
 
 
 def test_the_takers_hedge_and_the_worst_case_of_its_mispredicted_requests_in_the_correction():
@@ -268,11 +270,12 @@ def test_the_takers_hedge_and_the_worst_case_of_its_mispredicted_requests_in_the
     hedged = replace(on, taker_hedge=1.25)
     kw = dict(end_bound=100, correct=True)
     # the taker's own request: 28 left (35 hedged: 60 + 35 <= 100, it takes)
-    assert decided(LATE + ranks_of(1, [(28, None)], []), CLOCKS, 0, hedged, **kw)[0] == [("0/0", 3)]
+    taker = ranks_of(1, [(28, None)], [])
+    assert decided(LATE + taker, CLOCKS, 0, hedged, **kw)[0] == [("0/0", 3)]
     # it outlived its siblings (up to 45 left, its cap): 60 + 45 > 100, it does not
     mispredicted = ranks_of(1, [(28, 45)], [])
     assert decided(LATE + mispredicted, CLOCKS, 0, hedged, **kw)[0] == []
-    assert decided(LATE + mispredicted, CLOCKS, 0, on, **kw)[0] == [("0/0", 3)]  # 1.0: as estimated
+    assert decided(LATE + mispredicted, CLOCKS, 0, on, **kw)[0] == [("0/0", 3)]  # 1.0: as is
     # 36 left: as estimated it takes, hedged (45) it does not
     assert decided(LATE + ranks_of(1, [(36, None)], []), CLOCKS, 0, on, **kw)[0] == [("0/0", 3)]
     assert decided(LATE + ranks_of(1, [(36, None)], []), CLOCKS, 0, hedged, **kw)[0] == []
