@@ -716,9 +716,12 @@ class RolloutEngine:
                     f"rank {self.rank} left the rollout with {len(st.running)} running and "
                     f"{len(st.queue)} queued requests"
                 )
-            # an adopted request may move on again (to a rank that stays longer): owed by that one
-            gone = set(st.migrated_out)
-            owed = [r for r in list(requests) + st.adopted if r.request_id not in gone]
+            # an adopted request may move on again (to a rank that stays longer): owed by that
+            # one; and one this rank gave may come back (a correction's giver stays): each move
+            # out cancels one of its own or one arrival
+            owed = list(requests) + st.adopted
+            for rid in st.migrated_out:
+                owed.remove(next(r for r in owed if r.request_id == rid))
             self._check_complete(owed, st.results)
             if pool.used:  # every finish, preemption and migration gives its blocks back
                 raise RolloutError(f"rank {self.rank}: {pool.used} KV blocks still held after "
