@@ -114,6 +114,33 @@ def test_the_simulators_hedge_and_correction_keep_the_tokens_across_replicas(res
     assert not any("corrected" in t for p in parts for t in p["hedged"]["timeline"])
 
 
+def test_a_late_replica_hands_its_longest_request_over_and_stays(res):
+    """R = 2, the correction made on 4 engine workers (tests/workers/tails.py, `CORRECTED`):
+    replica 0 is predicted past the end to keep (rank 0's request, to its cap, ends it), replica
+    1 decodes far behind it on the step clock (the worker stops and continues the processes:
+    `Conductor`); at a check of its end replica 0 hands rank 0's request to replica 1 and stays
+    with rank 1's: the same tokens as static, each request once. (Replica 1 may hand it back
+    at its own tail, as the replicas' clocks then say: rank 0 then finishes it.)"""
+    parts = res["corrected"]
+    want = sorted(f"{int(r) * 10 + i}/0" for r, ls in res["corrected_lengths"].items()
+                  for i in range(len(ls)))
+    assert sorted(tokens(parts, "static")) == want and sorted(tokens(parts, "corrected")) == want
+    assert tokens(parts, "corrected") == tokens(parts, "static")
+    got, ref = tokens(parts, "corrected", "logprobs"), tokens(parts, "static", "logprobs")
+    assert {k: pytest.approx(v, abs=1e-5) for k, v in ref.items()} == got
+    fixes = [[t for t in p["corrected"]["timeline"] if "corrected" in t] for p in parts]
+    assert fixes[2] == fixes[3] == []  # replica 1 only takes
+    assert fixes[0] == fixes[1] and len(fixes[0]) == 1, fixes  # the same on both of its ranks
+    (fix,) = fixes[0]
+    assert list(fix["corrected"]) == ["0/0"] and fix["corrected"]["0/0"] in (2, 3), fix
+    assert fix["step"] >= 45  # from half the end to keep on
+    recs = [p["corrected"]["record"] for p in parts]
+    # it stayed: rank 1 decoded its own request on to its end, rank 0 moved its only one
+    assert recs[1]["steps"] >= 88 > fix["step"] and recs[1]["migrated_out"] == 0
+    assert recs[0]["migrated_across"] == 1 and recs[0]["adopted_across"] <= 1
+    assert sum(r["migrated_across"] for r in recs) == sum(r["adopted_across"] for r in recs)
+
+
 def test_the_simulator_takes_the_engines_steps_with_consolidation(res):
     """R = 1: the simulator's replica driver (`simulate_replicas`) applies the engine's decision
     inside the group (`tails.within_replica`) with unit cost, so every rank's steps, tokens and

@@ -113,11 +113,14 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def rollout_outcome(stack, policy, reqs, **start) -> dict:
+def rollout_outcome(stack, policy, reqs, hold: Callable | None = None, **start) -> dict:
     """One rollout of this rank's requests under `policy` on a `RolloutStack` (`start`: more of
     `RolloutStack.start`'s arguments), then resync: its tokens and log-probs by request id, its
-    record and the membership's release timeline."""
+    record and the membership's release timeline. `hold(run)`, when given, runs between the
+    start and the decoding (a worker that holds some ranks back)."""
     run = stack.start(policy, **start)
+    if hold is not None:
+        hold(run)
     out = run.generate(reqs)
     run.resync(timeout_s=60)
     return {"tokens": {r.request_id: r.token_ids for r in out.results},

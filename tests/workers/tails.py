@@ -1,13 +1,18 @@
 """Tail consolidation on 4 gloo workers, one launch: the same requests under the static policy
 and under the elastic policy with consolidation on, at R = 1 (moves inside the world-wide group,
 one of them chained: a request moved twice) and R = 2 (moves inside a replica and across
-replicas through the job's store), greedy and sampled.
+replicas through the job's store), greedy and sampled; then R = 2 with the simulator's hedge
+and correction, once where nothing is late and once where a late replica corrects.
 
 Usage: torchrun --nproc-per-node 4 tests/workers/tails.py OUT_DIR
 """
 
 import dataclasses
 import os
+import pickle
+import signal
+import threading
+import time
 
 import torch
 from _harness import gather, rollout_outcome as rollout, run
@@ -49,6 +54,93 @@ MAX_NEW = {1: 48, 2: 96}  # the requests' cap at R = 1 and R = 2
 HEDGED = dataclasses.replace(CONSOLIDATE[2], consolidate_correct=True,
                              consolidate_taker_hedge=1.25)
 END_BOUND = 120.0  # engine steps: checked from step 60 on, every 1.2 steps; no replica is late
+# R = 2 once more (sampled, HEDGED's rules), the correction made (`tails.Across.CORRECT`): with
+# no sibling a request's estimate is its cap, so replica 0 is predicted to end at step 96 (rank
+# 0's request), past LATE_BOUND, and at 88 without it (rank 1's). On the step clock the taker's
+# end counts the moved request twice over (the correction's hedge), so replica 1 (four requests
+# capped at 30) takes it at replica 0's step c0 only from its own step c1 <= 2 c0 - 102: a
+# replica well behind. The replicas run on their own clocks, and how far apart they are is the
+# machine's (one can run twenty steps while the other runs one), so the worker sets it, with the
+# processes' own stop and continue signals (`Conductor`): replica 1 starts once replica 0
+# posted step LAG, replica 0 waits until replica 1 posted a state without a queue, replica 1
+# then waits until replica 0's leader wrote to its inbox: replica 0 decides on those states
+CORRECTED = {0: [96], 1: [88], 2: [28, 26], 3: [28, 24]}
+CORRECTED_CAP = {0: 96, 1: 88, 2: 30, 3: 30}
+LATE_BOUND = 90.0  # engine steps: checked from step 45 on, every step
+LAG = 62
+
+
+class Conductor:
+    """Sets how far apart the two replicas' clocks are for the correction's case (above), from
+    what the mailbox posts on the job's store; each watcher thread reads it through a client of
+    its own. `pids`: every rank's process id."""
+
+    def __init__(self, pids):
+        self.pids = pids
+
+    @staticmethod
+    def _until(what: str, ready) -> None:
+        deadline = time.monotonic() + 300
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} within 300 s")
+            time.sleep(0.005)
+
+    def _signal(self, sig, ranks) -> None:
+        for r in ranks:
+            os.kill(self.pids[r], sig)
+
+    def _stopped(self, r: int) -> bool:
+        with open(f"/proc/{self.pids[r]}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+    def hold(self, run) -> None:
+        """Before decoding. Replica 1: wait for replica 0's step LAG, then its leader stops
+        replica 0 and watches replica 1's own posts; replica 0's leader watches its inbox."""
+        me, box = int(os.environ["RANK"]), run.membership.mailbox
+        if me in (2, 3):
+            self._until(f"replica 0 posted no step {LAG}",
+                        lambda: (posted(box.store, box, 0) or (-1,))[0] >= LAG)
+        if me == 2:
+            self._signal(signal.SIGSTOP, (0, 1))
+            threading.Thread(target=self._then_replica_0, args=(box,), daemon=True).start()
+        elif me == 0:
+            threading.Thread(target=self._then_replica_1, args=(box,), daemon=True).start()
+
+    def _then_replica_0(self, box) -> None:
+        """Replica 1's leader: once replica 1 posted a state with nothing queued, it stops and
+        replica 0 goes on."""
+        store = box.store.clone()
+
+        def decoding():
+            clock, states = posted(store, box, 1) or (0, [])
+            return clock >= 1 and not any(s.queued for s in states)
+
+        self._until("replica 1 posted no state without a queue", decoding)
+        self._signal(signal.SIGSTOP, (3,))
+        self._signal(signal.SIGCONT, (0, 1))
+        self._signal(signal.SIGSTOP, (2,))
+
+    def _then_replica_1(self, box) -> None:
+        """Replica 0's leader: once it wrote to replica 1's inbox, or replica 0 is done without,
+        replica 1 (stopped by then) goes on."""
+        store, count = box.store.clone(), box.key("count", 1)
+
+        def decided():
+            if store.check([count]) and int(store.add(count, 0)) >= 1:
+                return True
+            _, states = posted(store, box, 0) or (0, [None])
+            return all(s is not None and not s.running and not s.queued for s in states)
+
+        self._until("replica 0 neither wrote to replica 1's inbox nor ended", decided)
+        self._until("replica 1 did not stop", lambda: self._stopped(2) and self._stopped(3))
+        self._signal(signal.SIGCONT, (2, 3))
+
+
+def posted(store, box, replica: int):
+    """Replica `replica`'s last post on the mailbox, (its step, its ranks' states), or None."""
+    key = box.key("state", replica)
+    return pickle.loads(store.get(key)) if store.check([key]) else None
 
 
 def requests(lengths, rank, sampling, step, max_new):
@@ -79,6 +171,14 @@ def main(out):
                 runs["hedged"] = rollout(dataclasses.replace(stacks[r], elastic=HEDGED),
                                          ReleasePolicy.ELASTIC, reqs, end_bound=END_BOUND)
             results[f"r{r}_{kind}"] = gather(runs)
+    reqs = requests(CORRECTED, rank, SAMPLING["sampled"], step=3, max_new=CORRECTED_CAP[rank])
+    conductor = Conductor(gather(os.getpid()))
+    runs = {"static": rollout(stacks[2], ReleasePolicy.STATIC, reqs),
+            "corrected": rollout(dataclasses.replace(stacks[2], elastic=HEDGED),
+                                 ReleasePolicy.ELASTIC, reqs, hold=conductor.hold,
+                                 end_bound=LATE_BOUND)}
+    results["corrected"] = gather(runs)
+    results["corrected_lengths"] = CORRECTED
     for stack in stacks.values():
         stack.close()
     return results
