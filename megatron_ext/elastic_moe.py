@@ -53,7 +53,7 @@ class Routed:
     probabilities."""
 
     x: torch.Tensor  # [T, H] the layer's input
-    experts: torch.Tensor  # [T, k] int64
+    experts: torch.Tensor  # [T, k] int64; ascending when k > 2 (two terms add alike either way)
     probs: torch.Tensor  # [T, k] router dtype
 
 
@@ -157,6 +157,11 @@ class PlacedMoE:
         self._touched = 0
         self._touched_counts: list[torch.Tensor] = []
         self._stacks: dict[int, Optional[ExpertStack]] = {}  # layer -> own experts stacked
+        # per (layer, dtype): `_whole_stack`'s answer, and per (layer, training) whether the
+        # router is a plain top-k one: checks of module attributes, kept off the per-step path
+        self._whole: dict[tuple, Optional[ExpertStack]] = {}
+        self._plain_router: dict[tuple, bool] = {}
+        self._routers = [mlp.router for mlp in self.layers]
         self.rebind(group, placement)
 
     # ---------------------------------------------------------------- layout
@@ -181,6 +186,8 @@ class PlacedMoE:
                     f"hosts {sorted(hosted)}; transfer the missing experts before rebinding"
                 )
         self.group, self.placement = group, placement
+        self.group_size = len(ranks)
+        self._whole.clear()
         # expert -> index of its owner in the group, on the model's device (indexed by device ids)
         self._owner_index = torch.tensor([placement.group_index(r) for r in placement.owner],
                                          device=self.device)
@@ -197,6 +204,7 @@ class PlacedMoE:
             for name, p in params.items():
                 p.copy_(state[name])
         self.hosted[layer][expert] = module
+        self._whole.clear()
 
     def drop_borrowed(self) -> None:
         """Forget every hosted expert that is not one of the model's own (resync)."""
@@ -204,6 +212,13 @@ class PlacedMoE:
             own = set(mlp.local_expert_indices)
             for e in [e for e in hosted if e not in own]:
                 del hosted[e]
+        self._whole.clear()
+
+    def forget_stacks(self) -> None:
+        """Drop the stacked expert views (rebuilt from the parameters at the next step): after
+        the experts' storage was replaced."""
+        self._stacks.clear()
+        self._whole.clear()
 
     @property
     def experts_touched(self) -> int:
@@ -247,11 +262,16 @@ class PlacedMoE:
         if t == 0:
             empty = torch.empty(0, self.topk, dtype=torch.long, device=x.device)
             return Routed(x, empty, torch.empty(0, self.topk, dtype=self.prob_dtype, device=x.device))
-        router = self.layers[layer].router
-        if _plain_topk_router(router):
+        router = self._routers[layer]
+        key = (layer, router.training)
+        if key not in self._plain_router:
+            self._plain_router[key] = _plain_topk_router(router)
+        if self._plain_router[key]:
             probs, top = _raw_topk(router, x)  # [T, k] x2, in top-k order
-            experts, order = top.sort(dim=1)
-            return Routed(x, experts, probs.gather(1, order).to(self.prob_dtype))
+            if self.topk > 2:  # the combine sums a token's k outputs in ascending expert order
+                top, order = top.sort(dim=1)
+                probs = probs.gather(1, order)
+            return Routed(x, top, probs.to(self.prob_dtype))
         probs, routing_map = router(x.view(t, 1, self.hidden))  # [T, E] x2
         # the k chosen experts of each token in ascending order, without a host sync (nonzero)
         experts = torch.topk(routing_map.to(torch.int8), self.topk, dim=1).indices.sort(dim=1).values
@@ -265,7 +285,7 @@ class PlacedMoE:
         (compute runs one GEMM per expert: it needs the rows of each)."""
         x, experts = routed.x, routed.experts
         k, E = self.topk, self.num_experts
-        size = dist.get_world_size(self.group)
+        size = self.group_size
         flat = experts.reshape(-1)  # [T*k], token-major: pair i is token i // k
         key = flat if size == 1 else self._owner_index[flat] * E + flat  # [T*k] (owner, expert)
         order = torch.argsort(key, stable=True)  # token order kept within an expert
@@ -334,9 +354,18 @@ class PlacedMoE:
     def _whole_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
         """The layer's stacked own experts when they are all of its experts, hosted alone (no
         borrowed ones), raw, and a grouped GEMM runs for `x`'s dtype and device: then every row
-        this rank receives is for the stack (the placement gives it every expert)."""
+        this rank receives is for the stack (the placement gives it every expert). Kept per
+        layer and dtype until the hosted experts or the group change."""
+        if x.shape[0] == 0:
+            return None
+        key = (layer, x.dtype)
+        if key not in self._whole:
+            self._whole[key] = self._find_whole_stack(layer, x)
+        return self._whole[key]
+
+    def _find_whole_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
         mlp = self.layers[layer]
-        if (x.shape[0] == 0 or len(self.hosted[layer]) != self.num_experts
+        if (len(self.hosted[layer]) != self.num_experts
                 or len(mlp.local_expert_indices) != self.num_experts
                 or not self._raw_experts(mlp.experts.local_experts[0])):
             return None
@@ -415,7 +444,8 @@ class PlacedMoE:
 
     def combine(self, layer: int, handle: "Dispatched", rows: torch.Tensor) -> torch.Tensor:
         """Expert outputs back to their tokens (one all-to-all), then one scatter into [T, k, H]
-        and a sum over k in ascending expert order: the same whatever rank computed them."""
+        and a sum over k in ascending expert order (k > 2; two terms add alike in either
+        order): the same whatever rank computed them."""
         back = rows if handle.send_splits is None else exchange_rows_back(
             rows, handle.send_splits, handle.recv_splits, self.group)
         t = handle.order.numel() // self.topk
