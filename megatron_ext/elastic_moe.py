@@ -162,6 +162,7 @@ class PlacedMoE:
         self._whole: dict[tuple, Optional[ExpertStack]] = {}
         self._plain_router: dict[tuple, bool] = {}
         self._routers = [mlp.router for mlp in self.layers]
+        self._expert_config = [next(iter(h.values())).config for h in self.hosted]
         self.rebind(group, placement)
 
     # ---------------------------------------------------------------- layout
@@ -225,7 +226,7 @@ class PlacedMoE:
         """Hosted experts that received rows so far, summed over layers and steps (one host read
         of the layers' pending device counts)."""
         if self._touched_counts:
-            self._touched += int((torch.stack(self._touched_counts) > 0).sum())
+            self._touched += int(torch.stack(self._touched_counts).count_nonzero())
             self._touched_counts.clear()
         return self._touched
 
@@ -322,9 +323,8 @@ class PlacedMoE:
         self._touched_counts.append(handle.counts)
         if stack is not None:
             offs = handle.counts.cumsum(0, dtype=torch.int32)  # [E] one past each expert's rows
-            module = next(iter(self.hosted[layer].values()))
             h = torch._grouped_mm(rows, stack.weights["linear_fc1"].transpose(1, 2), offs=offs)
-            h = self._activation(module.config, h, probs)  # [N, F]
+            h = self._activation(self._expert_config[layer], h, probs)  # [N, F]
             return torch._grouped_mm(h, stack.weights["linear_fc2"].transpose(1, 2), offs=offs)
         hosted = self.hosted[layer]
         groups = []  # (expert, module, first row, rows) of each expert that received rows

@@ -580,8 +580,8 @@ class RolloutEngine:
     def _additive(self, seen: torch.Tensor) -> torch.Tensor:
         """A boolean attention mask as the additive one (0 / -inf) SDPA would make of it in every
         layer: once per step here. Every row sees its position 0 at least: no row is all -inf."""
-        return torch.zeros(seen.shape, dtype=self.dtype, device=seen.device).masked_fill_(
-            ~seen, float("-inf"))
+        return torch.full(seen.shape, float("-inf"), dtype=self.dtype,
+                          device=seen.device).masked_fill_(seen, 0.0)
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Megatron's `LanguageModelEmbedding` of tokens [1, T] -> [T, H]: at TP=1 in eval, with
