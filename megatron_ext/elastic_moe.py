@@ -22,7 +22,7 @@ collectives live in `flexfloor.rollout.collectives` (buffers on the group's devi
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -65,6 +65,11 @@ class ExpertStack:
     first: int
     count: int
     weights: dict[str, torch.Tensor]
+    # the same as [count, in, out] views: `torch._grouped_mm`'s second operand, made once
+    operands: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.operands = {name: w.transpose(1, 2) for name, w in self.weights.items()}
 
 
 def stacked_weights(weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -272,7 +277,9 @@ class PlacedMoE:
             if self.topk > 2:  # the combine sums a token's k outputs in ascending expert order
                 top, order = top.sort(dim=1)
                 probs = probs.gather(1, order)
-            return Routed(x, top, probs.to(self.prob_dtype))
+            if probs.dtype != self.prob_dtype:
+                probs = probs.to(self.prob_dtype)
+            return Routed(x, top, probs)
         probs, routing_map = router(x.view(t, 1, self.hidden))  # [T, E] x2
         # the k chosen experts of each token in ascending order, without a host sync (nonzero)
         experts = torch.topk(routing_map.to(torch.int8), self.topk, dim=1).indices.sort(dim=1).values
@@ -323,9 +330,9 @@ class PlacedMoE:
         self._touched_counts.append(handle.counts)
         if stack is not None:
             offs = handle.counts.cumsum(0, dtype=torch.int32)  # [E] one past each expert's rows
-            h = torch._grouped_mm(rows, stack.weights["linear_fc1"].transpose(1, 2), offs=offs)
+            h = torch._grouped_mm(rows, stack.operands["linear_fc1"], offs=offs)
             h = self._activation(self._expert_config[layer], h, probs)  # [N, F]
-            return torch._grouped_mm(h, stack.weights["linear_fc2"].transpose(1, 2), offs=offs)
+            return torch._grouped_mm(h, stack.operands["linear_fc2"], offs=offs)
         hosted = self.hosted[layer]
         groups = []  # (expert, module, first row, rows) of each expert that received rows
         start = 0
@@ -416,8 +423,7 @@ class PlacedMoE:
             hi = inside[-1][2] + inside[-1][3]
             counts = torch.tensor(per_expert[first:first + count], dtype=torch.int32)
             offs = counts.cumsum(0, dtype=torch.int32).to(x.device)
-            w = stack.weights[name]  # [experts, out, in]
-            parts.append(torch._grouped_mm(x[lo:hi], w.transpose(1, 2), offs=offs))
+            parts.append(torch._grouped_mm(x[lo:hi], stack.operands[name], offs=offs))
         parts += [F.linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in after]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -440,7 +446,8 @@ class PlacedMoE:
             h = cfg.activation_func(a) * b
         else:
             h = cfg.activation_func(h)
-        return (h * p.unsqueeze(-1)).to(h.dtype)
+        out = h * p.unsqueeze(-1)
+        return out if out.dtype == h.dtype else out.to(h.dtype)
 
     def combine(self, layer: int, handle: "Dispatched", rows: torch.Tensor) -> torch.Tensor:
         """Expert outputs back to their tokens (one all-to-all), then one scatter into [T, k, H]
@@ -488,11 +495,13 @@ def _raw_topk(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ops: returns the top-k probabilities and expert indices [T, k] x2, in top-k order."""
     cfg, k = router.config, router.topk
     dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype, x.dtype)
-    w = router.weight.to(dtype)
+    w = router.weight
+    w = w if w.dtype == dtype else w.to(dtype)
+    x = x if x.dtype == dtype else x.to(dtype)
     if router.bias is None:
-        logits = torch.mm(x.to(dtype), w.t())  # [T, E]
+        logits = torch.mm(x, w.t())  # [T, E]
     else:
-        logits = torch.addmm(router.bias.to(dtype), x.to(dtype), w.t())
+        logits = torch.addmm(router.bias.to(dtype), x, w.t())
     if router.score_function == "softmax":
         if cfg.moe_router_pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
