@@ -307,7 +307,7 @@ class Rollout:
     tokens: int = 0
     migrated_out: list = field(default_factory=list)  # request ids handed to another rank
     adopted: list = field(default_factory=list)  # requests taken over from another rank
-    plan: Optional[list] = None  # per layer, its `_LayerPlan`
+    plan: Optional["_Plan"] = None  # what the steps read of the model
 
     @property
     def has_work(self) -> bool:
@@ -354,13 +354,35 @@ class _LayerPlan:
 
     attn: object  # the layer's self-attention (its linear_qkv, for `_qkv`)
     input_norm: object  # callable: `_norm_call`
-    plain_qkv: bool  # linear_qkv is Megatron's own linear (`_is_plain_linear`)
+    qkv: object  # callable: `_linear_call` of linear_qkv; None: not Megatron's own linear
     q_norm: object  # per-head or full-width q/k norms (None: none)
     k_norm: object
     pair_weight: Optional[torch.Tensor]  # the paired q/k norms' `paired_norm_weight`
-    proj: object  # linear_proj
+    proj: object  # callable (x, residual): `_linear_call` of linear_proj
     scale: float  # the attention's softmax scale
     pre_mlp_norm: object
+
+
+@dataclass
+class _Plan:
+    """What a rollout's steps read of the model, looked up once per rollout."""
+
+    layers: list  # of _LayerPlan
+    final_norm: object  # callable: `_norm_call` of the final layer norm
+    output_weight: torch.Tensor
+
+
+def _linear_call(module):
+    """`_linear(module, x, residual)` as a callable of (x, residual=None), a plain linear's
+    weight (and its transpose) read once."""
+    if not _is_plain_linear(module) or module.bias is not None:
+        return functools.partial(_linear, module)
+    w = module.weight
+    wt = w.t()
+
+    def call(x, residual=None):
+        return F.linear(x, w) if residual is None else torch.addmm(residual, x, wt)
+    return call
 
 
 def _norm_call(module):
@@ -595,8 +617,8 @@ class RolloutEngine:
             return emb(input_ids=tokens, position_ids=positions).view(-1, self.config.hidden_size)
         return F.embedding(tokens.view(-1), emb.word_embeddings.weight)
 
-    def _plan(self) -> list["_LayerPlan"]:
-        """Per layer, its `_LayerPlan`, built once per rollout (the weights do not change inside
+    def _plan(self) -> _Plan:
+        """The rollout's `_Plan`, built once per rollout (the weights do not change inside
         one)."""
         r = self.heads // self.groups
         out = []
@@ -608,16 +630,17 @@ class RolloutEngine:
             paired = (plain and q_norm is not None and k_norm is not None
                       and _paired_norms(q_norm, k_norm, self.head_dim))
             out.append(_LayerPlan(
-                attn=attn, input_norm=_norm_call(layer.input_layernorm), plain_qkv=plain,
+                attn=attn, input_norm=_norm_call(layer.input_layernorm),
+                qkv=_linear_call(attn.linear_qkv) if plain else None,
                 q_norm=q_norm, k_norm=k_norm,
                 pair_weight=paired_norm_weight(q_norm, k_norm, r) if paired else None,
-                proj=attn.linear_proj, scale=attn.core_attention.softmax_scale,
+                proj=_linear_call(attn.linear_proj), scale=attn.core_attention.softmax_scale,
                 pre_mlp_norm=_norm_call(layer.pre_mlp_layernorm)))
-        return out
+        return _Plan(out, _norm_call(self.model.decoder.final_layernorm), self._output_weight())
 
     @torch.inference_mode()
     def forward(self, running: list[_Running], pool: BlockPool,
-                plan: Optional[list] = None) -> torch.Tensor:
+                plan: Optional[_Plan] = None) -> torch.Tensor:
         """One forward over the pending tokens of every running request (their blocks already
         taken); returns the logits of each request's last new token [B, V] and stores the new
         K/V in the pool.
@@ -639,19 +662,23 @@ class RolloutEngine:
         blocks = pool.k.shape[1] // self.block_tokens
         x = self._embed(batch.tokens, batch.positions)  # [T, H]
         rope = self._rotary(batch.positions[0])  # cos, signed sin [T, 1, rot], every layer
-        keys_of = pool.k.view(-1, blocks, self.block_tokens, G, D).unbind(0)  # per layer
-        values_of = pool.v.view(-1, blocks, self.block_tokens, G, D).unbind(0)
-        for li, lp in enumerate(plan):
+        stores = pool.k.unbind(0), pool.v.unbind(0)  # per layer [slots, G, D]
+        if batch.lanes is not None:  # the lanes as views of the pool: [R, G, L, D] per layer
+            lane_keys, lane_values = pool.lane_views(batch.lanes, L // self.block_tokens)
+        else:  # per layer [blocks, block_tokens, G, D], gathered through the block tables
+            keys_of = pool.k.view(-1, blocks, self.block_tokens, G, D).unbind(0)
+            values_of = pool.v.view(-1, blocks, self.block_tokens, G, D).unbind(0)
+        for li, lp in enumerate(plan.layers):
             # q [T, heads, D], k and v [T, groups, D], RoPE applied
             q, k, v = self._qkv(lp, lp.input_norm(x), *rope)
-            kb, vb = keys_of[li], values_of[li]  # [blocks, block_tokens, G, D]
-            kb.view(-1, G, D).index_copy_(0, batch.new_slots, k)
-            vb.view(-1, G, D).index_copy_(0, batch.new_slots, v)
-            if batch.lanes is not None:  # the lanes as views of the pool: [R, G, L, D]
-                keys, values = pool.lane_view(li, batch.lanes, L // self.block_tokens)
+            stores[0][li].index_copy_(0, batch.new_slots, k)
+            stores[1][li].index_copy_(0, batch.new_slots, v)
+            if batch.lanes is not None:
+                keys, values = lane_keys[li], lane_values[li]
             else:  # whole blocks through the block tables: [B, L, G, D] -> [B, G, L, D]
-                keys = kb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
-                values = vb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
+                keys = keys_of[li].index_select(0, batch.tables).view(B, L, G, D)
+                values = values_of[li].index_select(0, batch.tables).view(B, L, G, D)
+                keys, values = keys.transpose(1, 2), values.transpose(1, 2)
             if batch.query_index is None:  # decode only: query b is token b, Q == 1
                 queries = q.view(B, heads, 1, D)
             else:
@@ -667,12 +694,12 @@ class RolloutEngine:
             o = o.transpose(1, 2).reshape(B * Q, heads * D)
             if batch.out_index is not None:
                 o = o[batch.out_index]
-            x = _linear(lp.proj, o, residual=x)
+            x = lp.proj(o, x)
             x = x + self.moe.forward(li, lp.pre_mlp_norm(x))
         for r in running:
             r.length += len(r.pending)
-        h = _norm(self.model.decoder.final_layernorm, x if batch.last is None else x[batch.last])
-        logits = F.linear(h, self._output_weight())  # [B, V]
+        h = plan.final_norm(x if batch.last is None else x[batch.last])
+        logits = F.linear(h, plan.output_weight)  # [B, V]
         if self.valid_vocab is not None:
             logits = logits[:, : self.valid_vocab]
         return logits.float() if logits.dtype != torch.float64 else logits
@@ -683,11 +710,11 @@ class RolloutEngine:
         D], possibly strided views): the fused projection viewed per query group as
         [q heads..., k, v], then `qk_norm_rope`. A transformer-engine projection (its input
         norm fused in) goes through Megatron's call."""
-        if not lp.plain_qkv:
+        if lp.qkv is None:
             q, k, v = lp.attn.get_query_key_value_tensors(h.unsqueeze(1), None)[:3]
             return _rope(q[:, 0], cos, sin), _rope(k[:, 0], cos, sin), v[:, 0]
         r, D = self.heads // self.groups, self.head_dim
-        mixed = _linear(lp.attn.linear_qkv, h).view(-1, self.groups, r + 2, D)  # [T, G, r+2, D]
+        mixed = lp.qkv(h).view(-1, self.groups, r + 2, D)  # [T, G, r+2, D]
         return qk_norm_rope(mixed, lp.q_norm, lp.k_norm, cos, sin, lp.pair_weight)
 
     def _output_weight(self) -> torch.Tensor:

@@ -209,6 +209,15 @@ class BlockPool(BlockLedger):
             views.append(s[:, : width * bt].transpose(1, 2))
         return views[0], views[1]
 
+    def lane_views(self, lanes: int, width: int) -> tuple[tuple, tuple]:
+        """`lane_view` of every layer at once (one step's views made together): K per layer,
+        V per layer."""
+        W, bt = self.lane_blocks, self.block_tokens
+        L, _, G, D = self._shape
+        return tuple(
+            store[:, : lanes * W * bt].view(L, lanes, W * bt, G, D)[:, :, : width * bt]
+            .transpose(2, 3).unbind(0) for store in (self.k, self.v))
+
     def slots(self, table: list[int], start: int, stop: int) -> list[int]:
         """Slot of each position start..stop-1 of a request with block table `table`."""
         bt = self.block_tokens
