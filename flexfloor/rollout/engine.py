@@ -745,6 +745,8 @@ class RolloutEngine:
                          head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                          block_tokens=self.block_tokens, capacity=self.capacity_blocks,
                          lane_blocks=self._lane_blocks(requests))
+        if pool.lane_blocks is not None:  # the lanes the first admissions open, in one go
+            pool.reserve(min(len(requests), self.max_batch_size) * pool.lane_blocks)
         trace = StepTrace(num_experts=self.moe.num_experts, num_layers=len(self.moe.layers),
                           expert_bytes=self.moe.expert_nbytes)
         trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
