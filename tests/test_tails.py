@@ -272,7 +272,8 @@ def test_the_takers_hedge_refuses_a_hand_over_its_own_requests_may_outrun():
     hedged = replace(ACROSS, taker_hedge=1.25)
     assert decided(states, {0: 50, 1: 50}, 1, hedged) == ([], [], [])
     assert hedged.across_rules().taker_hedge == 1.25  # the rules decide() gets
-    assert ACROSS.decision_rules(1).taker_hedge == 1.0  # inside a replica: the caps are bounds
+    assert ACROSS.within_rules().taker_hedge == 1.0  # inside a replica: the caps are bounds
+    assert not ACROSS.within_rules().hedged and ACROSS.within_rules().min_replicas == 1
 
 
 def test_the_correction_hands_a_late_replicas_longest_request_over_and_it_stays():

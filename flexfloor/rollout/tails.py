@@ -163,10 +163,11 @@ class TailRules:
                    taker_hedge=elastic_cfg.consolidate_taker_hedge,
                    correct=elastic_cfg.consolidate_correct)
 
-    def decision_rules(self, min_replicas: int, *, hedged: bool = True) -> ConsolidationRules:
-        """Inside a replica (`within_replica`): the estimates as they are (module doc)."""
-        return ConsolidationRules(min_replicas=min_replicas, reserve_blocks=self.reserve_blocks,
-                                  max_requests=self.max_requests, hedged=hedged)
+    def within_rules(self) -> ConsolidationRules:
+        """Inside a replica (`within_replica`): the floor's ranks stay, no hedge (every
+        estimate there is the request's cap, a bound, on one clock: module doc)."""
+        return ConsolidationRules(min_replicas=self.floor, reserve_blocks=self.reserve_blocks,
+                                  max_requests=self.max_requests, hedged=False)
 
     def across_rules(self) -> ConsolidationRules:
         """Between replicas (`across_replicas`): the hedged rules, with the taker's hedge and,
@@ -239,8 +240,7 @@ def within_replica(states: Sequence[RankState], rules: TailRules, *, max_batch: 
     clock (`MoveCosts.prices`; the default re-prefills every move)."""
     ranks = tuple(replace(s, replica=s.rank) for s in states)
     state = ConsolidationState(ranks, {s.rank: 0.0 for s in ranks}, max_batch, block_tokens)
-    # every estimate is the request's cap (a bound) on one clock: no hedge is needed
-    return decide(state, rules.decision_rules(rules.floor, hedged=False), UNIT_STEP, prices)
+    return decide(state, rules.within_rules(), UNIT_STEP, prices)
 
 
 def after_moves(report, ranks: Sequence[int], moves: Sequence[Move], cached: dict,
