@@ -216,10 +216,9 @@ def test_placement_across_replicas_puts_long_work_on_the_staying_replica_within_
         for q in v:
             where.setdefault(q.prompt_uid, []).append(r)
     # the longest prompt alone on one replica, two samples to a rank, would end past static's
-    # predicted end (726 against 718 steps: a step there reads twice the KV), so it goes one
-    # sample per rank over the two replicas meant to stay; the next fits alone (two to a rank)
-    # and does not fit beside the first, so it takes the third replica, the short work the room
-    # left beside the first
+    # predicted end (726 against 718 steps: a step there reads twice the KV), so it goes round
+    # robin over the two replicas meant to stay, one sample per rank; the next fits alone (two
+    # to a rank) and not beside the first, so it takes the third replica
     assert sorted(where[0]) == [0, 1, 2, 3]
     assert len({r // 2 for r in where[1]}) == 1 and where[1][0] in (4, 5)
     # every rank within the bound (the static baseline's predicted end)
@@ -415,11 +414,11 @@ def test_a_taker_whose_own_work_may_run_long_takes_nothing():
     assert [(m.src, m.dst) for m in d.moves] == [(2, 4)]
 
 
-def test_a_prompt_too_long_for_one_replica_goes_one_sample_per_rank():
+def test_a_prompt_too_long_for_one_replica_goes_over_two_one_sample_per_rank():
     """A prompt of 4 samples on 2-rank replicas: alone on one replica its samples run two to a
     rank (200 steps at 2 per step), past static's predicted end (170: one to a rank, beside the
-    short work), so it is placed in parts of one sample per rank, each part as a group: one on
-    each replica (both on replica 0 would be two to a rank again, past the bound)."""
+    short work), so it goes round robin over two replicas, one sample per rank (on one replica
+    it would be two to a rank again)."""
     h = LengthHistory()
     h.record(0, [100] * 4)
     for uid in range(1, 8):

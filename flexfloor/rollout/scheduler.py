@@ -755,7 +755,14 @@ class Scheduler:
         reqs_all = [q for g in groups for q in g.requests]
         cap = float(max((q.max_new_tokens for q in reqs_all), default=0))
 
-        def ends(per_rank: Sequence[Sequence[Request]]) -> tuple[float, float]:
+        # the bounds price every rank as if its group were loaded alike (`pace_margin` was set
+        # against that: with the group's shared part, `GroupStepCost.shared`, the bound came
+        # down and paper-like ended 1.2% after static); whether a prompt alone on one replica
+        # ends past static is priced with it, where it tells one from the other
+        grouped, step_cost = step_cost, getattr(step_cost, "per_rank", step_cost)
+
+        def ends(per_rank: Sequence[Sequence[Request]], step_cost=step_cost
+                 ) -> tuple[float, float]:
             """(predicted end, end if its longest request ran to the cap)"""
             lengths = [[est[q.request_id] for q in reqs] for reqs in per_rank]
             prompts = [[len(q.prompt_ids) for q in reqs] for reqs in per_rank]
@@ -765,15 +772,17 @@ class Scheduler:
         static = _round_robin(reqs_all, replicas)
         static_ends = [ends([static[r] for r in g]) for g in replicas]
         static_end = tuple(max((e[k] for e in static_ends), default=0.0) for k in (0, 1))
+        static_grouped = max((ends([static[r] for r in g], grouped)[0] for g in replicas),
+                             default=0.0)
         bound = tuple(b * self.pace_margin for b in static_end)
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
 
-        def alone(g: PromptGroup) -> tuple[float, float]:
+        def alone(g: PromptGroup, step_cost=step_cost) -> tuple[float, float]:
             """`ends` of a group alone on a replica, its samples spread over the ranks."""
             per_rank: list[list[Request]] = [[] for _ in replicas[0]]
             for i, q in enumerate(g.requests):
                 per_rank[i % len(per_rank)].append(q)
-            return ends(per_rank)
+            return ends(per_rank, step_cost)
 
         # a prompt with no history has nothing to concentrate by: its samples go as static's
         # do (round robin over the replicas, then their ranks), which keeps the replicas'
@@ -781,20 +790,28 @@ class Scheduler:
         start = _round_robin([q for g in groups if not self.history.last(g.uid)
                               for q in g.requests], replicas)
         order = [g for g in order if self.history.last(g.uid)]
-        # a prompt with more samples than a replica has ranks that alone on one replica would
-        # end past static's predicted end goes in parts of one sample per rank, each placed as
-        # a group: two to a rank, its samples step slower than static's one to a rank (the
-        # small cluster's seed 3 ended 2% after static)
-        per_replica = len(replicas[0])
-        parts: list[PromptGroup] = []
-        for k, g in enumerate(order):
-            if len(g.requests) <= per_replica or alone(g)[0] <= static_end[0]:
-                parts += order[k:]  # the longest predicted first: the rest end sooner alone
-                break
-            reqs = sorted(g.requests, key=lambda q: (-est[q.request_id], q.sample_index))
-            n = -(-len(reqs) // per_replica)
-            parts += [PromptGroup(g.uid, tuple(reqs[j::n])) for j in range(n)]
-        order = parts
+
+        def spread(g: PromptGroup, k: int) -> tuple[dict[int, list[Request]], tuple]:
+            """g's samples round robin over the first k replicas, then their ranks, beside
+            what is placed there: (rank -> requests, the latest of those replicas' `ends`)."""
+            trial = {r: start[r] + reqs
+                     for r, reqs in _round_robin(list(g.requests), replicas[:k]).items()}
+            return trial, max(ends([trial[r] for r in ranks], grouped)
+                              for ranks in replicas[:k])
+
+        # a prompt that alone on one replica would end past static's predicted end goes round
+        # robin over the fewest of the replicas meant to stay that end it in time (all of them
+        # if none do), before the others are placed: static holds its samples one to a replica,
+        # and a lockstep step of fewer requests reads fewer experts (small seed 3 ended 2% after
+        # static with the prompt's 8 samples two to a rank on one replica of 4)
+        while order and alone(order[0], grouped)[0] > static_grouped:  # the longest first
+            g = order.pop(0)
+            for k in range(2, len(replicas) + 1):
+                trial, got = spread(g, k)
+                if got[0] <= static_grouped or k == len(replicas):
+                    break
+            start.update(trial)
+            bound = tuple(max(b, e) for b, e in zip(bound, got))
         if order:  # the longest group alone, spread over a replica's ranks
             bound = tuple(max(b, e) for b, e in zip(bound, alone(order[0])))
 
