@@ -301,6 +301,15 @@ class ElasticConfig:
     # store. Off by default: the replicas run on their own clocks, so which step a hand-over
     # lands at (and so each rank's steps) depends on their timing; the tokens never do
     consolidate_across: bool = False
+    # across replicas, the simulator's hedge and online correction (flexfloor/rollout/tails.py,
+    # on the engine's step clock): a taker counts its own running requests at this times their
+    # estimate when it takes requests, and those that outlived their siblings up to their cap
+    # (1.0: as estimated; the simulator's GPU scenarios run 1.25)
+    consolidate_taker_hedge: float = 1.0
+    # across replicas, a replica predicted past the plan's end (the static baseline's, in steps)
+    # hands its longest requests to replicas running anyway and stays; a leaving replica's
+    # requests count half as long again on their takers (the simulator's `correct`)
+    consolidate_correct: bool = False
     # a request moved inside a replica: its KV blocks sent, or re-prefilled (same tokens)
     move_kv: MoveKV = MoveKV.AUTO
     # the link the ranks of a replica share, bytes/s (auto prices a KV transfer over it): gloo
@@ -338,6 +347,15 @@ class ElasticConfig:
                  f"{self.move_kv!r} is not allowed; use one of: "
                  + ", ".join(m.value for m in MoveKV))
         _non_negative("elastic", self, "consolidate_reserve_blocks")
+        _require(self.consolidate_taker_hedge >= 1.0, "elastic.consolidate_taker_hedge",
+                 f"must be >= 1, got {self.consolidate_taker_hedge!r} (a taker's own requests "
+                 "counted at less than their estimate); set it to 1 (off) or more")
+        across = self.consolidate and self.consolidate_across
+        for name, on in (("consolidate_taker_hedge", self.consolidate_taker_hedge != 1.0),
+                         ("consolidate_correct", self.consolidate_correct)):
+            _require(across or not on, f"elastic.{name}",
+                     "applies across replicas only; set elastic.consolidate=true and "
+                     f"elastic.consolidate_across=true, or leave elastic.{name} at its default")
 
     def offloads(self, device) -> bool:
         """Whether a released rank offloads on `device` (`offload_on_release`, resolved)."""

@@ -42,6 +42,7 @@ from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
 from flexfloor.rollout.replicas import held_to_end, route_least_outstanding
 from flexfloor.rollout.scheduler import PromptGroup, RolloutPlan, Scheduler, prediction_accuracy
 from flexfloor.rollout.stack import RolloutStack
+from flexfloor.rollout.tails import end_to_keep
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.tokenizer import check_vocab, load_tokenizer
 from flexfloor.runlog import RunLog
@@ -248,7 +249,8 @@ class Job:
             plan = plan_rollout(self.scheduler, groups, policy=policy,
                                 replicas=self.stack.layout.topology.replicas)
             run = self.stack.start(policy, step=k, on_event=self._release_listener(),
-                                   expected_finish=plan.expected_finish)
+                                   expected_finish=plan.expected_finish,
+                                   end_bound=end_to_keep(plan))
         with self.phase("rollout", k):
             out = run.generate(plan.assignment[self.rank])
         with self.phase("resync", k):

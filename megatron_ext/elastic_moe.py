@@ -22,7 +22,7 @@ collectives live in `flexfloor.rollout.collectives` (buffers on the group's devi
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -53,7 +53,7 @@ class Routed:
     probabilities."""
 
     x: torch.Tensor  # [T, H] the layer's input
-    experts: torch.Tensor  # [T, k] int64
+    experts: torch.Tensor  # [T, k] int64; ascending when k > 2 (two terms add alike either way)
     probs: torch.Tensor  # [T, k] router dtype
 
 
@@ -65,6 +65,11 @@ class ExpertStack:
     first: int
     count: int
     weights: dict[str, torch.Tensor]
+    # the same as [count, in, out] views: `torch._grouped_mm`'s second operand, made once
+    operands: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.operands = {name: w.transpose(1, 2) for name, w in self.weights.items()}
 
 
 def stacked_weights(weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -157,6 +162,12 @@ class PlacedMoE:
         self._touched = 0
         self._touched_counts: list[torch.Tensor] = []
         self._stacks: dict[int, Optional[ExpertStack]] = {}  # layer -> own experts stacked
+        # per (layer, dtype): `_whole_stack`'s answer, and per (layer, training) whether the
+        # router is a plain top-k one: checks of module attributes, kept off the per-step path
+        self._whole: dict[tuple, Optional[ExpertStack]] = {}
+        self._plain_router: dict[tuple, bool] = {}
+        self._routers = [mlp.router for mlp in self.layers]
+        self._expert_config = [next(iter(h.values())).config for h in self.hosted]
         self.rebind(group, placement)
 
     # ---------------------------------------------------------------- layout
@@ -181,6 +192,8 @@ class PlacedMoE:
                     f"hosts {sorted(hosted)}; transfer the missing experts before rebinding"
                 )
         self.group, self.placement = group, placement
+        self.group_size = len(ranks)
+        self._whole.clear()
         # expert -> index of its owner in the group, on the model's device (indexed by device ids)
         self._owner_index = torch.tensor([placement.group_index(r) for r in placement.owner],
                                          device=self.device)
@@ -197,6 +210,7 @@ class PlacedMoE:
             for name, p in params.items():
                 p.copy_(state[name])
         self.hosted[layer][expert] = module
+        self._whole.clear()
 
     def drop_borrowed(self) -> None:
         """Forget every hosted expert that is not one of the model's own (resync)."""
@@ -204,13 +218,20 @@ class PlacedMoE:
             own = set(mlp.local_expert_indices)
             for e in [e for e in hosted if e not in own]:
                 del hosted[e]
+        self._whole.clear()
+
+    def forget_stacks(self) -> None:
+        """Drop the stacked expert views (rebuilt from the parameters at the next step): after
+        the experts' storage was replaced."""
+        self._stacks.clear()
+        self._whole.clear()
 
     @property
     def experts_touched(self) -> int:
         """Hosted experts that received rows so far, summed over layers and steps (one host read
         of the layers' pending device counts)."""
         if self._touched_counts:
-            self._touched += int((torch.stack(self._touched_counts) > 0).sum())
+            self._touched += int(torch.stack(self._touched_counts).count_nonzero())
             self._touched_counts.clear()
         return self._touched
 
@@ -247,11 +268,18 @@ class PlacedMoE:
         if t == 0:
             empty = torch.empty(0, self.topk, dtype=torch.long, device=x.device)
             return Routed(x, empty, torch.empty(0, self.topk, dtype=self.prob_dtype, device=x.device))
-        router = self.layers[layer].router
-        if _plain_topk_router(router):
+        router = self._routers[layer]
+        key = (layer, router.training)
+        if key not in self._plain_router:
+            self._plain_router[key] = _plain_topk_router(router)
+        if self._plain_router[key]:
             probs, top = _raw_topk(router, x)  # [T, k] x2, in top-k order
-            experts, order = top.sort(dim=1)
-            return Routed(x, experts, probs.gather(1, order).to(self.prob_dtype))
+            if self.topk > 2:  # the combine sums a token's k outputs in ascending expert order
+                top, order = top.sort(dim=1)
+                probs = probs.gather(1, order)
+            if probs.dtype != self.prob_dtype:
+                probs = probs.to(self.prob_dtype)
+            return Routed(x, top, probs)
         probs, routing_map = router(x.view(t, 1, self.hidden))  # [T, E] x2
         # the k chosen experts of each token in ascending order, without a host sync (nonzero)
         experts = torch.topk(routing_map.to(torch.int8), self.topk, dim=1).indices.sort(dim=1).values
@@ -265,7 +293,7 @@ class PlacedMoE:
         (compute runs one GEMM per expert: it needs the rows of each)."""
         x, experts = routed.x, routed.experts
         k, E = self.topk, self.num_experts
-        size = dist.get_world_size(self.group)
+        size = self.group_size
         flat = experts.reshape(-1)  # [T*k], token-major: pair i is token i // k
         key = flat if size == 1 else self._owner_index[flat] * E + flat  # [T*k] (owner, expert)
         order = torch.argsort(key, stable=True)  # token order kept within an expert
@@ -302,10 +330,9 @@ class PlacedMoE:
         self._touched_counts.append(handle.counts)
         if stack is not None:
             offs = handle.counts.cumsum(0, dtype=torch.int32)  # [E] one past each expert's rows
-            module = next(iter(self.hosted[layer].values()))
-            h = torch._grouped_mm(rows, stack.weights["linear_fc1"].transpose(1, 2), offs=offs)
-            h = self._activation(module.config, h, probs)  # [N, F]
-            return torch._grouped_mm(h, stack.weights["linear_fc2"].transpose(1, 2), offs=offs)
+            h = torch._grouped_mm(rows, stack.operands["linear_fc1"], offs=offs)
+            h = self._activation(self._expert_config[layer], h, probs)  # [N, F]
+            return torch._grouped_mm(h, stack.operands["linear_fc2"], offs=offs)
         hosted = self.hosted[layer]
         groups = []  # (expert, module, first row, rows) of each expert that received rows
         start = 0
@@ -334,9 +361,18 @@ class PlacedMoE:
     def _whole_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
         """The layer's stacked own experts when they are all of its experts, hosted alone (no
         borrowed ones), raw, and a grouped GEMM runs for `x`'s dtype and device: then every row
-        this rank receives is for the stack (the placement gives it every expert)."""
+        this rank receives is for the stack (the placement gives it every expert). Kept per
+        layer and dtype until the hosted experts or the group change."""
+        if x.shape[0] == 0:
+            return None
+        key = (layer, x.dtype)
+        if key not in self._whole:
+            self._whole[key] = self._find_whole_stack(layer, x)
+        return self._whole[key]
+
+    def _find_whole_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
         mlp = self.layers[layer]
-        if (x.shape[0] == 0 or len(self.hosted[layer]) != self.num_experts
+        if (len(self.hosted[layer]) != self.num_experts
                 or len(mlp.local_expert_indices) != self.num_experts
                 or not self._raw_experts(mlp.experts.local_experts[0])):
             return None
@@ -387,8 +423,7 @@ class PlacedMoE:
             hi = inside[-1][2] + inside[-1][3]
             counts = torch.tensor(per_expert[first:first + count], dtype=torch.int32)
             offs = counts.cumsum(0, dtype=torch.int32).to(x.device)
-            w = stack.weights[name]  # [experts, out, in]
-            parts.append(torch._grouped_mm(x[lo:hi], w.transpose(1, 2), offs=offs))
+            parts.append(torch._grouped_mm(x[lo:hi], stack.operands[name], offs=offs))
         parts += [F.linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in after]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -411,11 +446,13 @@ class PlacedMoE:
             h = cfg.activation_func(a) * b
         else:
             h = cfg.activation_func(h)
-        return (h * p.unsqueeze(-1)).to(h.dtype)
+        out = h * p.unsqueeze(-1)
+        return out if out.dtype == h.dtype else out.to(h.dtype)
 
     def combine(self, layer: int, handle: "Dispatched", rows: torch.Tensor) -> torch.Tensor:
         """Expert outputs back to their tokens (one all-to-all), then one scatter into [T, k, H]
-        and a sum over k in ascending expert order: the same whatever rank computed them."""
+        and a sum over k in ascending expert order (k > 2; two terms add alike in either
+        order): the same whatever rank computed them."""
         back = rows if handle.send_splits is None else exchange_rows_back(
             rows, handle.send_splits, handle.recv_splits, self.group)
         t = handle.order.numel() // self.topk
@@ -458,11 +495,13 @@ def _raw_topk(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ops: returns the top-k probabilities and expert indices [T, k] x2, in top-k order."""
     cfg, k = router.config, router.topk
     dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype, x.dtype)
-    w = router.weight.to(dtype)
+    w = router.weight
+    w = w if w.dtype == dtype else w.to(dtype)
+    x = x if x.dtype == dtype else x.to(dtype)
     if router.bias is None:
-        logits = torch.mm(x.to(dtype), w.t())  # [T, E]
+        logits = torch.mm(x, w.t())  # [T, E]
     else:
-        logits = torch.addmm(router.bias.to(dtype), x.to(dtype), w.t())
+        logits = torch.addmm(router.bias.to(dtype), x, w.t())
     if router.score_function == "softmax":
         if cfg.moe_router_pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)

@@ -128,6 +128,9 @@ def test_table_and_plot(run, tmp_path, capsys):
     (["--kv-budget-tokens", "50"], "cannot hold the longest request"),
     (["--accelerator", "TPU"], "--accelerator/--model-shape: accelerator 'TPU' unknown"),
     (["--replicas", "3"], "--replicas 3 must divide --nproc 4"),
+    (["--correct"], "elastic.consolidate_correct: applies across replicas only"),
+    (["--consolidate-across", "--taker-hedge", "0.5"],
+     "elastic.consolidate_taker_hedge: must be >= 1"),
 ])
 def test_bad_options_fail_before_launching(tmp_path, flags, message, capsys):
     # the command's own main, in this process (no interpreter start per case): a refusal returns

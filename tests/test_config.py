@@ -247,6 +247,8 @@ def test_bad_enum_lists_allowed_values(override, allowed):
     ("parallel.expert_tensor_parallel_size=2", "parallel.expert_tensor_parallel_size"),
     ("scheduler.prior_quantile=1.5", "scheduler.prior_quantile"),
     ("elastic.check_interval_steps=0", "elastic.check_interval_steps"),
+    ("elastic.consolidate_taker_hedge=0.8", "elastic.consolidate_taker_hedge"),
+    ("elastic.consolidate_correct=true", "elastic.consolidate_correct"),  # needs _across
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
     ("logging.log_interval=0", "logging.log_interval"),
 ])
@@ -414,6 +416,12 @@ def test_example_configs_load(name, algorithm):
     assert cfg.rollout.replicas == 2 and cfg.elastic.consolidate
     assert not cfg.elastic.consolidate_across
     assert ElasticConfig().consolidate and not ElasticConfig().consolidate_across  # defaults
+    # the simulator's hedge and correction: off by default, across replicas only
+    assert ElasticConfig().consolidate_taker_hedge == 1.0
+    assert not ElasticConfig().consolidate_correct
+    cfg = load_config(None, ["elastic.consolidate_across=true", "elastic.consolidate_correct=true",
+                             "elastic.consolidate_taker_hedge=1.25"])
+    assert cfg.elastic.consolidate_correct and cfg.elastic.consolidate_taker_hedge == 1.25
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(

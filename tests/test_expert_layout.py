@@ -44,12 +44,12 @@ class _Contiguous:
         self.saved = [p.data for p in self.params]
         for p in self.params:
             p.data = p.data.clone(memory_format=torch.contiguous_format)
-        self.moe._stacks.clear()
+        self.moe.forget_stacks()
 
     def __exit__(self, *exc):
         for p, data in zip(self.params, self.saved):
             p.data = data
-        self.moe._stacks.clear()
+        self.moe.forget_stacks()
 
 
 def test_expert_parameters_are_transposed_views_of_one_stack_per_layer(parts):

@@ -307,7 +307,9 @@ def test_record_detection_and_recovery_times(runs):
         assert not [x for t, x in later if t < done and "fault injection: SIGKILL" in x], case
         table[case] = {"fault": spec, "detection_s": round(detect - t_kill, 2),
                        "recovery_s": round(done - t_kill, 2),
-                       "detected_by": "survivor" if "[flexfloor] error:" in who else "launcher"}
+                       # a survivor's own error, or its line on the launcher's SIGTERM
+                       "detected_by": "survivor" if "[flexfloor] error:" in who
+                       and "SIGTERM from the launcher" not in who else "launcher"}
         assert detect <= done
     print(json.dumps({"faults": table, "job_wall_s": round(runs["wall_s"], 1),
                       "uninterrupted_wall_s (incl. the warm start)":

@@ -61,6 +61,20 @@ def test_lane_view_is_the_storage_and_no_lane_passes_the_capacity():
     assert q.open_lane() == 1 and q.free_blocks is None
 
 
+def test_reserve_sizes_the_storage_once_and_takes_nothing():
+    p = lanes_pool(capacity=7)
+    p.reserve(9)  # three lanes asked: the capacity holds 7 blocks
+    assert p.stored_blocks == 7 and p.used == 0 and p.free_blocks == 7
+    k = p.k
+    assert p.open_lane() == 0 and p.allocate(3, lane=0) == [0, 1, 2]
+    assert p.open_lane() == 1 and p.allocate(1, lane=1) == [3]
+    assert p.k is k  # no growth: the allocations fit the reserved storage
+    q = lanes_pool(capacity=None)
+    q.reserve(6)
+    assert q.stored_blocks == 6 and q.free_blocks is None
+    assert torch.equal(q.k, torch.zeros_like(q.k))  # masked slots read zeros, never NaN
+
+
 # --------------------------------------------------------------------------------------------
 # the engine, in this process: one gloo rank
 

@@ -4,14 +4,18 @@ static policy at R = 1 and R = 2, greedy and sampled, with a request moved twice
 moved across replicas; every request finished exactly once; the simulator, driving the same
 decision with unit cost, takes the engine's steps rank for rank. Plus the pure pieces."""
 
+from dataclasses import replace
+
 import pytest
 
 from distributed import Worker, by_request as tokens
 from flexfloor.config import ConfigError, ElasticConfig
 from flexfloor.rollout.consolidate import RankState, Running
 from flexfloor.rollout.engine import StepReport
+from flexfloor.rollout.scheduler import RolloutPlan
 from flexfloor.rollout.tails import (
-    TailRules, after_moves, may_give_within, remaining_tokens, within_replica,
+    Mailbox, TailRules, across_replicas, after_moves, end_to_keep, may_give_within,
+    remaining_tokens, within_replica, worst_tokens,
 )
 
 WORKER = Worker("tails.py", 4, timeout=400)
@@ -90,6 +94,24 @@ def test_a_replica_hands_its_requests_to_the_other_and_leaves(res, kind):
     assert recs[mine[0]]["steps"] == recs[mine[1]]["steps"] < max(
         parts[r]["static"]["record"]["steps"] for r in mine)
     assert all(p["elastic"]["timeline"][-1].get("handed_over") for p in (parts[r] for r in mine))
+
+
+def test_the_simulators_hedge_and_correction_keep_the_tokens_across_replicas(res):
+    """R = 2 with consolidation across replicas, `elastic.consolidate_correct` and
+    `elastic.consolidate_taker_hedge=1.25`, and an end to keep that no replica passes
+    (tests/workers/tails.py): the same tokens as static, each request once; nothing is late, so
+    no replica corrects; replica 0's own requests count at their cap (no sibling finished: the
+    estimate is a bound, `tails.worst_tokens`), no more, so replica 1 still hands over."""
+    parts = res["r2_sampled"]
+    assert tokens(parts, "hedged") == tokens(parts, "static")
+    got, ref = tokens(parts, "hedged", "logprobs"), tokens(parts, "static", "logprobs")
+    assert {k: pytest.approx(v, abs=1e-5) for k, v in ref.items()} == got
+    recs = [p["hedged"]["record"] for p in parts]
+    across = [m for r in recs for m in r["trace"]["moves"]
+              if m["across"] and m["src"] == r["rank"]]
+    assert across and sum(r["migrated_across"] for r in recs) == sum(
+        r["adopted_across"] for r in recs) == len(across)
+    assert not any("corrected" in t for p in parts for t in p["hedged"]["timeline"])
 
 
 def test_the_simulator_takes_the_engines_steps_with_consolidation(res):
@@ -180,3 +202,122 @@ def test_the_config_names_a_bad_consolidation_field():
     # on by default (the main job's), never across replicas unless asked
     assert TailRules.of(ElasticConfig(), 2) == TailRules(max_requests=8, reserve_blocks=0, floor=2)
     assert TailRules.of(ElasticConfig(consolidate=True, consolidate_across=True), 1).across
+    # the hedge and the correction: across replicas only
+    got = TailRules.of(ElasticConfig(consolidate_across=True, consolidate_taker_hedge=1.25,
+                                     consolidate_correct=True), 1)
+    assert got.taker_hedge == 1.25 and got.correct
+    with pytest.raises(ConfigError, match="elastic.consolidate_taker_hedge.*>= 1"):
+        ElasticConfig(consolidate_across=True, consolidate_taker_hedge=0.9).validate()
+    for bad in (dict(consolidate_taker_hedge=1.25), dict(consolidate_correct=True),
+                dict(consolidate_correct=True, consolidate_across=True, consolidate=False)):
+        with pytest.raises(ConfigError, match="consolidate_across=true"):
+            ElasticConfig(**bad).validate()
+
+
+# ------------------------------------------------------------------------------------------
+# across replicas: the simulator's hedge and correction on the engine's step clock
+
+
+def ranks_of(replica, *per_rank):
+    """RankStates of one replica of two ranks: per rank its requests' (remaining, worst)."""
+    return [RankState(2 * replica + k, replica, tuple(
+        Running(f"{2 * replica + k}/{j}", 20, r, w) for j, (r, w) in enumerate(reqs)), 0, None)
+        for k, reqs in enumerate(per_rank)]
+
+
+ACROSS = TailRules(max_requests=2, across=True)
+# replica 0 is late (its clock 90, its end 105 past the end to keep, 100), replica 1 behind it
+LATE = ranks_of(0, [(15, None), (5, None)], [(5, None)])
+CLOCKS = {0: 90, 1: 60}
+
+
+def decided(states, clocks, giver, rules, **kw):
+    d = across_replicas(states, clocks, giver, rules, max_batch=8, block_tokens=16, **kw)
+    return [(m.request_id, m.dst) for m in d.moves], d.leaving_replicas, d.corrected_replicas
+
+
+def test_the_takers_hedge_refuses_a_hand_over_its_own_requests_may_outrun():
+    """Replica 1 may give its one short request to replica 0, whose own requests end the
+    rollout: as estimated they still do with it; at 1.25x their estimate they would end
+    past the rollout's predicted end, so nothing moves."""
+    states = ranks_of(0, [(40, None)], [(30, None)]) + ranks_of(1, [(10, None)], [])
+    assert decided(states, {0: 50, 1: 50}, 1, ACROSS) == ([("2/0", 0)], [1], [])
+    hedged = replace(ACROSS, taker_hedge=1.25)
+    assert decided(states, {0: 50, 1: 50}, 1, hedged) == ([], [], [])
+    assert hedged.across_rules().taker_hedge == 1.25  # the rules decide() gets
+    assert ACROSS.decision_rules(1).taker_hedge == 1.0  # inside a replica: the caps are bounds
+
+
+def test_the_correction_hands_a_late_replicas_longest_request_over_and_it_stays():
+    taker = ranks_of(1, [(20, None)], [])
+    on = replace(ACROSS, correct=True)
+    # its longest (15 left, counted 2x on the taker: 60 + 30 <= 100) goes to replica 1's idle
+    # rank; replica 0 stays with the rest and now ends at 95
+    assert decided(LATE + taker, CLOCKS, 0, on, end_bound=100, correct=True) == (
+        [("0/0", 3)], [], [0])
+    # off, without an end to keep, or at a boundary that does not check: nothing moves (it
+    # ends the rollout, so it does not give either)
+    assert decided(LATE + taker, CLOCKS, 0, ACROSS, end_bound=100, correct=True)[0] == []
+    assert decided(LATE + taker, CLOCKS, 0, on, end_bound=None, correct=True)[0] == []
+    assert decided(LATE + taker, CLOCKS, 0, on, end_bound=100, correct=False)[0] == []
+    # the correction counts a leaving replica's requests 1.5x on their takers (the simulator's)
+    assert on.across_rules().evacuation_hedge == 1.5
+    assert ACROSS.across_rules().evacuation_hedge == 1.0
+
+
+def test_the_takers_hedge_and_the_worst_case_of_its_mispredicted_requests_in_the_correction():
+    on = replace(ACROSS, correct=True)
+    hedged = replace(on, taker_hedge=1.25)
+    kw = dict(end_bound=100, correct=True)
+    # the taker's own request: 28 left (35 hedged: 60 + 35 <= 100, it takes)
+    taker = ranks_of(1, [(28, None)], [])
+    assert decided(LATE + taker, CLOCKS, 0, hedged, **kw)[0] == [("0/0", 3)]
+    # it outlived its siblings (up to 45 left, its cap): 60 + 45 > 100, it does not
+    mispredicted = ranks_of(1, [(28, 45)], [])
+    assert decided(LATE + mispredicted, CLOCKS, 0, hedged, **kw)[0] == []
+    assert decided(LATE + mispredicted, CLOCKS, 0, on, **kw)[0] == [("0/0", 3)]  # 1.0: as is
+    # 36 left: as estimated it takes, hedged (45) it does not
+    assert decided(LATE + ranks_of(1, [(36, None)], []), CLOCKS, 0, on, **kw)[0] == [("0/0", 3)]
+    assert decided(LATE + ranks_of(1, [(36, None)], []), CLOCKS, 0, hedged, **kw)[0] == []
+
+
+def test_the_mailbox_plans_the_correction_with_its_end_to_keep_and_claims_the_taker():
+    """Through the job's store (a real in-process one): replica 1's leader posted its state;
+    replica 0's plans at a check of its end (`correction_due`) and holds replica 1's inbox."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    on = replace(ACROSS, correct=True, taker_hedge=1.25)
+    boxes = [Mailbox(store, "r", i, 2, 2, 2 * i, 60.0, end_bound=100.0) for i in (0, 1)]
+    for b in boxes:
+        b.open()
+    boxes[1].post(60, ranks_of(1, [(28, None)], []))
+    d = boxes[0].plan(90, LATE, on, max_batch=8, block_tokens=16, correct=True)
+    assert [(m.request_id, m.dst) for m in d.moves] == [("0/0", 3)]
+    assert d.corrected_replicas == [0] and d.leaving_replicas == []
+    assert store.get(boxes[0].key("status", 1)) == b"busy:0" and boxes[0].claimed == [1]
+    boxes[0].release_claims()
+    assert boxes[0].plan(90, LATE, on, max_batch=8, block_tokens=16, correct=False).moves == []
+    # without the end to keep (no plan with history), the check never comes
+    assert not Mailbox(store, "r", 0, 2, 2, 0, 60.0).correction_due(90, on)
+    assert boxes[0].plan(90, LATE, ACROSS, max_batch=8, block_tokens=16, correct=True).moves == []
+
+
+def test_the_end_is_checked_from_half_the_end_to_keep_on_a_hundredth_of_it_apart():
+    on = replace(ACROSS, correct=True)
+    box = Mailbox(None, "r", 0, 2, 2, 0, 60.0, end_bound=300.0)
+    assert [s for s in range(140, 160) if box.correction_due(s, on)] == [150, 153, 156, 159]
+    assert not Mailbox(None, "r", 0, 2, 2, 0, 60.0, end_bound=300.0).correction_due(200, ACROSS)
+
+
+def test_the_end_to_keep_is_the_plans_bound_where_it_predicted_from_history():
+    plan = RolloutPlan({}, {}, {"history": 3, "prior": 1}, {}, finish_bound=120.0)
+    assert end_to_keep(plan) == 120.0
+    assert end_to_keep(replace(plan, sources={"history": 0, "prior": 4})) is None
+    assert end_to_keep(replace(plan, finish_bound=None)) is None and end_to_keep(None) is None
+
+
+def test_worst_tokens_is_the_cap_where_the_estimate_is_a_bound_or_known_wrong():
+    assert worst_tokens(100, 10, [30, 50, 40]) is None  # its siblings' median still ahead
+    assert worst_tokens(100, 60, [30, 50, 40]) == 40  # outlived them: up to the cap
+    assert worst_tokens(100, 10, []) == 90 == remaining_tokens(100, 10, [])  # the cap already

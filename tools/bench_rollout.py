@@ -133,6 +133,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--pace-bound", action="store_true",
                    help="elastic: refuse a shrink whose survivors would end their replica later "
                         "at this cost model's step cost (elastic.pace_model); default off")
+    t = p.add_argument_group("tail consolidation (elastic; inside each replica by default)")
+    t.add_argument("--consolidate-across", action="store_true",
+                   help="also hand a replica's last requests to another replica "
+                        "(elastic.consolidate_across)")
+    t.add_argument("--taker-hedge", type=float, default=1.0,
+                   help="across replicas: a taker counts its own running requests at this times "
+                        "their estimate (elastic.consolidate_taker_hedge; the simulator's GPU "
+                        "scenarios: 1.25)")
+    t.add_argument("--correct", action="store_true",
+                   help="across replicas: the online correction against the plan's end "
+                        "(elastic.consolidate_correct)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -173,6 +184,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if given:
         p.error(f"{', '.join('--' + f.replace('_', '-') for f in given)} do not apply to "
                 f"--length-dist {args.length_dist}")
+    from flexfloor.config import ConfigError, ElasticConfig
+
+    try:
+        ElasticConfig(consolidate_across=args.consolidate_across,
+                      consolidate_taker_hedge=args.taker_hedge,
+                      consolidate_correct=args.correct).validate()
+    except ConfigError as e:
+        p.error(f"--taker-hedge/--correct: {e} (--consolidate-across sets "
+                "elastic.consolidate_across)")
     return args
 
 
@@ -318,6 +338,10 @@ def format_report(report: dict) -> str:
         if "predictor" in e:
             parts.append(f"predictor spearman {_fmt(e['predictor']['spearman'], 2)} "
                          f"({max(e['predictor']['sources'], key=e['predictor']['sources'].get)})")
+        tails = e.get("elastic", {}).get("tails")
+        if tails:
+            parts.append(f"elastic moved {tails['moved_within']} within, "
+                         f"{tails['moved_across']} across ({tails['corrections']} corrections)")
         if "sha_match" in e:
             parts.append("same tokens" if e["sha_match"] else "TOKENS DIFFER")
         lines.append(f"  epoch {e['epoch']}: " + ", ".join(parts))
@@ -423,6 +447,9 @@ class Bench:
         # --pace-bound: the pace rule priced by the cost model the figures are priced with
         elastic = (ElasticConfig(pace_model=args.accelerator, pace_model_shape=args.model_shape)
                    if args.pace_bound else ElasticConfig())
+        elastic = dataclasses.replace(elastic, consolidate_across=args.consolidate_across,
+                                      consolidate_taker_hedge=args.taker_hedge,
+                                      consolidate_correct=args.correct)
         elastic.validate()
         # replicas -> rollout stack: R replicas, and R = 1 for single_group (the same at R = 1);
         # elastic runs under the job's default elastic section (tail consolidation inside each
@@ -454,6 +481,7 @@ class Bench:
         from flexfloor.rollout.metrics import ratios
         from flexfloor.rollout.replicas import mode_assignments
         from flexfloor.rollout.scheduler import prediction_accuracy
+        from flexfloor.rollout.tails import end_to_keep
 
         args, t0 = self.args, time.perf_counter()
         groups = self.prompt_groups(epoch)
@@ -469,12 +497,14 @@ class Bench:
         for rep in range(args.repeats):
             for mode in (args.modes if rep % 2 == 0 else args.modes[::-1]):
                 runs[mode].append(self.rollout(Mode(mode), assignment[Mode(mode)],
-                                               plan.expected_finish))
+                                               plan.expected_finish, end_to_keep(plan)))
         entry = {"epoch": epoch, "history": epoch > 1, "seconds": time.perf_counter() - t0}
         kept = {}
         for mode in args.modes:
-            entry[mode], kept[mode] = mode_report(runs[mode], assignment[Mode(mode)],
-                                                  expected.get(Mode(mode)), self.world, args)
+            entry[mode], kept[mode] = mode_report(
+                runs[mode], assignment[Mode(mode)], expected.get(Mode(mode)), self.world, args,
+                # across replicas a hand-over lands where the wall clocks say: steps vary
+                steps_vary=mode == Mode.ELASTIC.value and args.consolidate_across)
         if epoch > 1 or args.epochs == 1:
             self.kept.append(kept)
         if "elastic" in args.modes:
@@ -510,11 +540,13 @@ class Bench:
                     target_len=int(self.lengths[epoch - 1, uid, s]))
             for s in range(args.samples_per_prompt))) for uid in order]
 
-    def rollout(self, mode: Mode, requests_of: dict, expected_finish: dict) -> dict:
+    def rollout(self, mode: Mode, requests_of: dict, expected_finish: dict,
+                end_bound=None) -> dict:
         """One rollout of this rank's requests (`requests_of`: rank -> requests) in `mode`;
         every rank's records and results, gathered. single_group runs on one world-wide group,
         the others on the replicas; elastic builds the survivor groups its plan
-        (`expected_finish`) implies before decoding. A held mode's ranks are occupied to the
+        (`expected_finish`) implies before decoding and, with --correct, keeps its end
+        (`end_bound`, engine steps: `tails.end_to_keep`). A held mode's ranks are occupied to the
         end of the slowest replica."""
         import torch.distributed as dist
 
@@ -530,7 +562,8 @@ class Bench:
         # a released rank parks its weights in host memory until resync (what it frees: below)
         listener = OffloadOnRelease(HostOffload(self.resident, self.par.device)) if elastic else None
         # replicas: the experts their placement borrows; elastic: the survivor groups built ahead
-        run = stack.start(policy, on_event=listener, expected_finish=expected_finish)
+        run = stack.start(policy, on_event=listener, expected_finish=expected_finish,
+                          end_bound=end_bound)
         groups = live_process_groups()  # after the groups built ahead: counts any made later
         out = run.generate(requests_of[self.rank])
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
@@ -544,7 +577,11 @@ class Bench:
         if listener is not None:
             out.record.note(**listener.take_stats())
         records, results = [None] * self.world, [None] * self.world
-        dist.all_gather_object(records, out.record.as_dict(), group=self.par.world_group)
+        record = out.record.as_dict()
+        # the steps at which this rank's replica handed requests over and stayed (the correction)
+        record["corrected_at"] = [t["step"] for t in getattr(run.membership, "timeline", [])
+                                  if "corrected" in t]
+        dist.all_gather_object(records, record, group=self.par.world_group)
         dist.all_gather_object(results, out.results, group=self.par.world_group)
         results = [r for part in results for r in part]
         if mode in HELD and stack.layout.replicated:
@@ -582,29 +619,52 @@ class Bench:
                 "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start,
                 "accelerator": self.args.accelerator, "model_shape": self.args.model_shape,
                 "pace_bound": self.args.pace_bound,
+                "consolidate_across": self.args.consolidate_across,
+                "taker_hedge": self.args.taker_hedge, "correct": self.args.correct,
                 "cpu_seconds_warning": cpu_seconds_warning(self.world)}
 
 
-def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int, args
-                ) -> tuple[dict, tuple]:
+def mode_report(runs: list[dict], assignment: dict, expected_finish, world: int, args,
+                steps_vary: bool = False) -> tuple[dict, tuple]:
     """One mode's figures for one epoch: `rollout_metrics` of the per-rank median records over
     the repeats; returns (figures, (median records, results)) for the summary.
-    `expected_finish` (rank -> predicted steps) where the mode's placement predicts one."""
+    `expected_finish` (rank -> predicted steps) where the mode's placement predicts one;
+    `steps_vary`: its step counts may differ between repeats (only its tokens must not)."""
     from flexfloor.rollout.metrics import rollout_metrics
 
-    records = median_records([run["records"] for run in runs])
-    results = runs[0]["results"]
+    kept = alike_steps(runs) if steps_vary else runs
+    records = median_records([run["records"] for run in kept])
+    results = kept[0]["results"]
     m = rollout_metrics(records, results, args.cost)
     m["repeats"] = {k: [run["metrics"][k] for run in runs] for k in (
         "occupied_worker_seconds", "rollout_wall_seconds", "occupied_worker_steps",
         "responses_sha256")}
-    m["repeats_consistent"] = all(len(set(m["repeats"][k])) == 1
-                                  for k in ("occupied_worker_steps", "responses_sha256"))
+    m["repeats_consistent"] = all(
+        len(set(m["repeats"][k])) == 1
+        for k in ("responses_sha256",) + (() if steps_vary else ("occupied_worker_steps",)))
+    # tail consolidation: requests moved inside a replica and to another one, and the
+    # corrections (a replica handing its longest requests over and staying), in those repeats
+    first = kept[0]["records"]
+    per_replica = world // args.replicas
+    m["tails"] = {"moved_within": sum(r["migrated_out"] - r["migrated_across"] for r in first),
+                  "moved_across": sum(r["migrated_across"] for r in first),
+                  "corrections": len({(r["rank"] // per_replica, s) for r in first
+                                      for s in r.get("corrected_at", ())})}
     m["reconfiguration"] = reconfiguration(records, m["occupied_worker_seconds"])
     m["placement"] = {"requests_per_rank": [len(assignment[r]) for r in range(world)]}
     if expected_finish is not None:
         m["placement"]["expected_finish_steps"] = [expected_finish[r] for r in range(world)]
     return m, (records, results)
+
+
+def alike_steps(runs: list[dict]) -> list[dict]:
+    """The repeats whose ranks took the steps of the repeat with the median occupied
+    worker-steps: their records are medians of one run of steps (a rank's steps, release and
+    trace from one repeat, its timings from another would price a step it did not take)."""
+    steps = [[r["steps"] for r in run["records"]] for run in runs]
+    order = sorted(range(len(runs)), key=lambda i: (sum(steps[i]), i))
+    mid = steps[order[(len(order) - 1) // 2]]
+    return [run for run, s in zip(runs, steps) if s == mid]
 
 
 def median_records(repeats: list[list[dict]]) -> list[dict]:

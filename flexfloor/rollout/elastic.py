@@ -126,6 +126,12 @@ class ElasticMembership:
                 self.timeline.append({"step": engine.record.steps, "handed_over": {
                     m.request_id: m.dst for m in across.moves}})
                 return Boundary(across.report, ReleaseDecision(hand_over=across.moves))
+            if across.action == Across.CORRECT:
+                self.timeline.append({"step": engine.record.steps, "corrected": {
+                    m.request_id: m.dst for m in across.moves}})
+                self._hand_part_over(engine, across.moves)
+                # the group decides its releases at the next boundary, on its new state
+                return Boundary(across.report)
             report, states, arrivals = across.report, across.states, across.arrivals
         if not any(report.has_work):
             self._replica_leaves(engine)
@@ -224,10 +230,25 @@ class ElasticMembership:
     def hand_over(self, engine, payloads: list[dict], moves) -> None:
         """A giving replica's ranks pass their exported requests to the leader (one gather),
         which writes them into the claimed inboxes and reopens them. This replica's inbox stays
-        closed: it leaves."""
+        closed: it leaves (unless it hands part over, `_hand_part_over`)."""
         everyone = gather_objects(engine.moe.group, payloads)
         if engine.rank == engine.moe.placement.ranks[0]:
             self.mailbox.send(moves, [p for part in everyone for p in part])
+
+    def _hand_part_over(self, engine, moves) -> None:
+        """The correction (tails.Across.CORRECT): each rank exports its requests among `moves`
+        (re-prefilled on their takers, as every move across replicas), the leader writes them
+        into the claimed inboxes and reopens this replica's own: it stays with the others.
+        Collective over the replica's group."""
+        st, ids = engine.rollout, {m.request_id for m in moves if m.src == engine.rank}
+        stay = [r for r in st.running if r.request.request_id not in ids]
+        st.running = [r for r in st.running if r.request.request_id in ids]
+        payloads = engine.export_running(moves, across=True) if st.running else []
+        st.running = stay  # in their admission order (the youngest is preempted first)
+        st.record.migrated_across += len(payloads)
+        self.hand_over(engine, payloads, moves)
+        if engine.rank == engine.moe.placement.ranks[0]:
+            self.mailbox.reopen()
 
     @property
     def rules(self) -> ReleaseRules:
@@ -393,7 +414,8 @@ class ReplicaStaticMembership(StaticMembership):
 def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elastic_cfg=None,
                    capacity=None, scheduler_cfg=None, step: Optional[int] = None,
                    on_event: ReleaseListener | None = None,
-                   expected_finish: Optional[dict[int, float]] = None):
+                   expected_finish: Optional[dict[int, float]] = None,
+                   end_bound: Optional[float] = None):
     """The membership value for a release policy (a fresh one per rollout); `step`, the
     training step, names errors and faults; `on_event` is told when this rank is released
     (a static membership releases nobody).
@@ -408,7 +430,9 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     steps to its finish, the same on every rank: the scheduler's `RolloutPlan.expected_finish`;
     each replica's ranks leave in their own order) down to the floor is created now, unless an
     earlier rollout of the layout built it. Without a plan nothing is built ahead: each shrink's
-    group is then created during the rollout (counted)."""
+    group is then created during the rollout (counted). `end_bound`: the rollout's end to keep
+    in engine steps (`tails.end_to_keep` of the plan), read by the correction across replicas
+    (`elastic.consolidate_correct`); None: no correction."""
     if layout.replicated and not layout.started:
         raise RuntimeError(f"rank {parallel.rank}: rollout.replicas={layout.topology.count} needs "
                            "layout.start(moe) before membership_for (it fetches the replicas' "
@@ -435,7 +459,8 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     tails = TailRules.of(elastic_cfg, floor)
     mailbox = None
     if tails is not None and tails.across and layout.replicated:
-        mailbox = mailbox_for(_store(), rollout_id, topo, parallel.rank, parallel.timeout)
+        mailbox = mailbox_for(_store(), rollout_id, topo, parallel.rank, parallel.timeout,
+                              end_bound=end_bound)
     return ElasticMembership(
         groups=layout.survivors,
         rollout_id=rollout_id,

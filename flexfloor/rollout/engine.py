@@ -30,6 +30,7 @@ baseline) keeps every rank stepping, with empty batches when it has no work, unt
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -40,6 +41,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from flexfloor.model import FullWidthRMSNorm
 from flexfloor.rollout.collectives import (  # noqa: F401  (re-exported: the engine's errors)
     CollectiveError,
     collective_phase,
@@ -79,22 +81,39 @@ def _is_plain_linear(module) -> bool:
     return type(module) in (ColumnParallelLinear, RowParallelLinear)
 
 
-def _linear(module, x: torch.Tensor) -> torch.Tensor:
+def _linear(module, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A Megatron linear at TP=1 as one raw GEMM on its own weight (no autograd-function
-    wrappers); other linears (transformer-engine) through their own forward."""
+    wrappers); other linears (transformer-engine) through their own forward. `residual`: added
+    to the output (without a bias: inside the GEMM, `addmm`, one op less)."""
     if not _is_plain_linear(module):
         y, bias = module(x)
-        return y if bias is None else y + bias
-    y = F.linear(x, module.weight)
-    return y if module.bias is None else y + module.bias
+        y = y if bias is None else y + bias
+    elif module.bias is None and residual is not None:
+        return torch.addmm(residual, x, module.weight.t())
+    else:
+        y = F.linear(x, module.weight)
+        y = y if module.bias is None else y + module.bias
+    return y if residual is None else residual + y
 
 
 def _norm(module, x: torch.Tensor) -> torch.Tensor:
-    """A torch `RMSNorm` module's own `F.rms_norm` call without the module call around it;
-    any other norm through its forward."""
+    """A torch `RMSNorm` module's own `F.rms_norm` call without the module call around it (a
+    `FullWidthRMSNorm` over its input's last two dims, as its forward does); any other norm
+    through its forward."""
     if type(module) is torch.nn.RMSNorm:
         return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
+    if type(module) is FullWidthRMSNorm:
+        return F.rms_norm(x.flatten(-2), module.normalized_shape, module.weight,
+                          module.eps).view_as(x)
     return module(x)
+
+
+def _qk_norm(module):
+    """A q/k norm module, or None where there is none: Megatron builds an `IdentityOp` when
+    `qk_layernorm` is off (a module call per head tensor, and RoPE then ran apart)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return None if module is None or type(module) is IdentityOp else module
 
 
 def _paired_norms(q_norm, k_norm, head_dim: int) -> bool:
@@ -122,19 +141,20 @@ def qk_norm_rope(mixed: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: to
     (`_paired_norms`) and RoPE run once over the query heads and keys together (the same
     products as apart, bit for bit: tests/test_experts.py); other norms apart. `weight`: the
     paired norms' `paired_norm_weight`, when the caller keeps it (else built here)."""
-    r, D = mixed.shape[2] - 2, mixed.shape[3]
+    T, G, r, D = mixed.shape[0], mixed.shape[1], mixed.shape[2] - 2, mixed.shape[3]
     qk, v = mixed[:, :, : r + 1], mixed[:, :, r + 1]  # [T, G, r+1, D]: q heads, then k
     if q_norm is not None or k_norm is not None:
-        if not _paired_norms(q_norm, k_norm, D):  # e.g. full-width norms (OLMoE): apart
-            q, k = qk[:, :, :r].reshape(mixed.shape[0], -1, D), qk[:, :, r]
+        if not _paired_norms(q_norm, k_norm, D):  # e.g. full-width norms (OLMoE): apart,
+            q, k = qk[:, :, :r].reshape(T, -1, D), qk[:, :, r]  # then one RoPE of both
             q = q if q_norm is None else _norm(q_norm, q)
             k = k if k_norm is None else _norm(k_norm, k)
-            return _rope(q, cos, sin), _rope(k, cos, sin), v
+            qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # [T, G*r + G, D]
+            return qk[:, : G * r], qk[:, G * r:], v
         if weight is None:
             weight = paired_norm_weight(q_norm, k_norm, r)  # [r+1, D]
         qk = F.rms_norm(qk, (D,), None, q_norm.eps) * weight
     qk = _rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))  # one RoPE for q and k
-    return qk[:, :, :r].reshape(mixed.shape[0], -1, D), qk[:, :, r], v
+    return qk[:, :, :r].reshape(T, -1, D), qk[:, :, r], v
 
 
 def rope_terms(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +307,7 @@ class Rollout:
     tokens: int = 0
     migrated_out: list = field(default_factory=list)  # request ids handed to another rank
     adopted: list = field(default_factory=list)  # requests taken over from another rank
-    norm_weights: Optional[list] = None  # per layer, the paired q/k norms' weight (or None)
+    plan: Optional["_Plan"] = None  # what the steps read of the model
 
     @property
     def has_work(self) -> bool:
@@ -325,6 +345,52 @@ class _Batch:
     # in row lane_rows[b] (None: row b), the other rows idle (mask 0, output dropped)
     lanes: Optional[int] = None
     lane_rows: Optional[torch.Tensor] = None  # [B]
+
+
+@dataclass
+class _LayerPlan:
+    """One decoder layer's modules and what the step reads of them, looked up once per rollout
+    (each module attribute read is a Python call; a step made ~100)."""
+
+    attn: object  # the layer's self-attention (its linear_qkv, for `_qkv`)
+    input_norm: object  # callable: `_norm_call`
+    qkv: object  # callable: `_linear_call` of linear_qkv; None: not Megatron's own linear
+    q_norm: object  # per-head or full-width q/k norms (None: none)
+    k_norm: object
+    pair_weight: Optional[torch.Tensor]  # the paired q/k norms' `paired_norm_weight`
+    proj: object  # callable (x, residual): `_linear_call` of linear_proj
+    scale: float  # the attention's softmax scale
+    pre_mlp_norm: object
+
+
+@dataclass
+class _Plan:
+    """What a rollout's steps read of the model, looked up once per rollout."""
+
+    layers: list  # of _LayerPlan
+    final_norm: object  # callable: `_norm_call` of the final layer norm
+    output_weight: torch.Tensor
+
+
+def _linear_call(module):
+    """`_linear(module, x, residual)` as a callable of (x, residual=None), a plain linear's
+    weight (and its transpose) read once."""
+    if not _is_plain_linear(module) or module.bias is not None:
+        return functools.partial(_linear, module)
+    w = module.weight
+    wt = w.t()
+
+    def call(x, residual=None):
+        return F.linear(x, w) if residual is None else torch.addmm(residual, x, wt)
+    return call
+
+
+def _norm_call(module):
+    """`_norm(module, x)` as a callable of x, its weight and eps read once."""
+    if type(module) is torch.nn.RMSNorm:
+        return functools.partial(F.rms_norm, normalized_shape=module.normalized_shape,
+                                 weight=module.weight, eps=module.eps)
+    return functools.partial(_norm, module)
 
 
 # CPU attention with several intra-op threads splits its work by the batch's shape, so a row's
@@ -536,8 +602,8 @@ class RolloutEngine:
     def _additive(self, seen: torch.Tensor) -> torch.Tensor:
         """A boolean attention mask as the additive one (0 / -inf) SDPA would make of it in every
         layer: once per step here. Every row sees its position 0 at least: no row is all -inf."""
-        return torch.zeros(seen.shape, dtype=self.dtype, device=seen.device).masked_fill_(
-            ~seen, float("-inf"))
+        return torch.full(seen.shape, float("-inf"), dtype=self.dtype,
+                          device=seen.device).masked_fill_(seen, 0.0)
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Megatron's `LanguageModelEmbedding` of tokens [1, T] -> [T, H]: at TP=1 in eval, with
@@ -551,22 +617,30 @@ class RolloutEngine:
             return emb(input_ids=tokens, position_ids=positions).view(-1, self.config.hidden_size)
         return F.embedding(tokens.view(-1), emb.word_embeddings.weight)
 
-    def _paired_weights(self) -> list[Optional[torch.Tensor]]:
-        """Per layer, the paired q/k norms' `paired_norm_weight` (None: not paired), built once
-        per rollout (the weights do not change inside one)."""
+    def _plan(self) -> _Plan:
+        """The rollout's `_Plan`, built once per rollout (the weights do not change inside
+        one)."""
         r = self.heads // self.groups
         out = []
         for layer in self.model.decoder.layers:
             attn = layer.self_attention
-            q_norm, k_norm = getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)
-            paired = (_is_plain_linear(attn.linear_qkv) and q_norm is not None
-                      and k_norm is not None and _paired_norms(q_norm, k_norm, self.head_dim))
-            out.append(paired_norm_weight(q_norm, k_norm, r) if paired else None)
-        return out
+            q_norm = _qk_norm(getattr(attn, "q_layernorm", None))
+            k_norm = _qk_norm(getattr(attn, "k_layernorm", None))
+            plain = _is_plain_linear(attn.linear_qkv)
+            paired = (plain and q_norm is not None and k_norm is not None
+                      and _paired_norms(q_norm, k_norm, self.head_dim))
+            out.append(_LayerPlan(
+                attn=attn, input_norm=_norm_call(layer.input_layernorm),
+                qkv=_linear_call(attn.linear_qkv) if plain else None,
+                q_norm=q_norm, k_norm=k_norm,
+                pair_weight=paired_norm_weight(q_norm, k_norm, r) if paired else None,
+                proj=_linear_call(attn.linear_proj), scale=attn.core_attention.softmax_scale,
+                pre_mlp_norm=_norm_call(layer.pre_mlp_layernorm)))
+        return _Plan(out, _norm_call(self.model.decoder.final_layernorm), self._output_weight())
 
     @torch.inference_mode()
     def forward(self, running: list[_Running], pool: BlockPool,
-                norm_weights: Optional[list] = None) -> torch.Tensor:
+                plan: Optional[_Plan] = None) -> torch.Tensor:
         """One forward over the pending tokens of every running request (their blocks already
         taken); returns the logits of each request's last new token [B, V] and stores the new
         K/V in the pool.
@@ -577,31 +651,34 @@ class RolloutEngine:
         afterwards.
 
         Every rank of the EP group must call this once per step, even with no requests: the MoE
-        all-to-all needs all of them. `norm_weights`: the rollout's `_paired_weights`.
+        all-to-all needs all of them. `plan`: the rollout's `_plan` (None: built here).
         """
         if not running:
             return self._empty_step()
+        plan = self._plan() if plan is None else plan
         batch = self._batch(running, pool)
         B, Q, L = len(running), batch.mask.shape[2], batch.mask.shape[3]
         G, D, heads = self.groups, self.head_dim, self.heads
         blocks = pool.k.shape[1] // self.block_tokens
         x = self._embed(batch.tokens, batch.positions)  # [T, H]
         rope = self._rotary(batch.positions[0])  # cos, signed sin [T, 1, rot], every layer
-        keys_of = pool.k.view(-1, blocks, self.block_tokens, G, D).unbind(0)  # per layer
-        values_of = pool.v.view(-1, blocks, self.block_tokens, G, D).unbind(0)
-        for li, layer in enumerate(self.model.decoder.layers):
-            attn = layer.self_attention
+        stores = pool.k.unbind(0), pool.v.unbind(0)  # per layer [slots, G, D]
+        if batch.lanes is not None:  # the lanes as views of the pool: [R, G, L, D] per layer
+            lane_keys, lane_values = pool.lane_views(batch.lanes, L // self.block_tokens)
+        else:  # per layer [blocks, block_tokens, G, D], gathered through the block tables
+            keys_of = pool.k.view(-1, blocks, self.block_tokens, G, D).unbind(0)
+            values_of = pool.v.view(-1, blocks, self.block_tokens, G, D).unbind(0)
+        for li, lp in enumerate(plan.layers):
             # q [T, heads, D], k and v [T, groups, D], RoPE applied
-            q, k, v = self._qkv(attn, _norm(layer.input_layernorm, x), *rope,
-                                None if norm_weights is None else norm_weights[li])
-            kb, vb = keys_of[li], values_of[li]  # [blocks, block_tokens, G, D]
-            kb.view(-1, G, D).index_copy_(0, batch.new_slots, k)
-            vb.view(-1, G, D).index_copy_(0, batch.new_slots, v)
-            if batch.lanes is not None:  # the lanes as views of the pool: [R, G, L, D]
-                keys, values = pool.lane_view(li, batch.lanes, L // self.block_tokens)
+            q, k, v = self._qkv(lp, lp.input_norm(x), *rope)
+            stores[0][li].index_copy_(0, batch.new_slots, k)
+            stores[1][li].index_copy_(0, batch.new_slots, v)
+            if batch.lanes is not None:
+                keys, values = lane_keys[li], lane_values[li]
             else:  # whole blocks through the block tables: [B, L, G, D] -> [B, G, L, D]
-                keys = kb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
-                values = vb.index_select(0, batch.tables).view(B, L, G, D).transpose(1, 2)
+                keys = keys_of[li].index_select(0, batch.tables).view(B, L, G, D)
+                values = values_of[li].index_select(0, batch.tables).view(B, L, G, D)
+                keys, values = keys.transpose(1, 2), values.transpose(1, 2)
             if batch.query_index is None:  # decode only: query b is token b, Q == 1
                 queries = q.view(B, heads, 1, D)
             else:
@@ -610,36 +687,35 @@ class RolloutEngine:
                 queries = queries.new_zeros((batch.lanes,) + queries.shape[1:]).index_copy_(
                     0, batch.lane_rows, queries)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
-                                               scale=attn.core_attention.softmax_scale,
+                                               scale=lp.scale,
                                                enable_gqa=True)  # [R, heads, Q, D]
             if batch.lane_rows is not None:
                 o = o.index_select(0, batch.lane_rows)
             o = o.transpose(1, 2).reshape(B * Q, heads * D)
             if batch.out_index is not None:
                 o = o[batch.out_index]
-            x = x + _linear(attn.linear_proj, o)
-            x = x + self.moe.forward(li, _norm(layer.pre_mlp_layernorm, x))
+            x = lp.proj(o, x)
+            x = x + self.moe.forward(li, lp.pre_mlp_norm(x))
         for r in running:
             r.length += len(r.pending)
-        h = _norm(self.model.decoder.final_layernorm, x if batch.last is None else x[batch.last])
-        logits = F.linear(h, self._output_weight())  # [B, V]
+        h = plan.final_norm(x if batch.last is None else x[batch.last])
+        logits = F.linear(h, plan.output_weight)  # [B, V]
         if self.valid_vocab is not None:
             logits = logits[:, : self.valid_vocab]
         return logits.float() if logits.dtype != torch.float64 else logits
 
-    def _qkv(self, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             norm_weight: Optional[torch.Tensor] = None):
+    def _qkv(self, lp: "_LayerPlan", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Megatron's `get_query_key_value_tensors` at TP=1 and RoPE as raw ops on `linear_qkv`'s
         weight (h [T, H], cos and signed sin [T, 1, rot] -> q [T, heads, D], k and v [T, groups,
-        D], k and v possibly strided views): the fused projection viewed per query group as
+        D], possibly strided views): the fused projection viewed per query group as
         [q heads..., k, v], then `qk_norm_rope`. A transformer-engine projection (its input
-        norm fused in) goes through Megatron's call. `norm_weight`: the paired norms' weight."""
-        if not _is_plain_linear(attn.linear_qkv):
-            q, k, v = attn.get_query_key_value_tensors(h.unsqueeze(1), None)[:3]
+        norm fused in) goes through Megatron's call."""
+        if lp.qkv is None:
+            q, k, v = lp.attn.get_query_key_value_tensors(h.unsqueeze(1), None)[:3]
             return _rope(q[:, 0], cos, sin), _rope(k[:, 0], cos, sin), v[:, 0]
         r, D = self.heads // self.groups, self.head_dim
-        mixed = _linear(attn.linear_qkv, h).view(-1, self.groups, r + 2, D)  # [T, G, r+2, D]
-        return qk_norm_rope(mixed, attn.q_layernorm, attn.k_layernorm, cos, sin, norm_weight)
+        mixed = lp.qkv(h).view(-1, self.groups, r + 2, D)  # [T, G, r+2, D]
+        return qk_norm_rope(mixed, lp.q_norm, lp.k_norm, cos, sin, lp.pair_weight)
 
     def _output_weight(self) -> torch.Tensor:
         if self.model.share_embeddings_and_output_weights:
@@ -669,13 +745,15 @@ class RolloutEngine:
                          head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                          block_tokens=self.block_tokens, capacity=self.capacity_blocks,
                          lane_blocks=self._lane_blocks(requests))
+        if pool.lane_blocks is not None:  # the lanes the first admissions open, in one go
+            pool.reserve(min(len(requests), self.max_batch_size) * pool.lane_blocks)
         trace = StepTrace(num_experts=self.moe.num_experts, num_layers=len(self.moe.layers),
                           expert_bytes=self.moe.expert_nbytes)
         trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
         st = self.rollout = Rollout(record=RankRecord(rank=self.rank, requests=len(requests),
                                                       trace=trace),
                                     pool=pool, t0=time.perf_counter(), requests=len(requests),
-                                    norm_weights=self._paired_weights())
+                                    plan=self._plan())
         st.queue.extend(_Running(r, pending=list(r.prompt_ids)) for r in requests)
         record = st.record
         try:
@@ -692,7 +770,7 @@ class RolloutEngine:
                 touched = self.moe.experts_touched
                 trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
                 with collective_phase(self.rank, "decode (MoE all-to-all)", record.steps):
-                    logits = self.forward(running, pool, st.norm_weights)
+                    logits = self.forward(running, pool, st.plan)
                 trace.add_step(contexts, self.moe.experts_touched - touched)
                 record.steps += 1
                 if running:

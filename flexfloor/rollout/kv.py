@@ -86,7 +86,8 @@ class BlockPool(BlockLedger):
     start=...)`), so the lane-resident requests' K/V are one strided view of the storage
     ([lanes, W * block_tokens, groups, head_dim]: `lane_view`) and attention reads them without
     a copy. The ledger still counts blocks in use only, and lane blocks not in use stay free
-    for any request (taken last); storage then covers the lanes opened, at most the capacity.
+    for any request (taken last); storage then covers the lanes opened (or `reserve`d: the
+    engine reserves the lanes its first admissions open), at most the capacity.
     A lane is open while its first block is in use.
 
     Lifecycle: one pool per `generate()`; `open_lane`/`allocate`/`free` per request;
@@ -185,16 +186,28 @@ class BlockPool(BlockLedger):
                     keep.append(b)
             self._free = keep[::-1]
 
-    def _grow(self, at_least: int) -> None:
+    def reserve(self, blocks: int) -> None:
+        """Storage for `blocks` blocks (at most the capacity) in one allocation, ahead of the
+        allocations that will need it: growing block by block doubles the storage, a copy of
+        all of it each time. Nothing is taken: the ledger is unchanged."""
+        if self.capacity is not None:
+            blocks = min(blocks, self.capacity)
+        if blocks > self.stored_blocks:
+            self._grow(blocks - self.stored_blocks, exact=True)
+
+    def _grow(self, at_least: int, *, exact: bool = False) -> None:
         have = self.stored_blocks
-        add = max(at_least, self.GROW, have)
+        add = at_least if exact else max(at_least, self.GROW, have)
         if self.capacity is not None:
             add = min(add, max(at_least, self.capacity - have))
         L, _, G, D = self._shape
         extra = add * self.block_tokens
         # zeros, not empty: attention reads masked slots too, and 0 * NaN would leak through
-        self.k = torch.cat([self.k, self.k.new_zeros(L, extra, G, D)], dim=1)
-        self.v = torch.cat([self.v, self.v.new_zeros(L, extra, G, D)], dim=1)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(L, old.shape[1] + extra, G, D)
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
         self._free.extend(range(have + add - 1, have - 1, -1))
         self._free_set.update(range(have, have + add))
 
@@ -208,6 +221,15 @@ class BlockPool(BlockLedger):
             s = store[layer, : lanes * W * bt].view(lanes, W * bt, G, D)
             views.append(s[:, : width * bt].transpose(1, 2))
         return views[0], views[1]
+
+    def lane_views(self, lanes: int, width: int) -> tuple[tuple, tuple]:
+        """`lane_view` of every layer at once (one step's views made together): K per layer,
+        V per layer."""
+        W, bt = self.lane_blocks, self.block_tokens
+        L, _, G, D = self._shape
+        return tuple(
+            store[:, : lanes * W * bt].view(L, lanes, W * bt, G, D)[:, :, : width * bt]
+            .transpose(2, 3).unbind(0) for store in (self.k, self.v))
 
     def slots(self, table: list[int], start: int, stop: int) -> list[int]:
         """Slot of each position start..stop-1 of a request with block table `table`."""

@@ -81,20 +81,22 @@ class RolloutStack:
     def start(self, policy: Optional[ReleasePolicy] = None, *, step: Optional[int] = None,
               on_event: ReleaseListener | None = None,
               expected_finish: Optional[dict[int, float]] = None,
-              capacity: Optional[dict[int, int]] = None) -> "StackRollout":
+              capacity: Optional[dict[int, int]] = None,
+              end_bound: Optional[float] = None) -> "StackRollout":
         """One rollout's start, on every rank of the world: with replicas, each rank borrows the
         experts its replica placement lacks and binds its replica's group; then the membership
         of `policy` (default: the elastic section's `release_policy`), which for an elastic one
         builds the survivor groups the plan (`expected_finish`, rank -> predicted steps) implies.
         `step` (the training step) names errors and faults; `on_event` hears this rank's release
-        and, at resync, its rejoin; `capacity`: rank -> most experts it can host."""
+        and, at resync, its rejoin; `capacity`: rank -> most experts it can host; `end_bound`:
+        the plan's end to keep, engine steps (`tails.end_to_keep`; the correction's)."""
         if policy is None:
             policy = (self.elastic or ElasticConfig()).release_policy
         started = self.layout.start(self.moe)
         membership = membership_for(
             policy, self.parallel, self.layout, self.elastic, capacity=capacity,
             scheduler_cfg=self.scheduler, step=step, on_event=on_event,
-            expected_finish=expected_finish)
+            expected_finish=expected_finish, end_bound=end_bound)
         return StackRollout(self, membership, started, step=step, on_event=on_event)
 
     def close(self) -> None:

@@ -14,7 +14,8 @@ module feeds it what the engine knows and carries its moves out:
   lands at depends on the replicas' timing, so the ranks' steps vary from run to run, never the
   tokens): `Mailbox`, a protocol on the job's key-value store. Each replica's leader (the
   lowest rank of its current group) posts its ranks' states and its clock at every boundary;
-  a replica that may give (nothing queued, few running) closes its own inbox, reads the
+  a replica that may give (nothing queued, few running; or, with the correction, nothing
+  queued at a check of its end) closes its own inbox, reads the
   others' latest states, decides with itself as the only giver, claims each taker's inbox
   (compare-and-set "open" -> "busy:<giver>"), writes the requests and reopens it; a taker's
   leader reads its inbox at every boundary and its group learns the arrivals in the gather it
@@ -43,6 +44,17 @@ A request's remaining tokens are predicted from what the engine knows: the lengt
 siblings finished on this rank in this rollout, corrected once it outlives them, and with no
 sibling finished its cap (`remaining_tokens`); a workload's `target_len` is never read as a
 prediction.
+
+Across replicas the engine can run the simulator's hedges (flexfloor/sim/scenarios.py,
+`tail_consolidation`) on its own clock: `elastic.consolidate_taker_hedge` (a taker counts its own
+running requests at that times their estimate, and those whose estimate is a bound, the cap, or
+known wrong, outlived their siblings, at their cap: `worst_tokens`) and
+`elastic.consolidate_correct` (the online correction, `ConsolidationState.end_bound_s`, with the
+end to keep in engine steps: the plan's `finish_bound`, `end_to_keep`; a late replica's leader
+checks it from half that end on, every hundredth of it, hands its longest requests over and
+stays: `Across.CORRECT`). Inside a replica neither applies: every estimate there is the
+request's cap, a bound, on one clock, so a hedge on it only refuses moves that fit, and the
+replica's end is its longest request's wherever in the group it runs.
 """
 
 from __future__ import annotations
@@ -135,6 +147,10 @@ class TailRules:
     reserve_blocks: int = 0  # KV blocks a taker keeps free beyond what it takes
     floor: int = 1  # ranks of a replica that stay whatever fits (elastic.min_active_ranks)
     across: bool = False  # also between replicas (the mailbox)
+    # across replicas only (module doc): a taker's own requests at this times their estimate
+    # (elastic.consolidate_taker_hedge), and the online correction (elastic.consolidate_correct)
+    taker_hedge: float = 1.0
+    correct: bool = False
 
     @classmethod
     def of(cls, elastic_cfg, floor: int) -> Optional["TailRules"]:
@@ -143,11 +159,22 @@ class TailRules:
             return None
         return cls(max_requests=elastic_cfg.consolidate_max_requests,
                    reserve_blocks=elastic_cfg.consolidate_reserve_blocks, floor=floor,
-                   across=elastic_cfg.consolidate_across)
+                   across=elastic_cfg.consolidate_across,
+                   taker_hedge=elastic_cfg.consolidate_taker_hedge,
+                   correct=elastic_cfg.consolidate_correct)
 
     def decision_rules(self, min_replicas: int, *, hedged: bool = True) -> ConsolidationRules:
+        """Inside a replica (`within_replica`): the estimates as they are (module doc)."""
         return ConsolidationRules(min_replicas=min_replicas, reserve_blocks=self.reserve_blocks,
                                   max_requests=self.max_requests, hedged=hedged)
+
+    def across_rules(self) -> ConsolidationRules:
+        """Between replicas (`across_replicas`): the hedged rules, with the taker's hedge and,
+        with the correction, a leaving replica's requests counted half as long again on their
+        takers (the simulator's rules with `Scenario.correct`)."""
+        return ConsolidationRules(min_replicas=1, reserve_blocks=self.reserve_blocks,
+                                  max_requests=self.max_requests, taker_hedge=self.taker_hedge,
+                                  evacuation_hedge=1.5 if self.correct else 1.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,6 +189,39 @@ def remaining_tokens(max_new_tokens: int, produced: int, siblings: Sequence[int]
     if not siblings:
         return float(max(1, max_new_tokens - produced))
     return remaining_estimate(float(statistics.median(siblings)), produced, max_new_tokens)
+
+
+def worst_tokens(max_new_tokens: int, produced: int, siblings: Sequence[int]) -> Optional[float]:
+    """The most a request may still produce where its estimate (`remaining_tokens`) is a bound
+    or known wrong: up to its cap with no sibling finished (the estimate is the cap) or once it
+    has outlived its siblings' median; None while the siblings' median is still ahead of it.
+    A taker counts its own such requests at this (`consolidate.Running.worst`)."""
+    if siblings and produced < statistics.median(siblings):
+        return None
+    return float(max(1, max_new_tokens - produced))
+
+
+def end_to_keep(plan) -> Optional[float]:
+    """The rollout's end the correction keeps, in engine steps: the plan's `finish_bound` (the
+    static baseline's predicted end; the engine's plans are made by predicted steps, without a
+    step cost) where some prompt was predicted from its history, else None (from the prior
+    alone it is a guess: the simulator's rule, flexfloor/sim/scenarios.py)."""
+    if plan is None or plan.finish_bound is None or not plan.sources.get("history"):
+        return None
+    return float(plan.finish_bound)
+
+
+def across_replicas(states: Sequence[RankState], clocks: dict, giver: int, rules: TailRules, *,
+                    max_batch: int, block_tokens: int, end_bound: Optional[float] = None,
+                    correct: bool = False) -> Consolidation:
+    """The decision of replica `giver` at its boundary, from every replica's latest ranks'
+    states and clock (engine steps; `clocks`: replica -> its clock): it gives everything and
+    leaves (`leaving_replicas`), or, with `correct` and `end_bound` (`end_to_keep`), hands its
+    longest requests over and stays (`corrected_replicas`), or nothing moves. Pure."""
+    bound = end_bound if rules.correct else None
+    state = ConsolidationState(tuple(states), dict(clocks), max_batch, block_tokens,
+                               end_bound_s=bound, correct=correct and bound is not None)
+    return decide(state, rules.across_rules(), UNIT_STEP, REPREFILL_ONLY, givers=[giver])
 
 
 def may_give_within(report, rules: TailRules) -> bool:
@@ -211,9 +271,9 @@ def rank_state(engine, replica: int, *, siblings: bool = True) -> RankState:
         finished.setdefault(res.prompt_uid, []).append(len(res.token_ids))
     siblings = finished
     running = tuple(Running(r.request.request_id, r.position,
-                            remaining_tokens(r.request.max_new_tokens, len(r.tokens),
-                                             siblings.get(r.request.prompt_uid, ())))
-                    for r in st.running)
+                            remaining_tokens(r.request.max_new_tokens, len(r.tokens), sib),
+                            worst_tokens(r.request.max_new_tokens, len(r.tokens), sib))
+                    for r in st.running for sib in [siblings.get(r.request.prompt_uid, ())])
     return RankState(engine.rank, replica, running, len(st.queue), st.pool.free_blocks)
 
 
@@ -229,6 +289,7 @@ class Across(enum.Enum):
     DECIDE = "decide"  # the release decision as usual (with any arrivals counted)
     WAIT = "wait"  # done, but a giver holds this replica's inbox busy: step on idle and retry
     HAND_OVER = "hand_over"  # this replica gives every running request away and leaves whole
+    CORRECT = "correct"  # this replica hands its longest requests over and stays (the correction)
 
 
 @dataclass
@@ -240,7 +301,7 @@ class MailboxBoundary:
     report: object  # the step report: arrivals queued on their takers (WAIT: only the leader works)
     states: list  # every rank's RankState, from the replica's gather
     arrivals: list = field(default_factory=list)  # the payloads this rank adopts
-    moves: list = field(default_factory=list)  # HAND_OVER: each request's taker (Move)
+    moves: list = field(default_factory=list)  # HAND_OVER, CORRECT: each request's taker (Move)
 
 
 @dataclass
@@ -261,10 +322,26 @@ class Mailbox:
     ranks_per_replica: int
     rank: int
     timeout_s: float
+    # the rollout's end to keep, engine steps (`end_to_keep`); None: no correction
+    end_bound: Optional[float] = None
     consumed: int = 0  # messages of this replica's inbox already read
     opened: bool = False
     claimed: list = field(default_factory=list)  # taker replicas this leader holds busy
     _busy_since: Optional[float] = None
+    _check_at: Optional[float] = None  # the step of the next check of this replica's end
+
+    def correction_due(self, clock: int, rules: TailRules) -> bool:
+        """Whether this replica's end is checked against the end to keep at step `clock`:
+        from half that end on, a hundredth of it apart (the simulator's checks). The same on
+        every rank of the replica (its ranks step together)."""
+        if not rules.correct or self.end_bound is None:
+            return False
+        if self._check_at is None:
+            self._check_at = self.end_bound / 2
+        if clock < self._check_at:
+            return False
+        self._check_at = clock + max(1.0, self.end_bound / 100)
+        return True
 
     def key(self, kind: str, i: int, n: Optional[int] = None) -> str:
         return f"flexfloor/tails/{self.rollout_id}/{kind}/{i}" + ("" if n is None else f"/{n}")
@@ -319,10 +396,11 @@ class Mailbox:
                    pickle.dumps((clock, list(states))))
 
     def plan(self, clock: int, states: Sequence[RankState], rules: TailRules, *, max_batch: int,
-             block_tokens: int) -> list[Move]:
-        """The leader of a replica that may give (its own inbox closed): the others' latest
-        states, `decide` with this replica the only giver, and a claim on every taker's inbox
-        (all or none). Returns the moves (empty: nothing moves now)."""
+             block_tokens: int, correct: bool = False) -> Consolidation:
+        """The leader of a replica that may give or check its end (`correct`; its own inbox
+        closed): the others' latest states, `across_replicas` with this replica the only giver,
+        and a claim on every taker's inbox (all or none). Returns the decision (no moves:
+        nothing moves now)."""
         s = self.store
         ranks, now = list(states), {self.replica: float(clock)}
         for i in range(self.replicas):
@@ -335,42 +413,47 @@ class Mailbox:
             ranks += theirs
             now[i] = float(their_clock)
         if len(now) < 2:
-            return []
-        state = ConsolidationState(tuple(ranks), now, max_batch, block_tokens)
-        d = decide(state, rules.decision_rules(1), UNIT_STEP, REPREFILL_ONLY,
-                   givers=[self.replica])
+            return Consolidation()
+        d = across_replicas(ranks, now, self.replica, rules, max_batch=max_batch,
+                            block_tokens=block_tokens, end_bound=self.end_bound, correct=correct)
         if not d.moves:
-            return []
+            return Consolidation()
         me = f"busy:{self.replica}"
         for t in sorted({self.replica_of(m.dst) for m in d.moves}):
             got = self._call("claim inbox", s.compare_set, self.key("status", t), OPEN, me)
             if got.decode() != me:
                 self.release_claims()
-                return []
+                return Consolidation()
             self.claimed.append(t)
-        return d.moves
+        return d
 
     def replica_of(self, rank: int) -> int:
         return rank // self.ranks_per_replica
 
     def boundary(self, engine, report, rules: TailRules) -> MailboxBoundary:
         """This replica's side of the protocol at a step boundary, on every rank of its group:
-        the leader reads the inbox and closes it when the replica is done or may give; one
-        gather shares what it read and every rank's state; the leader posts the state; a
-        replica that may give (and closed its inbox) plans with the others' states and, when a
-        move fits, hands everything over. Collective over the replica's group."""
+        the leader reads the inbox and closes it when the replica is done, may give or checks
+        its end (`correction_due`); one gather shares what it read and every rank's state; the
+        leader posts the state; a replica that may give or checks its end (and closed its
+        inbox) plans with the others' states and, when a move fits, hands everything over
+        (HAND_OVER) or its longest requests (CORRECT). Collective over the replica's group."""
         ranks = list(engine.moe.placement.ranks)
         leader = ranks[0]
         done = not any(report.has_work)
         can_give = not any(report.queued) and 0 < sum(report.running) <= rules.max_requests
+        due = (self.correction_due(engine.record.steps, rules) and not any(report.queued)
+               and sum(report.running) > 0)
+        plans = can_give or due  # it may hand requests over at this boundary
         mail, closed = [], False
         if engine.rank == leader:
             self.open()
             mail = self.take_mail()
-            if done or (can_give and not mail):
+            if done or (plans and not mail):
                 closed = self.close()
                 if closed:
                     mail += self.take_mail()  # committed before the close
+            else:  # no wait on a busy inbox goes on: a later one is timed from its own start
+                self._busy_since = None
         everyone = gather_objects(engine.moe.group, (rank_state(engine, self.replica),
                                                      (mail, closed, self.consumed)))
         states = [s for s, _ in everyone]
@@ -385,7 +468,7 @@ class Mailbox:
             report = dataclasses.replace(report, has_work=has, queued=queued)
         if engine.rank == leader:
             self.post(engine.record.steps, states)
-            if closed and (mail or not (done or can_give)):
+            if closed and (mail or not (done or plans)):
                 self.reopen()  # work arrived: this replica stays
         usual = MailboxBoundary(Across.DECIDE, report, states, arrivals)
         if mail:
@@ -393,16 +476,19 @@ class Mailbox:
         if done and not closed:
             idle = dataclasses.replace(report, has_work=[r == leader for r in ranks])
             return MailboxBoundary(Across.WAIT, idle, states)
-        if not (can_give and closed) or done:
+        if not (plans and closed) or done:
             return usual
-        moves = (self.plan(engine.record.steps, states, rules, max_batch=engine.max_batch_size,
-                           block_tokens=engine.block_tokens) if engine.rank == leader else None)
-        moves = gather_objects(engine.moe.group, moves)[0]
-        if not moves:
+        d = (self.plan(engine.record.steps, states, rules, max_batch=engine.max_batch_size,
+                       block_tokens=engine.block_tokens, correct=due)
+             if engine.rank == leader else None)
+        d = gather_objects(engine.moe.group, d)[0]
+        if not d.moves:
             if engine.rank == leader:
                 self.reopen()
             return usual
-        return MailboxBoundary(Across.HAND_OVER, report, states, moves=moves)
+        if self.replica in d.leaving_replicas:
+            return MailboxBoundary(Across.HAND_OVER, report, states, moves=d.moves)
+        return MailboxBoundary(Across.CORRECT, report, states, moves=d.moves)
 
     def send(self, moves: Sequence[Move], payloads: Sequence[dict]) -> None:
         """Write each claimed taker's requests (one message each), then reopen its inbox."""
@@ -421,8 +507,9 @@ class Mailbox:
         self.claimed = []
 
 
-def mailbox_for(store, rollout_id: str, topology, rank: int, timeout) -> Mailbox:
+def mailbox_for(store, rollout_id: str, topology, rank: int, timeout,
+                end_bound: Optional[float] = None) -> Mailbox:
     timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     return Mailbox(store=store, rollout_id=rollout_id, replica=topology.index,
                    replicas=topology.count, ranks_per_replica=topology.ranks_per_replica,
-                   rank=rank, timeout_s=float(timeout_s))
+                   rank=rank, timeout_s=float(timeout_s), end_bound=end_bound)

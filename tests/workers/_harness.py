@@ -113,10 +113,11 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def rollout_outcome(stack, policy, reqs) -> dict:
-    """One rollout of this rank's requests under `policy` on a `RolloutStack`, then resync: its
-    tokens and log-probs by request id, its record and the membership's release timeline."""
-    run = stack.start(policy)
+def rollout_outcome(stack, policy, reqs, **start) -> dict:
+    """One rollout of this rank's requests under `policy` on a `RolloutStack` (`start`: more of
+    `RolloutStack.start`'s arguments), then resync: its tokens and log-probs by request id, its
+    record and the membership's release timeline."""
+    run = stack.start(policy, **start)
     out = run.generate(reqs)
     run.resync(timeout_s=60)
     return {"tokens": {r.request_id: r.token_ids for r in out.results},

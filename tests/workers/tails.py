@@ -42,6 +42,13 @@ CONSOLIDATE = {1: ElasticConfig(consolidate=True, consolidate_max_requests=2),
                2: ElasticConfig(consolidate=True, consolidate_max_requests=2, min_active_ranks=2,
                                 consolidate_across=True)}
 MAX_NEW = {1: 48, 2: 96}  # the requests' cap at R = 1 and R = 2
+# R = 2 again (sampled), with the simulator's hedge and correction (flexfloor/rollout/tails.py)
+# and an end to keep that no replica passes (each checks its end from half that on: the
+# correction's protocol runs, nothing is late). Replica 0's own requests have no finished
+# sibling: their estimate is their cap, a bound, so the hedge adds nothing and replica 1 gives
+HEDGED = dataclasses.replace(CONSOLIDATE[2], consolidate_correct=True,
+                             consolidate_taker_hedge=1.25)
+END_BOUND = 120.0  # engine steps: checked from step 60 on, every 1.2 steps; no replica is late
 
 
 def requests(lengths, rank, sampling, step, max_new):
@@ -66,9 +73,12 @@ def main(out):
     for kind, sampling in SAMPLING.items():
         for r, lengths in ((1, WORLD), (2, REPLICAS)):
             reqs = requests(lengths, rank, sampling, step=r, max_new=MAX_NEW[r])
-            results[f"r{r}_{kind}"] = gather({
-                "static": rollout(stacks[r], ReleasePolicy.STATIC, reqs),
-                "elastic": rollout(stacks[r], ReleasePolicy.ELASTIC, reqs)})
+            runs = {"static": rollout(stacks[r], ReleasePolicy.STATIC, reqs),
+                    "elastic": rollout(stacks[r], ReleasePolicy.ELASTIC, reqs)}
+            if r == 2 and kind == "sampled":  # the same stack (layout, engine), other rules
+                runs["hedged"] = rollout(dataclasses.replace(stacks[r], elastic=HEDGED),
+                                         ReleasePolicy.ELASTIC, reqs, end_bound=END_BOUND)
+            results[f"r{r}_{kind}"] = gather(runs)
     for stack in stacks.values():
         stack.close()
     return results
