@@ -225,6 +225,10 @@ def test_placement_across_replicas_puts_long_work_on_the_staying_replica_within_
     assert max(plan.expected_finish.values()) <= plan.finish_bound + 1e-9
     ends = [max(plan.expected_finish[r] for r in g) for g in replicas]
     assert max(ends) < 718
+    # the plan's order: replicas leave as their predicted ends come, the one with the next
+    # prompt two samples to a rank last
+    order = plan.leaving_order(replicas)
+    assert [ends[i] for i in order] == sorted(ends) and order[-1] == where[1][0] // 2
 
 
 def test_the_simulator_with_consolidation_counts_the_same_tokens():
