@@ -211,17 +211,24 @@ def test_placement_across_replicas_puts_long_work_on_the_staying_replica_within_
     plan = sched.plan(gs, range(6), replicas=replicas, step_cost=cost)
     placed = sorted(q.request_id for v in plan.assignment.values() for q in v)
     assert placed == sorted(q.request_id for g in gs for q in g.requests)
-    where = {q.prompt_uid: r for r, v in plan.assignment.items() for q in v}
-    # the longest prompt on replica 0; the next does not fit beside it within the bound (a step
-    # there would read twice the KV), so it leads replica 1
-    assert where[0] in (0, 1) and where[1] in (2, 3)
-    # every rank within the bound (the static baseline's predicted end), and the plan's order:
-    # replica 0 stays longest, the short work's replicas leave first
+    where = {}
+    for r, v in plan.assignment.items():
+        for q in v:
+            where.setdefault(q.prompt_uid, []).append(r)
+    # the longest prompt alone on one replica, two samples to a rank, would end past static's
+    # predicted end (726 against 718 steps: a step there reads twice the KV), so it goes round
+    # robin over the two replicas meant to stay, one sample per rank; the next fits alone (two
+    # to a rank) and not beside the first, so it takes the third replica
+    assert sorted(where[0]) == [0, 1, 2, 3]
+    assert len({r // 2 for r in where[1]}) == 1 and where[1][0] in (4, 5)
+    # every rank within the bound (the static baseline's predicted end)
     assert max(plan.expected_finish.values()) <= plan.finish_bound + 1e-9
-    order = plan.leaving_order(replicas)
-    assert order[-1] == 0
     ends = [max(plan.expected_finish[r] for r in g) for g in replicas]
-    assert ends[0] == max(ends) and min(ends) < ends[0] / 2
+    assert max(ends) < 718
+    # the plan's order: replicas leave as their predicted ends come, the one with the next
+    # prompt two samples to a rank last
+    order = plan.leaving_order(replicas)
+    assert [ends[i] for i in order] == sorted(ends) and order[-1] == where[1][0] // 2
 
 
 def test_the_simulator_with_consolidation_counts_the_same_tokens():
@@ -409,3 +416,67 @@ def test_a_taker_whose_own_work_may_run_long_takes_nothing():
     s = state(rank(0, 0, 1000), rank(2, 1, 10), taker(None))
     d = decide(s, ConsolidationRules(taker_hedge=1.25), per_request, CHEAP_KV)
     assert [(m.src, m.dst) for m in d.moves] == [(2, 4)]
+
+
+def test_a_prompt_too_long_for_one_replica_goes_over_two_one_sample_per_rank():
+    """A prompt of 4 samples on 2-rank replicas: alone on one replica its samples run two to a
+    rank (200 steps at 2 per step), past static's predicted end (170: one to a rank, beside the
+    short work), so it goes round robin over two replicas, one sample per rank (on one replica
+    it would be two to a rank again)."""
+    h = LengthHistory()
+    h.record(0, [100] * 4)
+    for uid in range(1, 8):
+        h.record(uid, [10] * 4)
+    gs = [PromptGroup(u, tuple(Request(prompt_uid=u, sample_index=s, prompt_ids=(1,),
+                                       max_new_tokens=100) for s in range(4))) for u in range(8)]
+
+    def cost(n, ctx):
+        return 1.0 * np.asarray(n, dtype=float) + 0.0 * np.asarray(ctx, dtype=float)
+
+    plan = Scheduler(PlacementPolicy.FLEXFLOOR, h, max_batch_size=64).plan(
+        gs, range(4), replicas=[[0, 1], [2, 3]], step_cost=cost)
+    long_on = sorted(r for r, v in plan.assignment.items() for q in v if q.prompt_uid == 0)
+    assert long_on == [0, 1, 2, 3]
+
+
+def test_a_lockstep_step_beside_lighter_ranks_reads_fewer_experts():
+    """`GroupStepCost`: a replica of 8 H800 ranks with one request on one rank steps faster
+    than with one on each (the experts a rank reads depend on the whole group's tokens), and
+    `replica_finish` prices that; with every rank loaded alike it is the per-rank cost."""
+    from flexfloor.sim.cost import RankLoad, RooflineCost
+    from flexfloor.sim.hardware import ACCELERATORS, ModelShape
+    from flexfloor.sim.rollout import replica_state
+    from flexfloor.sim.scenarios import rank_step_cost
+
+    shape = ModelShape.from_preset("qwen3-30b-a3b")
+    cost = RooflineCost(ACCELERATORS["H800"], shape)
+    ranks = tuple(range(8))
+    placement, _ = replica_state(shape.num_experts, ranks)
+    step = rank_step_cost(cost, placement, ranks, 64)
+    hosted = {r: placement.owner.count(r) for r in ranks}
+    lone = cost.step_seconds([RankLoad(r, int(r == 0), 1000 * (r == 0), hosted[r], 1000 * (r == 0))
+                              for r in ranks], placement.owner)
+    alike = cost.step_seconds([RankLoad(r, 1, 1000, hosted[r], 1000) for r in ranks],
+                              placement.owner)
+    assert lone < 0.95 * alike
+    one = replica_finish([([100], [1000])] + [([], [])] * 7, step)[0]
+    each = replica_finish([([100], [1000])] * 8, step)[0]
+    assert one == pytest.approx(100 * lone, rel=0.02)
+    assert each == pytest.approx(100 * alike, rel=0.02)
+
+
+def test_with_no_end_to_keep_long_work_gathers_on_a_replica_that_ends_later():
+    """`ConsolidationRules.gather`: replica 1's request of 700 steps is too long a share of the
+    rollout's longest (1300) to evacuate it, and there is no end to keep (no history); replica
+    0 runs to 13 s anyway, and with the request (counted 1.5 times: 1050 steps) still ends by
+    then, so the request moves there, and the short one with it (it fits too): replica 1 has
+    nothing left. Replica 2 ends before replica 1: not a taker. Counted twice (1400 steps) it would end replica 0 past the
+    rollout's end: nothing moves; off (the engine's default), nothing moves."""
+    s = state(rank(0, 0, 1300), rank(2, 1, 700, 50), rank(4, 2, 100))
+    d = decide(s, ConsolidationRules(gather=True, correction_hedge=1.5), flat, CHEAP_KV,
+               givers=[1])
+    assert [(m.request_id, m.src, m.dst) for m in d.moves] == [("r2-0", 2, 0), ("r2-1", 2, 0)]
+    assert d.corrected_replicas == [1]
+    assert decide(s, ConsolidationRules(gather=True), flat, CHEAP_KV, givers=[1]).moves == []
+    assert decide(s, ConsolidationRules(correction_hedge=1.5), flat, CHEAP_KV,
+                  givers=[1]).moves == []

@@ -48,6 +48,8 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     # scenarios' default), 0 off
     "correct": ("correct", lambda v: bool(int(v))),
     "taker_hedge": ("taker_hedge", float),
+    "oracle": ("oracle", lambda v: bool(int(v))),  # 1: elastic told every length (a ceiling)
+    "gather": ("gather", lambda v: bool(int(v))),  # 1: no history: gather known-long work
 }
 
 

@@ -137,6 +137,11 @@ class ConsolidationRules:
     # own may run past their predictions, and what it took would then end late with them), and
     # those known mispredicted at their `Running.worst`; 1.0: as estimated (the engine's)
     taker_hedge: float = 1.0
+    # where there is no end to keep (no history: the placement was static's), gather at each
+    # check the requests known long (by their siblings done) onto the replicas that end later,
+    # within the rollout's predicted end, so the others leave early (`_gather`); off: the
+    # engine's
+    gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,6 +264,15 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
         return ld.ready[i] + memo.finish([own[r.rank] + ld.work[r.rank][len(own[r.rank]):]
                                           for r in by_replica[i]])
 
+    # as a gatherer counts a taker: its own requests at `taker_hedge` times their estimate,
+    # not at their worst (with no history nearly every request outlived its prior)
+    plain = {r.rank: [(rules.taker_hedge * q.remaining, q.cached_tokens) for q in r.running]
+             for r in state.ranks}
+
+    def gather_end(i: int, ld: _Load) -> float:
+        return ld.ready[i] + memo.finish([plain[r.rank] + ld.work[r.rank][len(plain[r.rank]):]
+                                          for r in by_replica[i]])
+
     ends = {i: end(i, load) for i in live}
     rollout_end = max(ends.values())
     # room for mispredictions: a request moves only while it has at most this share of the
@@ -311,6 +325,23 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                             key=lambda i: (-ends[i], i))
             got = _pull_in(g, by_replica, takers, load, end, taker_end, bound, state, rules,
                            prices)
+            if got:
+                moves += got
+                corrected.append(g)
+                for i in _replicas_of(got, by_replica) | {g}:
+                    ends[i] = end(i, load)
+    elif rules.gather and state.correct:  # no end to keep: gather the long work
+        for g in sorted((i for i in live if (givers is None or i in givers)
+                         and i not in giving and not any(r.queued for r in by_replica[i])),
+                        key=lambda i: (ends[i], i)):
+            if any(m.dst in {r.rank for r in by_replica[g]} for m in moves):
+                continue  # it takes requests in this decision
+            takers = sorted((i for i in live if i != g and i not in giving
+                             and (ends[i], -i) > (ends[g], -g)
+                             and not any(r.queued for r in by_replica[i])),
+                            key=lambda i: (-ends[i], i))
+            got = _gather(g, by_replica, takers, load, end, gather_end, rollout_end, state,
+                          rules, prices)
             if got:
                 moves += got
                 corrected.append(g)
@@ -499,3 +530,36 @@ def _pull_in(g: int, by_replica, takers, load: _Load, end, taker_end, bound: flo
     # at most `max_requests` at once (the rest at later checks)
     return (hand(list(mine[:lo]), bound, rules.correction_hedge)
             or (rules.lighten and hand(list(mine[1:]), before, rules.evacuation_hedge)) or [])
+
+
+def _gather(g: int, by_replica, takers, load: _Load, end, taker_end, bound: float,
+            state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices
+            ) -> list[Move]:
+    """Replica g's longest requests to `takers` (replicas that end later than g, the latest
+    first), each taker within `bound` (the rollout's predicted end: nothing ends later) with
+    each moved estimate counted `correction_hedge` times (the moved ones are the long ones,
+    whose estimates err most), kept only if g's predicted end comes in by more than the moves
+    cost the takers: so the long work gathers on the replicas that stay and g leaves sooner.
+    The moves, promised in `load`, or none."""
+    if not takers:
+        return []
+    mine = sorted(((q, r.rank) for r in by_replica[g] for q in r.running),
+                  key=lambda x: (-x[0].remaining, x[0].request_id))
+    before = end(g, load)
+    trial = load.copy()
+    moves, _ = _hand_over(mine[:rules.max_requests], state.now_s[g], takers, by_replica, trial,
+                          taker_end, bound, state, rules, prices, hedge=rules.correction_hedge)
+    if not moves:
+        return []
+    moved = {m.request_id for m in moves}
+    trial = trial.copy([r.rank for r in by_replica[g]])
+    for q, src in mine:
+        if q.request_id in moved:
+            trial.work[src].remove((q.remaining, q.cached_tokens))
+    # what g's ranks save against what the takers' ranks grow (as estimated, unhedged)
+    grown = sum((end(i, trial) - end(i, load)) * len(by_replica[i])
+                for i in _replicas_of(moves, by_replica))
+    if (before - end(g, trial)) * len(by_replica[g]) <= grown:
+        return []
+    load.adopt(trial)
+    return moves

@@ -611,6 +611,9 @@ class TailConsolidation:
     # (request, produced, lengths finished by uid) -> the most it may still produce where its
     # prediction is known wrong, else None (`consolidate.Running.worst`); None: never known
     worst: object = None
+    # with no end to keep and `ConsolidationRules.gather`: each replica checked this many
+    # seconds apart (on its clock) for long work to gather (`consolidate._gather`); None: never
+    gather_every_s: Optional[float] = None
 
 
 def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
@@ -634,6 +637,8 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
     seen: dict[int, int] = {}  # replica -> responses finished everywhere at its last decision
     moves_log: dict[int, list] = {i: [] for i in range(len(gens))}
     bound = consolidation.end_bound_s
+    gather = (consolidation.gather_every_s
+              if bound is None and consolidation.rules.gather else None)
     checked: dict[int, float] = {}  # replica -> its clock when its end is checked next
     from flexfloor.rollout.consolidate import FinishMemo
 
@@ -658,20 +663,22 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
         # apart, whether or not a request finished (a misprediction shows as a long request
         # outlives it, between finishes)
         due = bound is not None and views[i].now() >= checked.get(i, bound / 2)
+        if gather is not None:  # no end to keep: a check for long work to gather
+            due = views[i].now() >= checked.get(i, gather)
         if (seen.get(i) != finished or due) and len(views) > consolidation.rules.min_replicas:
             seen[i] = finished
             mine = views[i].ranks()
             n = sum(len(run) for run, _, _ in mine.values())
             if due:
-                checked[i] = views[i].now() + bound / 100
+                checked[i] = views[i].now() + (bound / 100 if gather is None else gather)
             if all(q == 0 for _, q, _ in mine.values()) and n:
                 # it may give all (few requests left), or, at a check of its end, hand its
                 # longest over (the correction)
                 if n <= consolidation.rules.max_requests or due:
                     _consolidate(i, views, replica_of, consolidation, changed, moves_log,
                                  limits, correct=due, memo=memo)
-        if i in views and bound is not None:
-            views[i].wake_s = checked.get(i, bound / 2)
+        if i in views and (bound is not None or gather is not None):
+            views[i].wake_s = checked.get(i, bound / 2 if gather is None else gather)
         advance(i)
     for i, out in outs.items():
         out.timeline.extend(moves_log[i])

@@ -100,6 +100,12 @@ class Scenario:
     # when it takes requests, and those that outlived their prediction up to the cap
     # (`ConsolidationRules.taker_hedge`; 1.25 in the GPU scenarios, 1: off)
     taker_hedge: float = 1.0
+    # the ceiling of prediction: FlexFloor's policy (elastic mode) told every length exactly, the
+    # plan's and the consolidation's (no hedges, `pace_margin` 1); the other modes unchanged
+    oracle: bool = False
+    # with the correction, where no prompt has history: gather the requests their finished
+    # siblings say are long onto the replicas that end later (`ConsolidationRules.gather`)
+    gather: bool = False
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
     # figures to reach, checked and printed: {"baseline": mode, metric thresholds}
@@ -243,7 +249,12 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
         # (which must match the engine): over the ranks by predicted steps
         step_cost = (None if sc.accelerator is None or sc.replicas == 1 else
                      rank_step_cost(cost, topo_r.states[replicated[0]][0], replicated[0], max_batch))
-        plan = flexfloor.plan(groups, range(sc.gpus), replicas=replicated, step_cost=step_cost)
+        if sc.oracle:
+            plan = oracle_plan(flexfloor, groups, range(sc.gpus), replicas=replicated,
+                               step_cost=step_cost)
+        else:
+            plan = flexfloor.plan(groups, range(sc.gpus), replicas=replicated,
+                                  step_cost=step_cost)
         routed = route_least_outstanding(groups, replicated)
         assignments = {Mode.STATIC: routed, Mode.REPLICA_RELEASE: routed,
                        Mode.STATIC_CHUNKS: chunks.plan(groups, range(sc.gpus)).assignment,
@@ -318,6 +329,21 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
     return report
 
 
+def oracle_plan(scheduler: Scheduler, groups, ranks, **kw):
+    """`scheduler`'s plan as if it knew every length of this rollout (`Scenario.oracle`): a
+    scheduler of the same settings whose history holds each prompt's lengths now, its samples
+    ordered longest first (the plan gives a prompt's i-th sample its i-th longest past length);
+    its margin 1 (nothing to mispredict). `scheduler` itself learns nothing from it."""
+    told = LengthHistory()
+    ordered = []
+    for g in groups:
+        reqs = tuple(sorted(g.requests, key=lambda q: (-q.target_len, q.sample_index)))
+        told.record(g.uid, [q.target_len for q in reqs])
+        ordered.append(PromptGroup(g.uid, reqs))
+    knows = dataclasses.replace(scheduler, history=told)
+    return knows.plan(ordered, ranks, **kw)
+
+
 def evidence_accuracy(plan, lengths: dict, predictor) -> dict:
     """The predictor's accuracy this step (Spearman, MAE of each prompt's predicted vs realised
     longest sample), per evidence: `history` (the plan's predictions from the prompt's own past)
@@ -355,7 +381,48 @@ def rank_step_cost(cost, placement, ranks: tuple[int, ...], max_batch: int):
         return cost.step_seconds([RankLoad(r, n, int(ctx), hosted[r], ctx) for r in ranks],
                                  placement.owner)
 
-    return linear_step_cost(priced, max_batch)
+    return GroupStepCost(linear_step_cost(priced, max_batch), _spread_step(cost, placement, ranks),
+                         len(ranks), max_batch)
+
+
+def _spread_step(cost, placement, ranks: tuple[int, ...]):
+    """total -> the group's step with `total` requests spread as evenly as its ranks allow
+    (no context): what the step's expert reads cost for that many tokens."""
+    from flexfloor.sim.cost import RankLoad
+
+    hosted = {r: placement.owner.count(r) for r in ranks}
+
+    def step(total: int) -> float:
+        base, extra = divmod(total, len(ranks))
+        loads = [base + (i < extra) for i in range(len(ranks))]
+        return cost.step_seconds([RankLoad(r, n, 0, hosted[r], 0) for r, n in zip(ranks, loads)],
+                                 placement.owner)
+
+    return step
+
+
+class GroupStepCost:
+    """A `scheduler.StepCost` (a rank's step, every rank of its group loaded alike) that also
+    prices the step's shared part: the experts a rank reads depend on the tokens of the whole
+    group, so a rank of n requests beside lighter ranks steps faster than n everywhere (one
+    request on one of 8 ranks: 8.5 ms against 9.4 ms with one on each, `paper-like`).
+    `shared(n, total)`: what a rank of n requests gains (<= 0) in a step of `total` requests
+    over the group; `replica_finish` adds it. Tabled once per total."""
+
+    def __init__(self, per_rank, spread, ranks: int, max_batch: int):
+        self.per_rank = per_rank
+        self.ranks = ranks
+        self.max_batch = max_batch
+        self._table = np.array([spread(t) for t in range(ranks * max_batch + 1)])
+
+    def __call__(self, n, ctx):
+        return self.per_rank(n, ctx)
+
+    def shared(self, n, total):
+        top = self.ranks * self.max_batch
+        n = np.minimum(np.asarray(n), self.max_batch)
+        alike = self._table[n * self.ranks]
+        return np.minimum(0.0, self._table[np.minimum(np.asarray(total), top)] - alike)
 
 
 def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, step_cost,
@@ -369,6 +436,9 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     `ConsolidationState.end_bound_s`): the plan's `finish_bound`."""
     from flexfloor.sim.cost import RankLoad
 
+    # priced per rank, as the bounds are (`Scheduler._across_replicas`): with the group's shared
+    # part the takers looked lighter, took more, and paper-like ended 3% after static
+    step_cost = getattr(step_cost, "per_rank", step_cost)
     placement, _ = topo.states[topo.groups[0]]
     ranks = topo.groups[0]
     probe = 4096
@@ -379,8 +449,14 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
                         transfer_bytes_per_s=cost.accel.network_bytes_per_s * params.link_efficiency,
                         reprefill_s_per_token=prefill)
     with_history = {uid for uid in plan.predicted if predictor.history.last(uid)}
+    spread = predictor.history.sibling_spread()
 
-    def predicted(req: SimRequest, finished: dict) -> float:
+    def predicted(req: SimRequest, produced: int, finished: dict) -> float:
+        if req.prompt_uid not in with_history and sc.gather:
+            # no history: its siblings done (the shorter ones) and how far a prompt's samples
+            # spread, else the prior beyond what it produced (`Predictor.running`)
+            return predictor.running(req.prompt_uid, finished.get(req.prompt_uid, ()),
+                                     produced, spread)
         # a request still running is one of its prompt's longer samples: predicted as long as
         # the longest (which sample index ran longest last time says nothing of this one)
         if req.prompt_uid not in with_history and finished.get(req.prompt_uid):
@@ -388,11 +464,14 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
         return plan.predicted.get(req.prompt_uid, plan.per_request.get(req.request_id, 0.0))
 
     def remaining(req: SimRequest, produced: int, finished: dict) -> float:
-        return remaining_estimate(predicted(req, finished), produced, sc.max_len)
+        if sc.oracle:
+            return float(max(1, req.length - produced))
+        return remaining_estimate(predicted(req, produced, finished), produced, sc.max_len)
 
     def worst(req: SimRequest, produced: int, finished: dict) -> Optional[float]:
         """Outlived its prediction (known wrong): up to the cap."""
-        return float(sc.max_len - produced) if produced >= predicted(req, finished) else None
+        return (float(sc.max_len - produced) if produced >= predicted(req, produced, finished)
+                else None)
 
     if not sc.correct:
         return TailConsolidation(ConsolidationRules(min_replicas=1), step_cost, prices,
@@ -400,12 +479,21 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     # the end to keep: the plan's bound (static's predicted end times `pace_margin`); a
     # leaving replica's requests counted half as long again on their takers
     rules = ConsolidationRules(min_replicas=1, evacuation_hedge=1.5, taker_hedge=sc.taker_hedge)
+    if sc.oracle:  # every estimate exact: nothing to hedge
+        rules = dataclasses.replace(rules, evacuation_hedge=1.0, correction_hedge=1.0,
+                                    taker_hedge=1.0)
+        return TailConsolidation(rules, step_cost, prices, remaining, sc.kv_block_tokens or 1,
+                                 end_bound_s=plan.finish_bound)
     # none where no prompt has history: the plan's ends then come from the prior (or the
     # default) alone, a guess (paper-like --dataset-prompts 16384: 155 s against the 207 s the
     # replicas take, which would hold every replica late and refuse every hand-over)
     bound = plan.finish_bound if plan.sources.get("history") else None
+    every = None
+    if bound is None and sc.gather:  # no end to keep: gather what the siblings say is long
+        rules = dataclasses.replace(rules, gather=True)
+        every = plan.finish_bound / 50 if plan.finish_bound else None
     return TailConsolidation(rules, step_cost, prices, remaining, sc.kv_block_tokens or 1,
-                             end_bound_s=bound, worst=worst)
+                             end_bound_s=bound, worst=worst, gather_every_s=every)
 
 
 def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
