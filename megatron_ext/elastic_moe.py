@@ -66,7 +66,7 @@ class ExpertStack:
     count: int
     weights: dict[str, torch.Tensor]
     # the same as [count, in, out] views: `torch._grouped_mm`'s second operand, made once
-    operands: dict[str, torch.Tensor] = field(default_factory=dict)
+    operands: dict[str, torch.Tensor] = field(init=False)
 
     def __post_init__(self):
         self.operands = {name: w.transpose(1, 2) for name, w in self.weights.items()}

@@ -255,23 +255,16 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
         r.rank: [(q.worst if q.worst is not None else rules.taker_hedge * q.remaining,
                   q.cached_tokens) for q in r.running] for r in state.ranks}
 
-    def taker_end(i: int, ld: _Load) -> float:
+    def counting(own_of: dict):
         """Replica i's end as a taker: its own running requests (the first entries of each
-        rank's work: promises are appended) counted pessimistically (`own`), what it was
-        promised as promised."""
-        if rules.taker_hedge == 1.0:
-            return end(i, ld)
-        return ld.ready[i] + memo.finish([own[r.rank] + ld.work[r.rank][len(own[r.rank]):]
-                                          for r in by_replica[i]])
+        rank's work: promises are appended) counted as `own_of` says, what it was promised as
+        promised."""
+        def at(i: int, ld: _Load) -> float:
+            return ld.ready[i] + memo.finish([own_of[r.rank] + ld.work[r.rank][len(own_of[r.rank]):]
+                                              for r in by_replica[i]])
+        return at
 
-    # as a gatherer counts a taker: its own requests at `taker_hedge` times their estimate,
-    # not at their worst (with no history nearly every request outlived its prior)
-    plain = {r.rank: [(rules.taker_hedge * q.remaining, q.cached_tokens) for q in r.running]
-             for r in state.ranks}
-
-    def gather_end(i: int, ld: _Load) -> float:
-        return ld.ready[i] + memo.finish([plain[r.rank] + ld.work[r.rank][len(plain[r.rank]):]
-                                          for r in by_replica[i]])
+    taker_end = end if rules.taker_hedge == 1.0 else counting(own)
 
     ends = {i: end(i, load) for i in live}
     rollout_end = max(ends.values())
@@ -314,39 +307,40 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                 ends[i] = end(i, load)
     corrected: list[int] = []
     bound = state.end_bound_s
+    def hand_each(order, may_take, hand) -> None:
+        """Each replica g of `order`, unless it takes requests in this decision, hands requests
+        over (`hand(g, takers)`) and stays: takers the replicas that may take (`may_take(g,
+        i)`), not giving, nothing queued, the one planned to stay longest first."""
+        for g in order:
+            if any(m.dst in {r.rank for r in by_replica[g]} for m in moves):
+                continue  # it takes requests in this decision
+            takers = sorted((i for i in live if i != g and i not in giving and may_take(g, i)
+                             and not any(r.queued for r in by_replica[i])),
+                            key=lambda i: (-ends[i], i))
+            got = hand(g, takers)
+            if got:
+                moves.extend(got)
+                corrected.append(g)
+                for i in _replicas_of(got, by_replica) | {g}:
+                    ends[i] = end(i, load)
+
     if bound is not None and state.correct:  # the correction: a late replica hands over
         late = [i for i in live if (givers is None or i in givers) and i not in giving
                 and ends[i] > bound and not any(r.queued for r in by_replica[i])]
-        for g in sorted(late, key=lambda i: (-ends[i], i)):
-            if any(m.dst in {r.rank for r in by_replica[g]} for m in moves):
-                continue  # it takes requests in this decision
-            takers = sorted((i for i in live if i != g and i not in giving and i not in late
-                             and not any(r.queued for r in by_replica[i])),
-                            key=lambda i: (-ends[i], i))
-            got = _pull_in(g, by_replica, takers, load, end, taker_end, bound, state, rules,
-                           prices)
-            if got:
-                moves += got
-                corrected.append(g)
-                for i in _replicas_of(got, by_replica) | {g}:
-                    ends[i] = end(i, load)
+        hand_each(sorted(late, key=lambda i: (-ends[i], i)), lambda g, i: i not in late,
+                  lambda g, takers: _pull_in(g, by_replica, takers, load, end, taker_end, bound,
+                                             state, rules, prices))
     elif rules.gather and state.correct:  # no end to keep: gather the long work
-        for g in sorted((i for i in live if (givers is None or i in givers)
-                         and i not in giving and not any(r.queued for r in by_replica[i])),
-                        key=lambda i: (ends[i], i)):
-            if any(m.dst in {r.rank for r in by_replica[g]} for m in moves):
-                continue  # it takes requests in this decision
-            takers = sorted((i for i in live if i != g and i not in giving
-                             and (ends[i], -i) > (ends[g], -g)
-                             and not any(r.queued for r in by_replica[i])),
-                            key=lambda i: (-ends[i], i))
-            got = _gather(g, by_replica, takers, load, end, gather_end, rollout_end, state,
-                          rules, prices)
-            if got:
-                moves += got
-                corrected.append(g)
-                for i in _replicas_of(got, by_replica) | {g}:
-                    ends[i] = end(i, load)
+        # a gatherer counts a taker's own requests at `taker_hedge` times their estimate, not
+        # at their worst (with no history nearly every request outlived its prior)
+        gather_end = counting({r.rank: [(rules.taker_hedge * q.remaining, q.cached_tokens)
+                                        for q in r.running] for r in state.ranks})
+        hand_each(sorted((i for i in live if (givers is None or i in givers) and i not in giving
+                          and not any(r.queued for r in by_replica[i])),
+                         key=lambda i: (ends[i], i)),
+                  lambda g, i: (ends[i], -i) > (ends[g], -g),  # the replicas that end later
+                  lambda g, takers: _gather(g, by_replica, takers, load, end, gather_end,
+                                            rollout_end, state, rules, prices))
     return Consolidation(moves=moves, leaving_replicas=sorted(giving),
                          corrected_replicas=sorted(corrected))
 

@@ -240,12 +240,9 @@ class ElasticMembership:
         (re-prefilled on their takers, as every move across replicas), the leader writes them
         into the claimed inboxes and reopens this replica's own: it stays with the others.
         Collective over the replica's group."""
-        st, ids = engine.rollout, {m.request_id for m in moves if m.src == engine.rank}
-        stay = [r for r in st.running if r.request.request_id not in ids]
-        st.running = [r for r in st.running if r.request.request_id in ids]
-        payloads = engine.export_running(moves, across=True) if st.running else []
-        st.running = stay  # in their admission order (the youngest is preempted first)
-        st.record.migrated_across += len(payloads)
+        ids = {m.request_id for m in moves if m.src == engine.rank}
+        payloads = engine.export_running(moves, across=True, only=ids) if ids else []
+        engine.rollout.record.migrated_across += len(payloads)
         self.hand_over(engine, payloads, moves)
         if engine.rank == engine.moe.placement.ranks[0]:
             self.mailbox.reopen()

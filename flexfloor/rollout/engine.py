@@ -84,12 +84,10 @@ def _is_plain_linear(module) -> bool:
 def _linear(module, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A Megatron linear at TP=1 as one raw GEMM on its own weight (no autograd-function
     wrappers); other linears (transformer-engine) through their own forward. `residual`: added
-    to the output (without a bias: inside the GEMM, `addmm`, one op less)."""
+    to the output. A plain linear without a bias takes `_linear_call`'s faster path instead."""
     if not _is_plain_linear(module):
         y, bias = module(x)
         y = y if bias is None else y + bias
-    elif module.bias is None and residual is not None:
-        return torch.addmm(residual, x, module.weight.t())
     else:
         y = F.linear(x, module.weight)
         y = y if module.bias is None else y + module.bias
@@ -994,8 +992,10 @@ class RolloutEngine:
     # ---------------------------------------------------------------- migration
 
     def export_running(self, moves: Sequence = (), *, across: bool = False,
-                       prices: Optional[MovePrices] = None, taker: int = -1) -> list[dict]:
-        """Hand over every running request (the queue must be empty): its tokens so far, and,
+                       prices: Optional[MovePrices] = None, taker: int = -1,
+                       only: Optional[set] = None) -> list[dict]:
+        """Hand over every running request (the queue must be empty), or those whose ids are in
+        `only` (the others run on here, in their admission order): its tokens so far, and,
         when it moves with its K/V (its move's kind; else as `prices` say; never `across`),
         its stored K/V as "kv" (`BlockPool.export_kv`: for the taker's pool, not for a pickle)
         with "kv_tokens" its length (0: the taker re-prefills). Its randomness is keyed by
@@ -1007,9 +1007,12 @@ class RolloutEngine:
             raise RolloutError(f"rank {self.rank}: cannot migrate with {len(st.queue)} queued")
         to = {m.request_id: m.dst for m in moves}
         kinds = {m.request_id: m.kind for m in moves}
-        out = []
+        out, stay = [], []
         for r in st.running:
             rid = r.request.request_id
+            if only is not None and rid not in only:
+                stay.append(r)
+                continue
             if across:  # the mailbox carries no tensors
                 kind = MoveKind.REPREFILL
             elif rid in kinds:
@@ -1027,7 +1030,7 @@ class RolloutEngine:
                 st.record.steps, rid, self.rank, to.get(rid, taker), r.position, across=across,
                 kind=kind.value, kv_tokens=p["kv_tokens"],
                 kv_bytes=p["kv_tokens"] * self.kv_bytes_per_token))
-        st.running = []
+        st.running = stay
         st.record.migrated_out += len(out)
         return out
 

@@ -804,7 +804,8 @@ class Scheduler:
         # if none do), before the others are placed: static holds its samples one to a replica,
         # and a lockstep step of fewer requests reads fewer experts (small seed 3 ended 2% after
         # static with the prompt's 8 samples two to a rank on one replica of 4)
-        while order and alone(order[0], grouped)[0] > static_grouped:  # the longest first
+        # (one replica: nowhere to spread to)
+        while len(replicas) > 1 and order and alone(order[0], grouped)[0] > static_grouped:
             g = order.pop(0)
             for k in range(2, len(replicas) + 1):
                 trial, got = spread(g, k)

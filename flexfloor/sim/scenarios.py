@@ -449,7 +449,7 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
                         transfer_bytes_per_s=cost.accel.network_bytes_per_s * params.link_efficiency,
                         reprefill_s_per_token=prefill)
     with_history = {uid for uid in plan.predicted if predictor.history.last(uid)}
-    spread = predictor.history.sibling_spread()
+    spread = predictor.history.sibling_spread() if sc.gather else 1.0  # read by gathering only
 
     def predicted(req: SimRequest, produced: int, finished: dict) -> float:
         if req.prompt_uid not in with_history and sc.gather:
