@@ -270,6 +270,10 @@ class RolloutConfig:
     # engine replicas: R EP groups of world / R ranks, each holding every expert, each decoding
     # its own requests (flexfloor/rollout/replicas.py); 1 = one world-wide group
     replicas: int = 1
+    # decode-only steps padded to power-of-two batch buckets, with fixed shapes and no host
+    # read inside the layer stack (the MoE layers' fixed-capacity dispatch): capture-ready for
+    # CUDA graphs; the same tokens (docs/engine.md). Off: every step eager, sized to its batch
+    static_decode: bool = False
 
     def validate(self) -> None:
         _positive("rollout", self, "samples_per_prompt", "max_new_tokens", "max_batch_size",

@@ -129,6 +129,12 @@ class Dispatched:
     probs: torch.Tensor  # [N] their routing probabilities
     by_expert: Optional[torch.Tensor]  # [N] received order -> sorted order; None: already sorted
     x: torch.Tensor  # [T, H] the layer's input (for shared experts)
+    # the fixed-capacity dispatch (`dispatch_fixed`): rows per slab (one slab per rank of the
+    # group; a lone rank's one slab is its T*k pairs), None: sizes read on the host
+    cap: Optional[int] = None
+    row_pad: Optional[torch.Tensor] = None  # [N, 1] sorted rows that are padding or filler
+    back_index: Optional[torch.Tensor] = None  # [T*k] sorted pair -> its row in the slabs back
+    pair_pad: Optional[torch.Tensor] = None  # [T*k, 1] sorted pairs of padding rows
 
 
 class PlacedMoE:
@@ -250,13 +256,22 @@ class PlacedMoE:
     # dispatch returns a handle that compute and combine consume.
 
     @torch.no_grad()
-    def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, hidden: torch.Tensor,
+                valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [T, ..., H] (T may be 0) -> MoE output of the same shape. Collective over the
-        group."""
+        group. `valid` [T] bool: the real rows of a step padded to a bucket (the engine's
+        `static_decode`; every rank of the group passes one, with the same T): the
+        fixed-capacity path (`dispatch_fixed`), whose shapes follow from T alone and which reads
+        nothing on the host where the placed experts are one stack (`_placed_stack`);
+        padding rows reach no expert and get zeros."""
         x = hidden.reshape(-1, self.hidden)  # [T, H]
         routed = self.route(layer, x)
-        stack = self._whole_stack(layer, x)
-        handle = self.dispatch(routed, host_counts=stack is None)
+        if valid is None:
+            stack = self._whole_stack(layer, x)
+            handle = self.dispatch(routed, host_counts=stack is None)
+        else:
+            stack = self._placed_stack(layer, x)
+            handle = self.dispatch_fixed(routed, valid)
         rows = self.compute(layer, handle, stack)
         out = self.combine(layer, handle, rows)
         return out.view(hidden.shape)
@@ -297,7 +312,7 @@ class PlacedMoE:
         flat = experts.reshape(-1)  # [T*k], token-major: pair i is token i // k
         key = flat if size == 1 else self._owner_index[flat] * E + flat  # [T*k] (owner, expert)
         order = torch.argsort(key, stable=True)  # token order kept within an expert
-        counts = torch.bincount(key, minlength=size * E)  # [size * E] (destination, expert)
+        counts = _count(key, size * E)  # [size * E] (destination, expert)
         send_x = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
         send_p = routed.probs.reshape(-1).index_select(0, order)
         if size == 1:  # a lone rank (EP=1, or the last survivor): nothing to exchange
@@ -317,6 +332,59 @@ class PlacedMoE:
         return Dispatched(order, send_splits, recv_splits, per_expert, recv_counts.sum(0),
                           recv_x[by_expert], recv_p[by_expert], by_expert, x)
 
+    def dispatch_fixed(self, routed: "Routed", valid: torch.Tensor) -> "Dispatched":
+        """The fixed-capacity dispatch of a step padded to a bucket (like DeepEP's low-latency
+        mode): every shape follows from T alone, nothing is read on the host, and the real rows
+        reach their experts in the order `dispatch` gives them (the same expert GEMMs, bit for
+        bit). valid [T] bool: the real rows; a padding row's pairs are keyed past the last
+        (owner, expert), so they sort last, are counted nowhere and go nowhere. Over a group,
+        each rank sends every rank a slab of cap = T*k rows (the most it can send one rank): its
+        rows for that rank first, sorted by (expert, token), then filler; the slabs, their
+        probabilities and the [rank, expert] counts travel in equal-split all-to-alls, and the
+        receiver sorts the slab rows by expert on the device (filler keyed past the last
+        expert). Every rank of the group must pass the same T."""
+        x, experts = routed.x, routed.experts
+        k, E, size = self.topk, self.num_experts, self.group_size
+        flat = experts.reshape(-1)  # [P = T*k], token-major
+        cap = flat.numel()
+        end = size * E  # the key past the last (owner, expert): padding
+        key = flat if size == 1 else self._owner_index[flat] * E + flat
+        key = torch.where(valid.unsqueeze(1).expand(-1, k).reshape(-1), key, end)  # [P]
+        order = torch.argsort(key, stable=True)  # padding last, token order within an expert
+        counts = _count(key, end + 1)[:end]  # [size * E], padding not counted
+        key_sorted = key.index_select(0, order)
+        pair_pad = (key_sorted == end).unsqueeze(1)  # [P, 1]
+        send_x = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # [P, H]
+        send_p = routed.probs.reshape(-1).index_select(0, order)
+        if size == 1:  # the one slab is the sorted pairs: nothing to exchange
+            return Dispatched(order, None, None, None, counts, send_x, send_p, None, x,
+                              cap=cap, row_pad=pair_pad)
+        dev = x.device
+        counts = counts.view(size, E)  # [destination, expert]
+        sent = counts.sum(1)  # [size] rows for each rank
+        first = sent.cumsum(0) - sent  # [size] where each rank's rows start in the sorted ones
+        slot = torch.arange(cap, device=dev)
+        take = torch.where(slot.unsqueeze(0) < sent.unsqueeze(1), first.unsqueeze(1) + slot,
+                           0).view(-1)  # [size * cap] sorted row of each slab row (filler: 0)
+        recv_counts = exchange_counts(counts, self.group)  # [source, expert]
+        recv_x, recv_p = exchange_rows(send_x.index_select(0, take),
+                                       send_p.index_select(0, take), None, None, self.group)
+        # a source's slab holds its rows in expert order: each slab row's expert from the
+        # source's cumulative counts (filler: E, past the last expert)
+        bounds = recv_counts.cumsum(1)  # [source, E]
+        row_expert = torch.searchsorted(bounds, slot.expand(size, cap).contiguous(),
+                                        right=True).view(-1)  # [size * cap]
+        by_expert = torch.argsort(row_expert, stable=True)  # (expert, source, token) order
+        # combine: sorted pair j comes back in its destination's slab, at j - first[dest]
+        dest = torch.div(key_sorted, E, rounding_mode="floor").clamp_(max=size - 1)
+        back_index = torch.where(pair_pad.view(-1), 0,
+                                 dest * cap + slot - first.index_select(0, dest))
+        return Dispatched(order, None, None, None, recv_counts.sum(0),
+                          recv_x.index_select(0, by_expert), recv_p.index_select(0, by_expert),
+                          by_expert, x, cap=cap,
+                          row_pad=(row_expert.index_select(0, by_expert) == E).unsqueeze(1),
+                          back_index=back_index, pair_pad=pair_pad)
+
     def compute(self, layer: int, handle: "Dispatched",
                 stack: Optional["ExpertStack"] = None) -> torch.Tensor:
         """Expert MLPs over the rows sorted by expert; the activation and the probability
@@ -325,18 +393,42 @@ class PlacedMoE:
         stacked weights (views of the trainer's parameters), the group offsets from the device
         counts: no host read. Otherwise only the experts that received rows run: the stacked
         own ones grouped where torch has a grouped GEMM for the dtype and device, the others
-        (borrowed ones) as raw GEMMs on their own weights. Returns rows in received order."""
+        (borrowed ones) as raw GEMMs on their own weights. Returns rows in received order.
+        A fixed-capacity handle's padding and filler rows (sorted last) come out as zeros; its
+        experts read their counts on the host where they are not one stack (a layer with
+        borrowed experts, or a dtype without a grouped GEMM)."""
         rows, probs = handle.rows, handle.probs
         self._touched_counts.append(handle.counts)
         if stack is not None:
-            offs = handle.counts.cumsum(0, dtype=torch.int32)  # [E] one past each expert's rows
+            # [count] one past each stacked expert's rows; rows past the last: not computed
+            offs = handle.counts[stack.first:stack.first + stack.count].cumsum(
+                0, dtype=torch.int32)
             h = torch._grouped_mm(rows, stack.operands["linear_fc1"], offs=offs)
             h = self._activation(self._expert_config[layer], h, probs)  # [N, F]
-            return torch._grouped_mm(h, stack.operands["linear_fc2"], offs=offs)
+            out = torch._grouped_mm(h, stack.operands["linear_fc2"], offs=offs)
+        else:
+            per_expert = handle.per_expert
+            if per_expert is None:  # a fixed-capacity handle: the fallback's host read
+                per_expert = handle.counts.tolist()
+            n = sum(per_expert)
+            out = self._hosted_experts(layer, rows[:n], probs[:n], per_expert)
+            if n < rows.shape[0]:  # padding and filler rows after the real ones
+                out = torch.cat([out, out.new_zeros(rows.shape[0] - n, out.shape[1])])
+        if handle.row_pad is not None:
+            out = out.masked_fill(handle.row_pad, 0.0)
+        if handle.by_expert is not None:  # back to the order rows arrived in
+            out = torch.empty_like(out).index_copy_(0, handle.by_expert, out)
+        return out
+
+    def _hosted_experts(self, layer: int, rows: torch.Tensor, probs: torch.Tensor,
+                        per_expert: list[int]) -> torch.Tensor:
+        """The experts that received rows (sorted by expert, `per_expert` of each, read on the
+        host): the stacked own ones grouped where a grouped GEMM runs, the others one raw GEMM
+        each, or Megatron's own forward per expert (biases, fused kernels)."""
         hosted = self.hosted[layer]
         groups = []  # (expert, module, first row, rows) of each expert that received rows
         start = 0
-        for e, n in enumerate(handle.per_expert):
+        for e, n in enumerate(per_expert):
             if n == 0:
                 continue
             module = hosted.get(e)
@@ -346,17 +438,14 @@ class PlacedMoE:
             groups.append((e, module, start, n))
             start += n
         if not groups:
-            out = torch.empty_like(rows)
-        elif self._raw_experts(groups[0][1]):
+            return torch.empty_like(rows)
+        if self._raw_experts(groups[0][1]):
             stack = self._stack(layer, rows)
-            h = self._project(rows, groups, handle.per_expert, stack, "linear_fc1")
+            h = self._project(rows, groups, per_expert, stack, "linear_fc1")
             h = self._activation(groups[0][1].config, h, probs)  # [N, F]
-            out = self._project(h, groups, handle.per_expert, stack, "linear_fc2")
-        else:  # biases or fused kernels: Megatron's own forward per expert
-            out = torch.cat([m(rows[s:s + n], probs[s:s + n])[0] for _, m, s, n in groups])
-        if handle.by_expert is not None:  # back to the order rows arrived in
-            out = torch.empty_like(out).index_copy_(0, handle.by_expert, out)
-        return out
+            return self._project(h, groups, per_expert, stack, "linear_fc2")
+        # biases or fused kernels: Megatron's own forward per expert
+        return torch.cat([m(rows[s:s + n], probs[s:s + n])[0] for _, m, s, n in groups])
 
     def _whole_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
         """The layer's stacked own experts when they are all of its experts, hosted alone (no
@@ -368,6 +457,22 @@ class PlacedMoE:
         key = (layer, x.dtype)
         if key not in self._whole:
             self._whole[key] = self._find_whole_stack(layer, x)
+        return self._whole[key]
+
+    def _placed_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
+        """The layer's stacked own experts when they hold every expert the placement gives this
+        rank (no borrowed one is placed here) and a grouped GEMM runs for `x`'s dtype and
+        device: every row the fixed-capacity dispatch brings is then for the stack. At EP=1,
+        `_whole_stack`. Kept per layer and dtype until the hosted experts or the group change."""
+        key = (layer, x.dtype, "placed")
+        if key not in self._whole:
+            mlp = self.layers[layer]
+            stack = (self._stack(layer, x) if self._raw_experts(mlp.experts.local_experts[0])
+                     else None)
+            if stack is not None and not all(stack.first <= e < stack.first + stack.count
+                                             for e in self.placement.experts_of(self.rank)):
+                stack = None
+            self._whole[key] = stack
         return self._whole[key]
 
     def _find_whole_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
@@ -453,8 +558,13 @@ class PlacedMoE:
         """Expert outputs back to their tokens (one all-to-all), then one scatter into [T, k, H]
         and a sum over k in ascending expert order (k > 2; two terms add alike in either
         order): the same whatever rank computed them."""
-        back = rows if handle.send_splits is None else exchange_rows_back(
-            rows, handle.send_splits, handle.recv_splits, self.group)
+        if handle.back_index is not None:  # fixed slabs back; each sorted pair's row of them
+            back = exchange_rows_back(rows, None, None, self.group).index_select(
+                0, handle.back_index).masked_fill(handle.pair_pad, 0.0)
+        elif handle.send_splits is None:
+            back = rows
+        else:
+            back = exchange_rows_back(rows, handle.send_splits, handle.recv_splits, self.group)
         t = handle.order.numel() // self.topk
         mlp = self.layers[layer]
         if t == 0:
@@ -465,6 +575,13 @@ class PlacedMoE:
             x = handle.x
             out = out + mlp.shared_experts(x.view(t, 1, self.hidden)).view(t, self.hidden)
         return out
+
+
+def _count(key: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] occurrences of each value 0..n-1 in key (int64): `torch.bincount(key, minlength=n)`
+    with a shape fixed by n (bincount's grows with the largest value: a host read on CUDA)."""
+    return torch.zeros(n, dtype=torch.long, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key))
 
 
 # ------------------------------------------------------------------------------------------------

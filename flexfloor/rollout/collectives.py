@@ -12,6 +12,7 @@ or timed-out collective becomes a `CollectiveError` naming the rank, the phase a
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -72,16 +73,25 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
-def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, recv_splits: Optional[list[int]],
+                send_splits: Optional[list[int]], group) -> torch.Tensor:
+    """Rows of x to the ranks of `group`, send_splits[i] to the i-th; recv_splits[i] from it.
+    Splits None: equal slabs (x's rows split evenly, as many received): no sizes read on the
+    host, the shapes fixed by x's."""
+    if recv_splits is None:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
 
-def exchange_rows(x: torch.Tensor, p: torch.Tensor, recv_splits: list[int],
-                  send_splits: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
+def exchange_rows(x: torch.Tensor, p: torch.Tensor, recv_splits: Optional[list[int]],
+                  send_splits: Optional[list[int]], group) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows x [N, H] and their routing probabilities p [N] in one all-to-all: each row's
-    bytes with its probability's bytes appended (exact whatever the two dtypes)."""
+    bytes with its probability's bytes appended (exact whatever the two dtypes). Splits None:
+    equal slabs (the MoE layer's fixed-capacity dispatch)."""
     n = x.shape[0]
     w = x.shape[1:].numel() * x.element_size()
     xb = x.contiguous().view(torch.uint8).reshape(n, w)
@@ -92,9 +102,10 @@ def exchange_rows(x: torch.Tensor, p: torch.Tensor, recv_splits: list[int],
     return rx, rp
 
 
-def exchange_rows_back(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                       group) -> torch.Tensor:
-    """Expert outputs back to the ranks the rows came from (the reverse of `exchange_rows`)."""
+def exchange_rows_back(rows: torch.Tensor, send_splits: Optional[list[int]],
+                       recv_splits: Optional[list[int]], group) -> torch.Tensor:
+    """Expert outputs back to the ranks the rows came from (the reverse of `exchange_rows`;
+    splits None: equal slabs)."""
     return _all_to_all(rows, send_splits, recv_splits, group)
 
 

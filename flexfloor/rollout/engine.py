@@ -63,6 +63,19 @@ __all__ = ["RolloutEngine", "RolloutError", "CollectiveError", "collective_phase
            "StaticMembership", "StepReport", "kv_bytes_per_token"]
 
 DEFAULT_BLOCK_TOKENS = 16  # rollout.kv_block_tokens
+PAD_TOKEN = 0  # the token of a padded decode step's padding rows (`static_decode`)
+
+
+def _power_of_two(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def decode_bucket(requests: int, max_batch_size: int) -> int:
+    """The rows a padded decode step of `requests` runs with (`static_decode`): the smallest
+    power of two that holds them, at most `max_batch_size` (rollout.max_batch_size): the batch
+    sizes a CUDA graph would be captured for, as vLLM's are."""
+    return min(_power_of_two(requests), max(max_batch_size, requests))
 
 
 def kv_bytes_per_token(model_config) -> int:
@@ -343,6 +356,11 @@ class _Batch:
     # in row lane_rows[b] (None: row b), the other rows idle (mask 0, output dropped)
     lanes: Optional[int] = None
     lane_rows: Optional[torch.Tensor] = None  # [B]
+    # a decode step padded to a bucket (`static_decode`): [rows] True for the B real rows
+    # (first), False for padding; None: an eager step
+    valid: Optional[torch.Tensor] = None
+    # what the padded step's shapes follow from: (rows, lanes or None: gathered, span in blocks)
+    bucket: Optional[tuple] = None
 
 
 @dataclass
@@ -419,6 +437,7 @@ class RolloutEngine:
         progress: bool = False,
         valid_vocab: Optional[int] = None,
         kv_lanes: bool = True,
+        static_decode: bool = False,
     ):
         self.model = model
         self.moe = moe  # megatron_ext.elastic_moe.PlacedMoE over the current EP group
@@ -433,6 +452,9 @@ class RolloutEngine:
         # requests' blocks in pool lanes, read by attention as views (False: always gathered
         # through the block tables; the same tokens, for tests and A/B runs)
         self.kv_lanes = kv_lanes
+        # decode-only steps padded to buckets, with fixed shapes and no host read in the layer
+        # stack (`_static_batch`; rollout.static_decode): what a CUDA graph would replay
+        self.static_decode = static_decode
         self.max_seq_len = model.max_sequence_length
         cfg = self.config
         self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -649,13 +671,34 @@ class RolloutEngine:
         afterwards.
 
         Every rank of the EP group must call this once per step, even with no requests: the MoE
-        all-to-all needs all of them. `plan`: the rollout's `_plan` (None: built here).
+        all-to-all needs all of them. `plan`: the rollout's `_plan` (None: built here). With
+        `static_decode`, a decode-only step (on every rank of the group) is padded to a bucket
+        (`_static_batch`); the host-built index tensors are made first, then the layer stack
+        (`_layer_stack`) runs on the device alone.
         """
+        rows = self._static_rows(running)
         if not running:
-            return self._empty_step()
+            return self._empty_step(rows)
         plan = self._plan() if plan is None else plan
-        batch = self._batch(running, pool)
-        B, Q, L = len(running), batch.mask.shape[2], batch.mask.shape[3]
+        batch = (self._batch(running, pool) if rows is None
+                 else self._static_batch(running, pool, rows))
+        logits = self._layer_stack(plan, batch, pool)
+        for r in running:
+            r.length += len(r.pending)
+        if batch.valid is not None:  # the padding rows' logits: dropped
+            logits = logits[: len(running)]
+        if self.valid_vocab is not None:
+            logits = logits[:, : self.valid_vocab]
+        return logits.float() if logits.dtype != torch.float64 else logits
+
+    def _layer_stack(self, plan: _Plan, batch: _Batch, pool: BlockPool) -> torch.Tensor:
+        """Embedding to logits over one step's `batch` (its index tensors built): per layer
+        attention over the pool and the MoE layer; stores the new K/V. Logits [rows, V]: one per
+        request (B, or a padded step's bucket rows). A padded step's shapes follow from its
+        `bucket` alone and nothing in it reads on the host (where the experts run grouped)."""
+        # request rows: one per new token in a decode step, else the query rows' requests
+        B = batch.tokens.shape[1] if batch.query_index is None else batch.query_index.shape[0]
+        Q, L = batch.mask.shape[2], batch.mask.shape[3]
         G, D, heads = self.groups, self.head_dim, self.heads
         blocks = pool.k.shape[1] // self.block_tokens
         x = self._embed(batch.tokens, batch.positions)  # [T, H]
@@ -693,14 +736,9 @@ class RolloutEngine:
             if batch.out_index is not None:
                 o = o[batch.out_index]
             x = lp.proj(o, x)
-            x = x + self.moe.forward(li, lp.pre_mlp_norm(x))
-        for r in running:
-            r.length += len(r.pending)
+            x = x + self.moe.forward(li, lp.pre_mlp_norm(x), batch.valid)
         h = plan.final_norm(x if batch.last is None else x[batch.last])
-        logits = F.linear(h, plan.output_weight)  # [B, V]
-        if self.valid_vocab is not None:
-            logits = logits[:, : self.valid_vocab]
-        return logits.float() if logits.dtype != torch.float64 else logits
+        return F.linear(h, plan.output_weight)  # [B or rows, V]
 
     def _qkv(self, lp: "_LayerPlan", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Megatron's `get_query_key_value_tensors` at TP=1 and RoPE as raw ops on `linear_qkv`'s
@@ -720,12 +758,84 @@ class RolloutEngine:
             return self.model.shared_embedding_or_output_weight()
         return self.model.output_layer.weight
 
-    def _empty_step(self) -> torch.Tensor:
-        """A step with no own tokens: still enter every MoE layer's all-to-all, with 0 tokens."""
-        x = torch.empty(0, 1, self.config.hidden_size, dtype=self.dtype, device=self.device)
+    def _empty_step(self, rows: Optional[int] = None) -> torch.Tensor:
+        """A step with no own tokens: still enter every MoE layer's all-to-all, with 0 tokens,
+        or in a step the group pads (`_static_rows`) with `rows` padding rows (zeros: they
+        reach no expert)."""
+        x = torch.zeros(rows or 0, 1, self.config.hidden_size, dtype=self.dtype,
+                        device=self.device)
+        valid = None if rows is None else torch.zeros(rows, dtype=torch.bool, device=self.device)
         for li in range(len(self.model.decoder.layers)):
-            self.moe.forward(li, x)
+            self.moe.forward(li, x, valid)
         return torch.empty(0, self.model.vocab_size, device=self.device)
+
+    # ---------------------------------------------------------------- padded decode steps
+
+    def _static_rows(self, running: list[_Running]) -> Optional[int]:
+        """The rows this step is padded to (`static_decode`), or None: an eager step. A step is
+        padded when it is decode-only on every rank of the group (one new token per request; an
+        empty rank counts as one); its rows are the bucket (`decode_bucket`) of the group's
+        largest batch, the same on every rank, so the MoE layers' slabs have one size. Over a
+        group of several ranks: one small all-gather per step, before the layer stack (prefill
+        and mixed steps stay eager, as vLLM's do)."""
+        if not self.static_decode:
+            return None
+        decode = all(len(r.pending) == 1 for r in running)
+        rows = decode_bucket(len(running), self.max_batch_size) if decode and running else 0
+        if self.moe.group_size > 1:
+            table = share_rows(self.moe.group, [int(not decode), rows])
+            if any(eager for eager, _ in table):
+                return None
+            rows = max(n for _, n in table)
+        return rows or None
+
+    def _static_batch(self, running: list[_Running], pool: BlockPool, rows: int) -> _Batch:
+        """A decode-only step padded to `rows`: the B requests in rows 0 .. B-1, then padding
+        rows (token `PAD_TOKEN` at position 0, their K/V written to the pool's scratch slot, a
+        mask that sees position 0 only, their logits dropped). The span is rounded up to a
+        power of two of blocks (at most a lane, or the context). When every request sits in a
+        lane, attention reads a power of two of lanes as views (enough for every request's lane
+        and for the rows: the padding rows take idle lanes), else it gathers through block
+        tables (a padding row's: the scratch block). The step's shapes follow from its `bucket`
+        (rows, lanes, span) alone."""
+        bt, dev, B = self.block_tokens, self.device, len(running)
+        pad = rows - B
+        stored = [r.length for r in running]
+        width = max(len(r.blocks) for r in running)
+        lanes = [r.lane for r in running]
+        count = None  # lanes read as views; None: gathered through the block tables
+        if None not in lanes:
+            need = max(rows, max(lanes) + 1)
+            count = min(_power_of_two(need), pool.stored_blocks // pool.lane_blocks)
+            count = count if count >= need else None
+        cap = pool.lane_blocks if count is not None else blocks_for(self.max_seq_len, bt)
+        span = min(_power_of_two(width), cap)
+        scratch = pool.scratch_slot
+        ids = [r.pending[0] for r in running] + [PAD_TOKEN] * pad
+        positions = stored + [0] * pad
+        new_slots = [r.blocks[n // bt] * bt + n % bt for r, n in zip(running, stored)]
+        new_slots += [scratch] * pad
+        tables = None
+        if count is None:
+            row_of, seen_at = list(range(rows)), positions
+            tables = torch.tensor(
+                [b for r in running for b in r.blocks + [0] * (span - len(r.blocks))]
+                + [scratch // bt] * (span * pad), dtype=torch.long, device=dev)
+        else:
+            taken = set(lanes)
+            row_of = lanes + [lane for lane in range(count) if lane not in taken][:pad]
+            seen_at = [0] * count  # idle lanes too: position 0 only
+            for row, p in zip(row_of, positions):
+                seen_at[row] = p
+        host = torch.tensor([ids, positions, new_slots, row_of], dtype=torch.long, device=dev)
+        seen_at = torch.tensor(seen_at, dtype=torch.long, device=dev)
+        seen = torch.arange(span * bt, device=dev).unsqueeze(0) <= seen_at.unsqueeze(1)
+        return _Batch(
+            tokens=host[0].view(1, -1), positions=host[1].view(1, -1), new_slots=host[2],
+            tables=tables, mask=self._additive(seen).view(seen.shape[0], 1, 1, -1),
+            query_index=None, out_index=None, last=None, lanes=count,
+            lane_rows=None if count is None else host[3],
+            valid=torch.arange(rows, device=dev) < B, bucket=(rows, count, span))
 
     # ---------------------------------------------------------------- generate
 
@@ -742,7 +852,7 @@ class RolloutEngine:
         pool = BlockPool(num_layers=len(self.model.decoder.layers), groups=self.groups,
                          head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                          block_tokens=self.block_tokens, capacity=self.capacity_blocks,
-                         lane_blocks=self._lane_blocks(requests))
+                         lane_blocks=self._lane_blocks(requests), scratch=self.static_decode)
         if pool.lane_blocks is not None:  # the lanes the first admissions open, in one go
             pool.reserve(min(len(requests), self.max_batch_size) * pool.lane_blocks)
         trace = StepTrace(num_experts=self.moe.num_experts, num_layers=len(self.moe.layers),

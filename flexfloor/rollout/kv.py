@@ -90,6 +90,12 @@ class BlockPool(BlockLedger):
     engine reserves the lanes its first admissions open), at most the capacity.
     A lane is open while its first block is in use.
 
+    Scratch (`scratch`, for the engine's `static_decode`): one more block of storage after the
+    stored blocks, at `scratch_slot`, that no request owns and the ledger counts nowhere (not in
+    the capacity, used, free or peak: its bytes are one block over the budget, the price of a
+    padded decode step): the padding rows of a step padded to a bucket write their K/V there.
+    It stays the last block when the storage grows.
+
     Lifecycle: one pool per `generate()`; `open_lane`/`allocate`/`free` per request;
     `withhold` for bytes a borrowed expert takes from the KV room; everything is dropped with
     the pool."""
@@ -97,15 +103,18 @@ class BlockPool(BlockLedger):
     GROW = 64  # blocks added at least when the storage grows
 
     def __init__(self, *, num_layers: int, groups: int, head_dim: int, dtype, device,
-                 block_tokens: int, capacity: Optional[int], lane_blocks: Optional[int] = None):
+                 block_tokens: int, capacity: Optional[int], lane_blocks: Optional[int] = None,
+                 scratch: bool = False):
         elem = torch.empty((), dtype=dtype).element_size()
         super().__init__(capacity=capacity,
                          block_bytes=2 * num_layers * groups * head_dim * block_tokens * elem)
         self.block_tokens = block_tokens
         self.lane_blocks = lane_blocks
         self._shape = (num_layers, 0, groups, head_dim)
-        self.k = torch.empty(self._shape, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self._extra = int(scratch)  # blocks of storage after the stored ones (the scratch)
+        self.k = torch.zeros((num_layers, self._extra * block_tokens, groups, head_dim),
+                             dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
         # free blocks: the set is the truth; the list is the LIFO order, with stale entries
         # (blocks since taken by a lane allocation) skipped when popped
         self._free: list[int] = []
@@ -114,7 +123,14 @@ class BlockPool(BlockLedger):
     @property
     def stored_blocks(self) -> int:
         """Blocks the storage holds now."""
-        return self.k.shape[1] // self.block_tokens
+        return self.k.shape[1] // self.block_tokens - self._extra
+
+    @property
+    def scratch_slot(self) -> int:
+        """The scratch block's first slot (`scratch`); it moves when the storage grows."""
+        if not self._extra:
+            raise RolloutError("KV block pool built without a scratch block (scratch=False)")
+        return self.stored_blocks * self.block_tokens
 
     def open_lane(self) -> Optional[int]:
         """The lowest lane whose blocks are all free and fit the capacity (storage grown to hold
@@ -206,8 +222,8 @@ class BlockPool(BlockLedger):
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_zeros(L, old.shape[1] + extra, G, D)
-            new[:, : old.shape[1]] = old
-            setattr(self, name, new)
+            new[:, : have * self.block_tokens] = old[:, : have * self.block_tokens]
+            setattr(self, name, new)  # the scratch block (if any) is zeros again, at the end
         self._free.extend(range(have + add - 1, have - 1, -1))
         self._free_set.update(range(have, have + add))
 
