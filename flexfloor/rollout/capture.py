@@ -173,21 +173,29 @@ class AuditedStep:
 @contextlib.contextmanager
 def audit_steps(engine):
     """Audit every layer stack (`RolloutEngine._layer_stack`: embedding to logits, the step's
-    index tensors already built) that `engine` runs inside the block; yields the list of
-    `AuditedStep`s, one per step with requests, in order."""
-    real = engine._layer_stack
+    index tensors already built) that `engine` runs inside the block, and every step it takes
+    with no requests of its own (`_empty_step`: the MoE layers alone; bucket ("empty", rows),
+    rows None in an eager step); yields the list of `AuditedStep`s, in order."""
+    real_stack, real_empty = engine._layer_stack, engine._empty_step
     steps: list[AuditedStep] = []
 
     def audited(plan, batch, pool):
         with StepAudit() as audit:
-            logits = real(plan, batch, pool)
+            logits = real_stack(plan, batch, pool)
         steps.append(AuditedStep(batch.bucket, batch.positions.view(-1).tolist(),
                                  batch.tokens.view(-1).tolist(), audit.flagged,
                                  audit.signature(), len(audit.ops)))
         return logits
 
-    engine._layer_stack = audited
+    def audited_empty(rows=None):
+        with StepAudit() as audit:
+            logits = real_empty(rows)
+        steps.append(AuditedStep(("empty", rows), [], [], audit.flagged, audit.signature(),
+                                 len(audit.ops)))
+        return logits
+
+    engine._layer_stack, engine._empty_step = audited, audited_empty
     try:
         yield steps
     finally:
-        del engine._layer_stack
+        del engine._layer_stack, engine._empty_step

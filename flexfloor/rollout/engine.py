@@ -854,7 +854,10 @@ class RolloutEngine:
                          block_tokens=self.block_tokens, capacity=self.capacity_blocks,
                          lane_blocks=self._lane_blocks(requests), scratch=self.static_decode)
         if pool.lane_blocks is not None:  # the lanes the first admissions open, in one go
-            pool.reserve(min(len(requests), self.max_batch_size) * pool.lane_blocks)
+            lanes = min(len(requests), self.max_batch_size)
+            if self.static_decode:  # a padded step's lanes: its rows' bucket (`_static_batch`)
+                lanes = decode_bucket(lanes, self.max_batch_size) if lanes else 0
+            pool.reserve(lanes * pool.lane_blocks)
         trace = StepTrace(num_experts=self.moe.num_experts, num_layers=len(self.moe.layers),
                           expert_bytes=self.moe.expert_nbytes)
         trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
