@@ -17,6 +17,14 @@ that hosts only those (EP=1) with the group offsets taken on the device, so the 
 nothing on the host. Each token's output is the sum of its top-k expert outputs in ascending
 expert order, whatever rank computed them, so the result does not depend on the placement. The
 collectives live in `flexfloor.rollout.collectives` (buffers on the group's device).
+
+A step padded to a bucket (the engine's `static_decode`) passes its real rows (`valid`) and takes
+the fixed-capacity dispatch instead (`dispatch_fixed`, like DeepEP's low-latency mode): padding
+keyed past the last expert, equal-split slabs of T*k rows per rank, the rows sorted by expert on
+the device, the grouped GEMM over the stack that holds every expert placed on this rank
+(`_placed_stack`), fixed slabs back: shapes that follow from T alone and no host read. A layer
+whose placed experts are not one stack (borrowed ones after a shrink; no grouped GEMM for the
+dtype) reads its experts' counts on the host there (a documented limit).
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ layer (uniform top-k routing: E * (1 - (1 - k/E)^b)) + b * c tokens of KV; FLOPs
 weights one token uses + the attention's 4 * b * c * heads * head_dim per layer. The bandwidth
 (a streaming sum over 256 MiB) and the matmul rate (a square sgemm) are measured in the same
 run, on the same threads; the step's time is the larger of bytes / bandwidth and FLOPs / rate.
+`--static-decode` pads FlexFloor's decode steps to batch buckets with fixed shapes
+(rollout.static_decode, docs/engine.md); each run says which it ran (`static_decode`).
 `grouped_expert_layers` says in how many layers the experts ran as grouped GEMMs
 (`torch._grouped_mm` over the stacked expert weights) rather than one GEMM per expert.
 """
@@ -62,6 +64,8 @@ def parse(argv=None):
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="time with the wall clock, or with this process's CPU time (on a machine "
                         "other work shares: the figures then exclude time spent waiting for a core)")
+    p.add_argument("--static-decode", action="store_true",
+                   help="FlexFloor's decode steps padded to buckets (rollout.static_decode)")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args(argv)
 
@@ -177,8 +181,8 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     model, cfg = model_from_hf(hf_dir, par)  # in memory: a real --hf model is not saved again
     model.eval()
-    stack = RolloutStack.build(par, model, rollout=RolloutConfig(max_batch_size=args.batch,
-                                                                 progress=False))
+    stack = RolloutStack.build(par, model, rollout=RolloutConfig(
+        max_batch_size=args.batch, progress=False, static_decode=args.static_decode))
     moe, engine = stack.moe, stack.engine
     prompts = make_prompts(args.prompts, cfg.vocab_size)
     rates = decode_rates({"hf": lambda p, n: hf_generate(hf, p, n, args.batch),
@@ -193,7 +197,7 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
         "model": label, "params_dtype": cfg.params_dtype, "hidden_size": cfg.hidden_size,
         "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
         "prompts": len(prompts), "new_tokens": args.new_tokens, "batch": args.batch,
-        "threads": args.threads, "clock": args.clock,
+        "threads": args.threads, "clock": args.clock, "static_decode": args.static_decode,
         "hf_decode_tokens_per_s": hf_rate, "flexfloor_decode_tokens_per_s": ff_rate,
         "ratio_flexfloor_over_hf": ff_rate / hf_rate,
         "hf_generate_s": hf_s, "flexfloor_generate_s": ff_s,

@@ -21,6 +21,16 @@ so tokens do not depend on the rank, batch, placement, preemption or migration. 
 still sum in another order for another batch shape (the last bit of a logit); tests that compare
 batch compositions run in float64.
 
+Capture-ready decode (`static_decode`, rollout.static_decode; docs/engine.md): a decode-only step
+(on every rank of the EP group) is padded to a bucket: rows to a power of two up to
+`max_batch_size`, the span to a power of two of blocks, the lanes read to a power of two;
+padding rows write their K/V to the pool's scratch block, see position 0 only, reach no expert
+and their logits are dropped; the MoE layers take the fixed-capacity dispatch. Such a step's
+layer stack (`_layer_stack`, after the host-built index tensors) then has shapes that follow
+from its bucket alone and reads nothing on the host where the experts run grouped: what a CUDA
+graph would replay (`flexfloor.rollout.capture` audits it). Prefill and mixed steps stay eager.
+The capture itself is not done.
+
 A step:   admit (slots + free KV blocks over a watermark) -> take the blocks this step's tokens
           need (preempting the youngest request when the pool runs out) -> forward -> sample ->
           finish (blocks freed) -> step boundary

@@ -10,7 +10,11 @@ Sections (each reports its seconds and, when it fails, its error; the others sti
 - decode: decode tokens/s of the engine and of `transformers.generate` (greedy, same weights, same
   GPU) for a small random Qwen3-MoE-shaped model at batch 1, 32 and 128;
 - offload: `torch.cuda.memory_allocated` before an offloading release, after it and after resync
-  (weights, gradient buffers and optimizer state bit-identical after resync).
+  (weights, gradient buffers and optimizer state bit-identical after resync);
+- static_decode: the padded decode step (`rollout.static_decode`, docs/engine.md) of a bf16
+  model on the GPU: its layer stacks under `torch.cuda.set_sync_debug_mode("error")` (a host
+  sync inside raises), their op audit (`flexfloor.rollout.capture`: no flagged op, one op
+  sequence per bucket), and decode tokens/s with static_decode on vs off (same tokens).
 
 Usage (from the repository root): bash tests/gpu/run.sh  (it sets up the one-rank environment).
 `python tests/gpu/check.py --cpu-dry-run` runs the same sections on CPU with gloo, small, to catch
@@ -205,6 +209,66 @@ def main(argv=None) -> int:
                 "restore_s": restore_s,
                 "bit_identical_after_resync": len(after) == len(snapshot) and all(
                     torch.equal(a, b) for a, b in zip(after, snapshot))}
+
+    @section(summary, "static_decode")
+    def _static_decode():
+        from flexfloor.rollout.capture import audit_steps
+
+        # bf16: the dtype torch's CUDA grouped GEMM runs (fp32 on the dry run's CPU)
+        cfg = ModelConfig(params_dtype="float32" if dry else "bfloat16")
+        model = build_model(cfg, par)
+        model.eval()
+        rows = []
+        for batch in batches:
+            reqs = requests(batch, cfg.vocab_size, new_tokens=new_tokens, greedy=True)
+            runs = {}
+            for static in (False, True):
+                stack = RolloutStack.build(par, model, rollout=RolloutConfig(
+                    max_batch_size=batch, progress=False, static_decode=static))
+                runs[static] = _engine_rate(stack.engine, reqs)
+                grouped = stack.moe.grouped_layers(model.config.params_dtype)
+                stack.close()
+            rows.append({"batch": batch, "new_tokens": new_tokens,
+                         "eager_decode_tokens_per_s": runs[False][1],
+                         "static_decode_tokens_per_s": runs[True][1],
+                         "ratio_static_over_eager": runs[True][1] / runs[False][1],
+                         "identical_responses": sum(a == b for a, b in
+                                                    zip(runs[False][0], runs[True][0])),
+                         "responses": batch, "grouped_expert_layers": grouped})
+        # one more rollout (the stacks warm): every padded layer stack with a host sync raising
+        batch = max(batches)
+        stack = RolloutStack.build(par, model, rollout=RolloutConfig(
+            max_batch_size=batch, progress=False, static_decode=True))
+        engine = stack.engine
+        real = engine._layer_stack
+
+        def strict(plan, step, pool):
+            if step.valid is None or dry:  # eager steps may sync; CPU has no sync mode
+                return real(plan, step, pool)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return real(plan, step, pool)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        engine._layer_stack = strict
+        with audit_steps(engine) as steps:
+            from flexfloor.rollout.engine import StaticMembership
+
+            engine.generate(requests(batch, cfg.vocab_size, new_tokens=new_tokens, seed=4),
+                            StaticMembership())
+        stack.close()
+        padded = [st for st in steps if st.bucket is not None]
+        by_bucket: dict = {}
+        for st in padded:
+            by_bucket.setdefault(st.bucket, set()).add(st.signature)
+        flagged = sorted({f"{f.op}: {f.reason}" for st in padded for f in st.flagged})
+        return {"model": f"default ModelConfig, {cfg.params_dtype}", "runs": rows,
+                "padded_steps_under_sync_error": 0 if dry else len(padded),
+                "padded_steps": len(padded), "flagged_in_padded_steps": flagged,
+                "buckets": len(by_bucket),
+                "one_op_sequence_per_bucket": all(len(v) == 1 for v in by_bucket.values()),
+                "all_identical": all(r["identical_responses"] == r["responses"] for r in rows)}
 
     par.destroy()
     summary["ok"] = all(v.get("ok") for v in summary.values() if isinstance(v, dict))
