@@ -49,7 +49,7 @@ def test_the_audit_flags_host_reads_and_data_dependent_shapes_only():
             fn()
         assert bool(audit.flagged) == (name in flagged), (name, audit.flagged)
         assert audit.ops or name == "tolist"
-    assert torch.Tensor.tolist is not None and "reading" not in repr(torch.Tensor.tolist)
+    assert "tolist" not in torch.Tensor.__dict__  # the patch is gone with the audit
     # the signature holds every shape: another size is another sequence
     sigs = []
     for n in (3, 3, 4):

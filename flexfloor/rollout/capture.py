@@ -105,7 +105,7 @@ class _Record:
 
 class StepAudit(TorchDispatchMode):
     """Records every op run inside it (name, arguments as `_describe` gives them, outputs) and
-    flags what a graph capture refuses (the module docstring). Also counts `Tensor.tolist` and
+    flags what a graph capture refuses (the module docstring). Also flags `Tensor.tolist` and
     `Tensor.numpy` calls, patched while it is active (they read memory without an aten op)."""
 
     def __init__(self):
@@ -129,7 +129,7 @@ class StepAudit(TorchDispatchMode):
     def __enter__(self):
         for method in ("tolist", "numpy"):
             real = getattr(torch.Tensor, method)
-            self._saved[method] = real
+            self._saved[method] = torch.Tensor.__dict__.get(method)  # None: inherited
 
             def reading(t, *a, _real=real, _method=method, **kw):
                 self.flagged.append(Flag(len(self.ops), f"Tensor.{_method}", "host read"))
@@ -141,8 +141,11 @@ class StepAudit(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            for method, real in self._saved.items():
-                setattr(torch.Tensor, method, real)
+            for method, own in self._saved.items():
+                if own is None:
+                    delattr(torch.Tensor, method)
+                else:
+                    setattr(torch.Tensor, method, own)
             self._saved.clear()
 
     def signature(self) -> tuple:
