@@ -21,10 +21,10 @@ collectives live in `flexfloor.rollout.collectives` (buffers on the group's devi
 A step padded to a bucket (the engine's `static_decode`) passes its real rows (`valid`) and takes
 the fixed-capacity dispatch instead (`dispatch_fixed`, like DeepEP's low-latency mode): padding
 keyed past the last expert, equal-split slabs of T*k rows per rank, the rows sorted by expert on
-the device, the grouped GEMM over the stack that holds every expert placed on this rank
-(`_placed_stack`), fixed slabs back: shapes that follow from T alone and no host read. A layer
-whose placed experts are not one stack (borrowed ones after a shrink; no grouped GEMM for the
-dtype) reads its experts' counts on the host there (a documented limit).
+the device, grouped GEMMs over the stacks that hold every expert placed on this rank
+(`_placed_stack`: its own, and after a shrink its borrowed ones, stacked at `rebind`), fixed
+slabs back: shapes that follow from T alone and no host read. Where torch has no grouped GEMM
+for the dtype (float64 on CPU) the experts' counts are read on the host there.
 """
 
 from __future__ import annotations
@@ -74,6 +74,21 @@ class ExpertStack:
     count: int
     weights: dict[str, torch.Tensor]
     # the same as [count, in, out] views: `torch._grouped_mm`'s second operand, made once
+    operands: dict[str, torch.Tensor] = field(init=False)
+
+    def __post_init__(self):
+        self.operands = {name: w.transpose(1, 2) for name, w in self.weights.items()}
+
+
+@dataclass
+class BorrowedStack:
+    """Borrowed experts `ids` of a layer (ascending, all below or all above its own stack's
+    range) stacked: projection name -> [n, out, in]; their modules' weights are views of it
+    (`flexfloor.model.stack_experts`, in the own stack's layout: the same GEMMs, bit for bit)."""
+
+    ids: tuple
+    weights: dict[str, torch.Tensor]
+    index: torch.Tensor  # [n] the ids on the device (their counts: one index_select)
     operands: dict[str, torch.Tensor] = field(init=False)
 
     def __post_init__(self):
@@ -182,6 +197,7 @@ class PlacedMoE:
         self._plain_router: dict[tuple, bool] = {}
         self._routers = [mlp.router for mlp in self.layers]
         self._expert_config = [next(iter(h.values())).config for h in self.hosted]
+        self._dtype = next(model.parameters()).dtype
         self.rebind(group, placement)
 
     # ---------------------------------------------------------------- layout
@@ -211,6 +227,11 @@ class PlacedMoE:
         # expert -> index of its owner in the group, on the model's device (indexed by device ids)
         self._owner_index = torch.tensor([placement.group_index(r) for r in placement.owner],
                                          device=self.device)
+        if any(set(placement.experts_of(self.rank)) - set(mlp.local_expert_indices)
+               for mlp in self.layers):  # borrowed experts placed here: stack them now, at
+            probe = torch.empty(0, dtype=self._dtype, device=self.device)  # the step boundary
+            for li in range(len(self.layers)):
+                self._placed_stack(li, probe)
 
     def host(self, layer: int, expert: int, state: dict[str, torch.Tensor]) -> None:
         """Host a borrowed expert: a copy of a local expert module loaded with `state`."""
@@ -278,8 +299,10 @@ class PlacedMoE:
             stack = self._whole_stack(layer, x)
             handle = self.dispatch(routed, host_counts=stack is None)
         else:
-            stack = self._placed_stack(layer, x)
+            stack, borrowed = self._placed_stack(layer, x) or (None, ())
             handle = self.dispatch_fixed(routed, valid)
+            rows = self.compute(layer, handle, stack, borrowed)
+            return self.combine(layer, handle, rows).view(hidden.shape)
         rows = self.compute(layer, handle, stack)
         out = self.combine(layer, handle, rows)
         return out.view(hidden.shape)
@@ -393,8 +416,8 @@ class PlacedMoE:
                           row_pad=(row_expert.index_select(0, by_expert) == E).unsqueeze(1),
                           back_index=back_index, pair_pad=pair_pad)
 
-    def compute(self, layer: int, handle: "Dispatched",
-                stack: Optional["ExpertStack"] = None) -> torch.Tensor:
+    def compute(self, layer: int, handle: "Dispatched", stack: Optional["ExpertStack"] = None,
+                borrowed: tuple = ()) -> torch.Tensor:
         """Expert MLPs over the rows sorted by expert; the activation and the probability
         scaling run once over every row. With `stack` (every expert of the layer is one of the
         model's own, stored stacked: `_whole_stack`) one grouped GEMM per projection over the
@@ -402,12 +425,22 @@ class PlacedMoE:
         counts: no host read. Otherwise only the experts that received rows run: the stacked
         own ones grouped where torch has a grouped GEMM for the dtype and device, the others
         (borrowed ones) as raw GEMMs on their own weights. Returns rows in received order.
-        A fixed-capacity handle's padding and filler rows (sorted last) come out as zeros; its
-        experts read their counts on the host where they are not one stack (a layer with
-        borrowed experts, or a dtype without a grouped GEMM)."""
+        A fixed-capacity handle's padding and filler rows (sorted last) come out as zeros; with
+        `borrowed` (`BorrowedStack`s: a shrunk layer's borrowed experts) its rows run grouped
+        per stack (`_grouped_segments`); its experts read their counts on the host only where
+        they are not stacked (a dtype without a grouped GEMM)."""
         rows, probs = handle.rows, handle.probs
         self._touched_counts.append(handle.counts)
-        if stack is not None:
+        if stack is not None and borrowed:
+            lo, hi = stack.first, stack.first + stack.count
+            counts = handle.counts
+            segments = [(counts.index_select(0, b.index), b.operands) for b in borrowed
+                        if b.ids[0] < lo]
+            segments.append((counts[lo:hi], stack.operands))
+            segments += [(counts.index_select(0, b.index), b.operands) for b in borrowed
+                         if b.ids[0] >= hi]
+            out = self._grouped_segments(layer, rows, probs, segments)
+        elif stack is not None:
             # [count] one past each stacked expert's rows; rows past the last: not computed
             offs = handle.counts[stack.first:stack.first + stack.count].cumsum(
                 0, dtype=torch.int32)
@@ -426,6 +459,34 @@ class PlacedMoE:
             out = out.masked_fill(handle.row_pad, 0.0)
         if handle.by_expert is not None:  # back to the order rows arrived in
             out = torch.empty_like(out).index_copy_(0, handle.by_expert, out)
+        return out
+
+    def _grouped_segments(self, layer: int, rows: torch.Tensor, probs: torch.Tensor,
+                          segments: list) -> torch.Tensor:
+        """Rows sorted by expert through several stacks: `segments` (counts [g] of each of a
+        stack's experts, its operands) in ascending expert order, each a range of the rows. A
+        segment's rows are brought to row 0 by a device gather (its start: the counts before
+        it), run through its grouped GEMMs (each expert's rows the same matrix as alone) and
+        gathered back; rows past the last segment are left as they come (filler)."""
+        n = rows.shape[0]
+        i = torch.arange(n, device=rows.device)
+        out, start = None, None  # start None: row 0, known on the host
+        for counts, operands in segments:
+            offs = counts.cumsum(0, dtype=torch.int32)
+            if start is None:
+                seg_rows, seg_probs = rows, probs
+            else:
+                take = (i + start).clamp_(max=n - 1)
+                seg_rows, seg_probs = rows.index_select(0, take), probs.index_select(0, take)
+            h = torch._grouped_mm(seg_rows, operands["linear_fc1"], offs=offs)
+            h = self._activation(self._expert_config[layer], h, seg_probs)  # [N, F]
+            o = torch._grouped_mm(h, operands["linear_fc2"], offs=offs)
+            if start is None:
+                out, start = o, offs[-1].long()
+            else:  # later segments take the rows from their start on
+                o = o.index_select(0, (i - start).clamp_(min=0))
+                out = torch.where((i >= start).unsqueeze(1), o, out)
+                start = start + offs[-1]
         return out
 
     def _hosted_experts(self, layer: int, rows: torch.Tensor, probs: torch.Tensor,
@@ -467,21 +528,53 @@ class PlacedMoE:
             self._whole[key] = self._find_whole_stack(layer, x)
         return self._whole[key]
 
-    def _placed_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
-        """The layer's stacked own experts when they hold every expert the placement gives this
-        rank (no borrowed one is placed here) and a grouped GEMM runs for `x`'s dtype and
-        device: every row the fixed-capacity dispatch brings is then for the stack. At EP=1,
-        `_whole_stack`. Kept per layer and dtype until the hosted experts or the group change."""
+    def _placed_stack(self, layer: int, x: torch.Tensor) -> Optional[tuple]:
+        """(the layer's stacked own experts, `BorrowedStack`s of the borrowed experts the
+        placement gives this rank: () before any shrink) when a grouped GEMM runs for `x`'s
+        dtype and device and every placed expert is stacked: every row the fixed-capacity
+        dispatch brings is then for one of the stacks. None otherwise (the host-read
+        fallback). At EP=1 before a shrink, `_whole_stack`. Built at `rebind` once a shrink
+        placed borrowed experts here (their weights restacked: outside the decode step), kept
+        per layer and dtype until the hosted experts or the group change."""
         key = (layer, x.dtype, "placed")
         if key not in self._whole:
             mlp = self.layers[layer]
             stack = (self._stack(layer, x) if self._raw_experts(mlp.experts.local_experts[0])
                      else None)
-            if stack is not None and not all(stack.first <= e < stack.first + stack.count
-                                             for e in self.placement.experts_of(self.rank)):
-                stack = None
-            self._whole[key] = stack
+            found = None
+            if stack is not None:
+                lo, hi = stack.first, stack.first + stack.count
+                ids = sorted(e for e in self.placement.experts_of(self.rank) if not lo <= e < hi)
+                borrowed = self._stack_borrowed(layer, ids, lo, hi) if ids else ()
+                found = None if borrowed is None else (stack, borrowed)
+            self._whole[key] = found
         return self._whole[key]
+
+    def _stack_borrowed(self, layer: int, ids: list[int], lo: int, hi: int) -> Optional[tuple]:
+        """The borrowed experts `ids` of a layer (outside its own stack's range lo .. hi-1) as
+        one `BorrowedStack` below the range and one above (either may be absent); their
+        modules' weights move into the stacks (no second copy). None: some are not raw."""
+        from flexfloor.model import stack_experts
+
+        hosted = self.hosted[layer]
+        if any(e not in hosted or not self._raw_experts(hosted[e]) for e in ids):
+            return None
+        own = self.layers[layer].experts.local_experts[0].linear_fc1.weight
+        transposed = own.stride() == (1, own.shape[0])  # the own stack's layout
+        out = []
+        with torch.inference_mode(False), torch.no_grad():
+            for part in ([e for e in ids if e < lo], [e for e in ids if e >= hi]):
+                if not part:
+                    continue
+                modules = [hosted[e] for e in part]
+                stack_experts(modules, transposed=transposed)
+                weights = {name: stacked_weights([getattr(m, name).weight for m in modules])
+                           for name in ("linear_fc1", "linear_fc2")}
+                if any(w is None for w in weights.values()):
+                    return None
+                out.append(BorrowedStack(tuple(part), weights,
+                                         torch.tensor(part, device=self.device)))
+        return tuple(out)
 
     def _find_whole_stack(self, layer: int, x: torch.Tensor) -> Optional["ExpertStack"]:
         mlp = self.layers[layer]

@@ -166,6 +166,7 @@ class AuditedStep:
     """One layer stack the engine ran under `audit_steps`."""
 
     bucket: Optional[tuple]  # a padded decode step's (rows, lanes, span); None: an eager step
+    ranks: tuple  # the EP group's ranks at the step (a graph is also one layout's)
     positions: list[int]  # the step's token positions (padding rows: 0)
     tokens: list[int]  # the step's input tokens
     flagged: list[Flag]
@@ -185,7 +186,8 @@ def audit_steps(engine):
     def audited(plan, batch, pool):
         with StepAudit() as audit:
             logits = real_stack(plan, batch, pool)
-        steps.append(AuditedStep(batch.bucket, batch.positions.view(-1).tolist(),
+        steps.append(AuditedStep(batch.bucket, tuple(engine.moe.placement.ranks),
+                                 batch.positions.view(-1).tolist(),
                                  batch.tokens.view(-1).tolist(), audit.flagged,
                                  audit.signature(), len(audit.ops)))
         return logits
@@ -193,8 +195,8 @@ def audit_steps(engine):
     def audited_empty(rows=None):
         with StepAudit() as audit:
             logits = real_empty(rows)
-        steps.append(AuditedStep(("empty", rows), [], [], audit.flagged, audit.signature(),
-                                 len(audit.ops)))
+        steps.append(AuditedStep(("empty", rows), tuple(engine.moe.placement.ranks), [], [],
+                                 audit.flagged, audit.signature(), len(audit.ops)))
         return logits
 
     engine._layer_stack, engine._empty_step = audited, audited_empty

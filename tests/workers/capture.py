@@ -4,8 +4,8 @@ Per dtype (float32: the experts run grouped; float64: no CPU grouped GEMM, the e
 read on the host), the same requests with static_decode off and on, every layer stack audited
 (`flexfloor.rollout.capture.audit_steps`); rank 1 runs out of requests first, so it takes
 padded steps with no requests of its own. Then an elastic rollout (rank 1 released, rank 0
-decodes on alone with borrowed experts) and one where rank 1 hands its last requests to rank 0,
-each with static_decode off and on. Writes every rank's tokens, log-probs and audited steps
+decodes on alone with borrowed experts, stacked at the shrink) and one where rank 1 hands its
+last requests to rank 0, each with static_decode off and on. Writes every rank's tokens, log-probs and audited steps
 (signatures as hashes) as results.json.
 
 Usage: torchrun --nproc-per-node 2 tests/workers/capture.py OUT_DIR
@@ -58,7 +58,8 @@ def rollout(stack, reqs, policy=ReleasePolicy.STATIC):
     return {
         "tokens": {r.request_id: r.token_ids for r in out.results},
         "logprobs": {r.request_id: r.logprobs for r in out.results},
-        "steps": [{"bucket": s.bucket, "positions": s.positions, "tokens": s.tokens,
+        "steps": [{"bucket": s.bucket, "ranks": s.ranks, "positions": s.positions,
+                   "tokens": s.tokens,
                    "flagged": sorted({f"{f.op}: {f.reason}" for f in s.flagged}),
                    "signature": digest(s.signature), "ops": s.ops} for s in steps],
         "record": {"steps": out.record.steps, "release_step": out.record.release_step,
