@@ -194,6 +194,20 @@ def test_ep1_tokens_identical_with_static_decode_on_and_off(one_rank, dtype, tol
         assert max(abs(a - b) for a, b in zip(logprobs, want[rid][1])) <= tol, rid
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_ep1_padded_moe_layer_gives_each_real_row_the_eager_output_bit_for_bit(one_rank, dtype):
+    _, stack = one_rank[dtype]
+    moe = stack.moe
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for li in range(len(moe.layers)):
+            x = torch.randn(5, 1, moe.hidden, generator=g).to(moe._dtype)
+            pad = 100 * torch.randn(3, 1, moe.hidden, generator=g).to(moe._dtype)
+            eager = moe.forward(li, x)
+            padded = moe.forward(li, torch.cat([x, pad]), torch.arange(8) < 5)
+            assert torch.equal(padded[:5], eager) and bool((padded[5:] == 0).all()), li
+
+
 def test_the_experts_touched_count_ignores_padding_rows(one_rank):
     _, _, eager = _decode(one_rank, "float32", static=False)
     _, _, padded = _decode(one_rank, "float32", static=True)
@@ -251,6 +265,21 @@ def test_ep2_padded_steps_have_no_flagged_op_and_one_op_sequence_per_bucket(ep2,
         empty = [s for s in ep2["float32_static1"][1]["steps"]  # steps with none
                  if s["bucket"] and s["bucket"][0] == "empty"]
         assert empty and all(s["bucket"][1] for s in empty)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_ep2_fixed_capacity_dispatch_gives_each_real_row_the_eager_output_bit_for_bit(ep2, dtype):
+    for part in ep2[f"{dtype}_layers"]:
+        assert part["group"] == [0, 1] and all(part["same"]) and all(part["zero"])
+
+
+@pytest.mark.parametrize("case", ["elastic", "migrate"])
+def test_shrunk_survivor_runs_borrowed_stacks_bit_for_bit(ep2, case):
+    rank0, rank1 = ep2[f"{case}_static1"]
+    layers = rank0["survivor_layers"]
+    assert layers["group"] == [0] and rank1["survivor_layers"] is None  # rank 1 was released
+    assert layers["borrowed_layers"] == len(layers["same"])  # every layer borrowed experts
+    assert all(layers["same"]) and all(layers["zero"])
 
 
 def test_ep2_eager_decode_steps_read_split_sizes_on_the_host(ep2):

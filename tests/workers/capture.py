@@ -49,13 +49,40 @@ def digest(signature) -> str:
     return hashlib.sha256(repr(signature).encode()).hexdigest()[:16]
 
 
-def rollout(stack, reqs, policy=ReleasePolicy.STATIC):
-    """One rollout of this rank's requests, its layer stacks audited."""
+def layer_check(moe, seed: int) -> dict:
+    """Every MoE layer over 5 rows, eager, and padded to 8 rows with 3 padding rows of other
+    values (`valid`): the real rows' outputs bit for bit, zeros for the padding. Collective over
+    the group (every rank passes 8 padded rows). Also how many layers ran borrowed stacks."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(moe.layers[0].parameters()).dtype
+    same, zero, borrowed = [], [], 0
+    with torch.inference_mode():
+        for li in range(len(moe.layers)):
+            x = torch.randn(5, 1, moe.hidden, generator=g).to(dtype)
+            pad = 100 * torch.randn(3, 1, moe.hidden, generator=g).to(dtype)
+            eager = moe.forward(li, x)
+            valid = torch.arange(8) < 5
+            padded = moe.forward(li, torch.cat([x, pad]), valid)
+            same.append(bool(torch.equal(padded[:5], eager)))
+            zero.append(bool((padded[5:] == 0).all()))
+            found = moe._placed_stack(li, x)
+            borrowed += bool(found and found[1])
+    return {"same": same, "zero": zero, "borrowed_layers": borrowed,
+            "group": list(moe.placement.ranks)}
+
+
+def rollout(stack, reqs, policy=ReleasePolicy.STATIC, *, seed: int = 0):
+    """One rollout of this rank's requests, its layer stacks audited; in an elastic one, the
+    survivor checks its MoE layers before the resync (`layer_check`: borrowed experts hosted)."""
     run_ = stack.start(policy)
     with audit_steps(stack.engine) as steps:
         out = run_.generate(reqs)
+    survivor = None
+    if policy == ReleasePolicy.ELASTIC and stack.moe.group_size == 1:  # the survivor, alone
+        survivor = layer_check(stack.moe, seed)  # (a leaver keeps its old group, unused)
     run_.resync(timeout_s=60)
     return {
+        "survivor_layers": survivor,
         "tokens": {r.request_id: r.token_ids for r in out.results},
         "logprobs": {r.request_id: r.logprobs for r in out.results},
         "steps": [{"bucket": s.bucket, "ranks": s.ranks, "positions": s.positions,
@@ -87,6 +114,8 @@ def main(out):
             with timed(f"capture: {dtype} static_decode={static}"):
                 stack = stack_of(par, model, static=static)
                 results[f"{dtype}_static{int(static)}"] = gather(rollout(stack, requests(rank)))
+                if static:  # the EP=2 group: the fixed-capacity dispatch against `dispatch`
+                    results[f"{dtype}_layers"] = gather(layer_check(stack.moe, 30 + rank))
                 stack.close()
         if dtype == "float32":
             for static in (False, True):
