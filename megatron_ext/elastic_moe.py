@@ -456,7 +456,7 @@ class PlacedMoE:
             if n < rows.shape[0]:  # padding and filler rows after the real ones
                 out = torch.cat([out, out.new_zeros(rows.shape[0] - n, out.shape[1])])
         if handle.row_pad is not None:
-            out = out.masked_fill(handle.row_pad, 0.0)
+            out.masked_fill_(handle.row_pad, 0.0)  # out is this call's own tensor
         if handle.by_expert is not None:  # back to the order rows arrived in
             out = torch.empty_like(out).index_copy_(0, handle.by_expert, out)
         return out
@@ -661,7 +661,7 @@ class PlacedMoE:
         order): the same whatever rank computed them."""
         if handle.back_index is not None:  # fixed slabs back; each sorted pair's row of them
             back = exchange_rows_back(rows, None, None, self.group).index_select(
-                0, handle.back_index).masked_fill(handle.pair_pad, 0.0)
+                0, handle.back_index).masked_fill_(handle.pair_pad, 0.0)
         elif handle.send_splits is None:
             back = rows
         else:
