@@ -271,3 +271,22 @@ def by_request(parts, policy: str, what: str = "tokens") -> dict:
             assert rid not in out, f"{rid} finished twice"
             out[rid] = v
     return out
+
+
+def mixed_requests(vocab: int) -> list:
+    """Ten requests of random prompts (2-13 tokens) and lengths (3-29 new tokens), greedy and
+    sampled (temperature 0.9, top-k 20) in turn: the request set the engine's same-token tests
+    decode under two settings."""
+    import torch
+
+    from flexfloor.rollout.types import Request, SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    kinds = [SamplingParams(greedy=True), SamplingParams(temperature=0.9, top_k=20)]
+    out = []
+    for i in range(10):
+        plen = int(torch.randint(2, 14, (1,), generator=g))
+        out.append(Request(prompt_uid=i, sample_index=0, max_new_tokens=int(torch.randint(
+            3, 30, (1,), generator=g)), sampling=kinds[i % 2], seed=1, step=2,
+            prompt_ids=tuple(torch.randint(1, vocab, (plen,), generator=g).tolist())))
+    return out

@@ -15,11 +15,10 @@ import collections
 import pytest
 import torch
 
-from distributed import Worker
+from distributed import Worker, mixed_requests
 from flexfloor.rollout.capture import StepAudit
 from flexfloor.rollout.engine import decode_bucket
 from flexfloor.rollout.kv import BlockPool
-from flexfloor.rollout.types import Request, SamplingParams
 
 WORKER = Worker("capture.py", 2, timeout=300)
 
@@ -106,18 +105,6 @@ def one_rank():
             stack.close()
 
 
-def _requests(vocab):
-    g = torch.Generator().manual_seed(3)
-    kinds = [SamplingParams(greedy=True), SamplingParams(temperature=0.9, top_k=20)]
-    out = []
-    for i in range(10):
-        plen = int(torch.randint(2, 14, (1,), generator=g))
-        out.append(Request(prompt_uid=i, sample_index=0, max_new_tokens=int(torch.randint(
-            3, 30, (1,), generator=g)), sampling=kinds[i % 2], seed=1, step=2,
-            prompt_ids=tuple(torch.randint(1, vocab, (plen,), generator=g).tolist())))
-    return out
-
-
 def _decode(one_rank, dtype, *, static, **engine_kw):
     from flexfloor.rollout.capture import audit_steps
     from flexfloor.rollout.engine import RolloutEngine, StaticMembership
@@ -130,7 +117,7 @@ def _decode(one_rank, dtype, *, static, **engine_kw):
     engine = RolloutEngine(model, stack.moe, rank=0, block_tokens=4, static_decode=static,
                            **engine_kw)
     with audit_steps(engine) as steps:
-        out = engine.generate(_requests(model.vocab_size), StaticMembership())
+        out = engine.generate(mixed_requests(model.vocab_size), StaticMembership())
     return {r.request_id: (r.token_ids, r.logprobs) for r in out.results}, steps, out.record
 
 

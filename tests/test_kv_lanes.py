@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
+from distributed import mixed_requests
 from flexfloor.rollout.kv import BlockPool
-from flexfloor.rollout.types import Request, SamplingParams
 
 
 def lanes_pool(capacity, lane_blocks=3, block_tokens=4):
@@ -95,18 +95,6 @@ def engine_parts():
         stack.close()
 
 
-def _requests(vocab):
-    g = torch.Generator().manual_seed(3)
-    kinds = [SamplingParams(greedy=True), SamplingParams(temperature=0.9, top_k=20)]
-    out = []
-    for i in range(10):
-        plen = int(torch.randint(2, 14, (1,), generator=g))
-        out.append(Request(prompt_uid=i, sample_index=0, max_new_tokens=int(torch.randint(
-            3, 30, (1,), generator=g)), sampling=kinds[i % 2], seed=1, step=2,
-            prompt_ids=tuple(torch.randint(1, vocab, (plen,), generator=g).tolist())))
-    return out
-
-
 def _decode(model, moe, engine, *, lanes, **kw):
     from flexfloor.rollout.engine import RolloutEngine, StaticMembership
     import flexfloor.rollout.engine as engine_module
@@ -123,7 +111,7 @@ def _decode(model, moe, engine, *, lanes, **kw):
 
     engine_module.RolloutEngine._batch = counting
     try:
-        out = eng.generate(_requests(model.vocab_size), StaticMembership())
+        out = eng.generate(mixed_requests(model.vocab_size), StaticMembership())
     finally:
         engine_module.RolloutEngine._batch = real
     return {r.request_id: (r.token_ids, r.logprobs) for r in out.results}, seen, out.record
