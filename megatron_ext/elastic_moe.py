@@ -198,6 +198,10 @@ class PlacedMoE:
         self._routers = [mlp.router for mlp in self.layers]
         self._expert_config = [next(iter(h.values())).config for h in self.hosted]
         self._dtype = next(model.parameters()).dtype
+        # restack a shrunk rank's borrowed experts at `rebind` (`_placed_stack`), for the
+        # fixed-capacity path of padded steps: set by an engine with `static_decode`; the eager
+        # path runs borrowed experts one GEMM each and needs no restacking
+        self.stack_borrowed = False
         self.rebind(group, placement)
 
     # ---------------------------------------------------------------- layout
@@ -227,8 +231,9 @@ class PlacedMoE:
         # expert -> index of its owner in the group, on the model's device (indexed by device ids)
         self._owner_index = torch.tensor([placement.group_index(r) for r in placement.owner],
                                          device=self.device)
-        if any(set(placement.experts_of(self.rank)) - set(mlp.local_expert_indices)
-               for mlp in self.layers):  # borrowed experts placed here: stack them now, at
+        if self.stack_borrowed and any(
+                set(placement.experts_of(self.rank)) - set(mlp.local_expert_indices)
+                for mlp in self.layers):  # borrowed experts placed here: stack them now, at
             probe = torch.empty(0, dtype=self._dtype, device=self.device)  # the step boundary
             for li in range(len(self.layers)):
                 self._placed_stack(li, probe)

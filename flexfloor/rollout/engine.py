@@ -465,6 +465,8 @@ class RolloutEngine:
         # decode-only steps padded to buckets, with fixed shapes and no host read in the layer
         # stack (`_static_batch`; rollout.static_decode): what a CUDA graph would replay
         self.static_decode = static_decode
+        if static_decode:  # a shrunk rank's borrowed experts stacked at rebind, off the step
+            moe.stack_borrowed = True
         self.max_seq_len = model.max_sequence_length
         cfg = self.config
         self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
