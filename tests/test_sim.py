@@ -218,5 +218,6 @@ def test_where_history_proves_wrong_hand_overs_go_no_denser():
         rep = run(sc.with_overrides(no_denser=on))
         assert rep["elastic"]["total_response_tokens"] == rep["static"]["total_response_tokens"]
         step2 = rep["per_epoch"][1]
-        spans[on] = step2["elastic"]["rollout_wall_seconds"] / step2["static"]["rollout_wall_seconds"]
+        spans[on] = (step2["elastic"]["rollout_wall_seconds"]
+                     / step2["static"]["rollout_wall_seconds"])
     assert spans[True] <= 1.0 < spans[False]
