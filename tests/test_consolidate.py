@@ -480,3 +480,33 @@ def test_with_no_end_to_keep_long_work_gathers_on_a_replica_that_ends_later():
     assert decide(s, ConsolidationRules(gather=True), flat, CHEAP_KV, givers=[1]).moves == []
     assert decide(s, ConsolidationRules(correction_hedge=1.5), flat, CHEAP_KV,
                   givers=[1]).moves == []
+
+
+def test_no_denser_hands_a_leaving_replicas_request_only_to_a_rank_no_denser():
+    # per_request: a rank's step costs 10 ms per request. The giver's fullest rank decodes one
+    # request (10 ms); every rank of the taker already decodes some
+    s = state(rank(0, 0, 1000, 900), rank(1, 0, 1000, 900, 800), rank(2, 1, 10))
+    moved = decide(s, ConsolidationRules(), per_request, CHEAP_KV)
+    assert moved.leaving_replicas == [1] and [m.dst for m in moved.moves] == [0]
+    # with the rule the taker's rank would step at 30 ms against the giver's 10: refused
+    guarded = ConsolidationRules(no_denser=True)
+    assert decide(s, guarded, per_request, CHEAP_KV).moves == []
+    # a taker rank with nothing running steps at the giver's pace with it: allowed
+    s = state(rank(0, 0, 1000, 900), rank(1, 0), rank(2, 1, 10))
+    d = decide(s, guarded, per_request, CHEAP_KV)
+    assert d.leaving_replicas == [1] and [(m.src, m.dst) for m in d.moves] == [(2, 1)]
+
+
+def test_length_history_is_unproven_once_finished_samples_leave_its_range():
+    h = LengthHistory()
+    for uid in range(4):
+        h.record(uid, [100, 150, 200, 250])
+    within = {uid: [90, 160, 240, 300] for uid in range(4)}  # within 1.25x of the range
+    assert not h.unproven(within)
+    wrong = {uid: [90, 160, 240, 400] for uid in range(4)}  # a quarter of them past 1.25 x 250
+    assert h.unproven(wrong)
+    short = {uid: [60, 160, 240, 300] for uid in range(4)}  # under 100 / 1.25
+    assert h.unproven(short)
+    assert not h.unproven({0: [400, 400]})  # too few samples to tell
+    assert not h.unproven({9: [400] * 32})  # no history for them: nothing proved wrong
+    assert not LengthHistory().unproven(wrong)

@@ -202,3 +202,22 @@ def test_elastic_rollout_is_no_longer_than_static(seed):
     assert any("consolidated" in t for t in entry["elastic"]["timeline"])
     assert entry["elastic"]["rollout_wall_seconds"] <= entry["static"]["rollout_wall_seconds"]
     assert rep["ratios"]["tokens_per_occupied_worker_second"] >= 1.3
+
+
+def test_where_history_proves_wrong_hand_overs_go_no_denser():
+    """History correlation 0.8 (a fifth of the prompts' lengths redrawn), seed 6, step 2: the
+    rollout ends after static's when leaving replicas hand their tails to the taker within the
+    bound made from that history; once the history is unproven (`LengthHistory.unproven`) they
+    hand over only to ranks no denser than their fullest (`ConsolidationRules.no_denser`), and
+    it ends within static's."""
+    sc = SCENARIOS["paper-like"].with_overrides(seed=6, history_correlation=0.8,
+                                                **dict(SMALL, epochs=4))
+    assert sc.no_denser  # the GPU scenarios' default
+    spans = {}
+    for on in (True, False):
+        rep = run(sc.with_overrides(no_denser=on))
+        assert rep["elastic"]["total_response_tokens"] == rep["static"]["total_response_tokens"]
+        step2 = rep["per_epoch"][1]
+        spans[on] = (step2["elastic"]["rollout_wall_seconds"]
+                     / step2["static"]["rollout_wall_seconds"])
+    assert spans[True] <= 1.0 < spans[False]

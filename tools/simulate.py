@@ -50,6 +50,9 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     "taker_hedge": ("taker_hedge", float),
     "oracle": ("oracle", lambda v: bool(int(v))),  # 1: elastic told every length (a ceiling)
     "gather": ("gather", lambda v: bool(int(v))),  # 1: no history: gather known-long work
+    # 1: where the history proves wrong in a rollout, a leaving replica hands over only to
+    # ranks no denser than its fullest (`ConsolidationRules.no_denser`); 0: never
+    "no_denser": ("no_denser", lambda v: bool(int(v))),
 }
 
 

@@ -30,7 +30,10 @@ The rules, in order:
   of the giver's longest requests that keep its bound, each on its least loaded rank;
 - a taker's own work may run past its prediction too (`ConsolidationRules.taker_hedge`): its
   own running requests are then counted at that times their estimate for its bound, and those
-  already known mispredicted (`Running.worst`) at their worst.
+  already known mispredicted (`Running.worst`) at their worst;
+- where the estimates have proved wrong (`ConsolidationRules.no_denser`), a leaving replica's
+  request goes only to a taker rank whose step with it is no dearer than the giver's fullest
+  rank's step.
 
 The other direction, the online correction (`ConsolidationState.end_bound_s`, the static
 baseline's predicted end): a replica whose predicted end with its running work is past that
@@ -142,6 +145,13 @@ class ConsolidationRules:
     # within the rollout's predicted end, so the others leave early (`_gather`); off: the
     # engine's
     gather: bool = False
+    # a leaving replica hands a request only to a taker rank whose step with it (the step cost
+    # of its requests and their cached tokens, the promised ones included) is no dearer than the
+    # giver's fullest rank's step now: no hand-over piles work onto a rank denser than the one
+    # it leaves. Off by default; the simulator sets it where the length history has proved
+    # wrong in the rollout (`LengthHistory.unproven`): there hand-overs early in the tail, onto
+    # the only taker within a bound made from that history, ended the rollout after static's
+    no_denser: bool = False
 
 
 @dataclass(frozen=True)
@@ -297,8 +307,13 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                           and not (rules.hedged and any(r.queued for r in by_replica[i]))),
                          key=lambda i: (-ends[i], i))
         trial = load.copy()
+        # the densest step the giver's ranks take now: no taker rank may step dearer with a
+        # request handed to it (`ConsolidationRules.no_denser`)
+        densest = (max(step_cost(len(r.running), float(sum(q.cached_tokens for q in r.running)))
+                       for r in by_replica[g]) if rules.no_denser else None)
         got = _evacuate(by_replica[g], state.now_s[g], staying, by_replica, trial, taker_end,
-                        taken_bound, state, rules, prices)
+                        taken_bound, state, rules, prices,
+                        densest=None if densest is None else (step_cost, densest))
         if got is not None:
             moves += got
             giving.append(g)
@@ -352,25 +367,26 @@ def _replicas_of(moves: Sequence[Move], by_replica) -> set:
 
 def _evacuate(giver: Sequence[RankState], giver_now: float, staying, by_replica, load: _Load,
               end, rollout_end, state: ConsolidationState, rules: ConsolidationRules,
-              prices: MovePrices) -> Optional[list[Move]]:
+              prices: MovePrices, densest: Optional[tuple] = None) -> Optional[list[Move]]:
     """Every running request of `giver` onto ranks of `staying` replicas within the bounds,
     promising them in `load` (`end`: a taker's end); None when one does not fit (then `load` is
-    to be dropped)."""
+    to be dropped). `densest`: (step cost, seconds): no taker rank's step with what it takes
+    may cost more (`ConsolidationRules.no_denser`); None: no such bound."""
     left = sorted(((q, r.rank) for r in giver for q in r.running),
                   key=lambda x: (-x[0].remaining, x[0].request_id))
     moves, left = _hand_over(left, giver_now, staying, by_replica, load, end, rollout_end,
-                             state, rules, prices, hedge=rules.evacuation_hedge)
+                             state, rules, prices, hedge=rules.evacuation_hedge, densest=densest)
     return None if left else moves
 
 
 def _hand_over(left: list, giver_now: float, staying, by_replica, load: _Load, end, bound,
                state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices,
-               hedge: float = 1.0) -> tuple[list[Move], list]:
+               hedge: float = 1.0, densest: Optional[tuple] = None) -> tuple[list[Move], list]:
     """`left` ([(Running, src rank)], longest first) onto ranks of `staying` replicas, promising
     them in `load`. Each taker, in turn, takes the most of the longest requests left that keep
     its predicted end (`end`: a taker's) within `bound` (a binary search: more requests never end sooner), each
     counted `hedge` times its remaining estimate; a second pass offers the rest (shorter ones)
-    again. Returns (the moves, the requests no taker took)."""
+    again; `densest` as `_evacuate`'s. Returns (the moves, the requests no taker took)."""
     moves: list[Move] = []
     for i in list(staying) * 2:
         if not left:
@@ -380,7 +396,8 @@ def _hand_over(left: list, giver_now: float, staying, by_replica, load: _Load, e
         ranks = [r.rank for r in by_replica[i]]
         # the first k of `left` go where the first k of all of them go (each to its least
         # loaded rank in turn): placed once, each probe of the search takes a prefix
-        placed = _placed_in_turn(left, i, ranks, load, giver_now, state, rules, prices, hedge)
+        placed = _placed_in_turn(left, i, ranks, load, giver_now, state, rules, prices, hedge,
+                                 densest)
 
         def place(k: int) -> Optional[tuple[_Load, list[Move]]]:
             """The first k of `left` onto replica i; None when one has no rank with a slot and
@@ -444,10 +461,11 @@ class _Placed:
 
 def _placed_in_turn(left: list, i: int, ranks: Sequence[int], load: _Load, giver_now: float,
                     state: ConsolidationState, rules: ConsolidationRules, prices: MovePrices,
-                    hedge: float) -> list[_Placed]:
+                    hedge: float, densest: Optional[tuple] = None) -> list[_Placed]:
     """`left` onto replica i's `ranks` one after another, each to its least loaded rank with a
-    batch slot and KV room, until one finds none: the promises in order (`_hand_over` takes a
-    prefix). `load` is not changed."""
+    batch slot and KV room (and, with `densest` = (step cost, seconds), whose step with it costs
+    no more than those seconds), until one finds none: the promises in order (`_hand_over`
+    takes a prefix). `load` is not changed."""
     size = {r: len(load.work[r]) for r in ranks}
     ctx = {r: sum(c for _, c in load.work[r]) for r in ranks}
     free = {r: load.free[r] for r in ranks}
@@ -456,7 +474,9 @@ def _placed_in_turn(left: list, i: int, ranks: Sequence[int], load: _Load, giver
     for q, src in left:
         need = blocks_for(int(q.cached_tokens + hedge * q.remaining) + 1, state.block_tokens)
         ok = [r for r in ranks if size[r] < state.max_batch
-              and (free[r] is None or free[r] - need >= rules.reserve_blocks)]
+              and (free[r] is None or free[r] - need >= rules.reserve_blocks)
+              and (densest is None
+                   or densest[0](size[r] + 1, float(ctx[r] + q.cached_tokens)) <= densest[1])]
         if not ok:
             break
         k_rank = min(ok, key=lambda r: (size[r], ctx[r], r))

@@ -29,6 +29,7 @@ over such steps at once and prices them by the trapezoid of the step cost at bot
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -614,6 +615,10 @@ class TailConsolidation:
     # with no end to keep and `ConsolidationRules.gather`: each replica checked this many
     # seconds apart (on its clock) for long work to gather (`consolidate._gather`); None: never
     gather_every_s: Optional[float] = None
+    # (lengths finished by uid) -> whether the length history has proved wrong in this rollout
+    # (`LengthHistory.unproven`): from then on the decision runs with
+    # `ConsolidationRules.no_denser`; None: never
+    unproven: object = None
 
 
 def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
@@ -753,7 +758,10 @@ def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidatio
     state = cons.ConsolidationState(tuple(states), {k: v.now() for k, v in views.items()},
                                     limits.max_batch_size, tc.block_tokens, tc.end_bound_s,
                                     correct=correct)
-    decision = cons.decide(state, tc.rules, tc.step_cost, tc.prices, givers=[giver], memo=memo)
+    rules = tc.rules
+    if tc.unproven is not None and not rules.no_denser and tc.unproven(finished):
+        rules = dataclasses.replace(rules, no_denser=True)
+    decision = cons.decide(state, rules, tc.step_cost, tc.prices, givers=[giver], memo=memo)
     if not decision.moves:
         return
     gone, leaving = {}, giver in decision.leaving_replicas

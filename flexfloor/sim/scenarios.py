@@ -106,6 +106,10 @@ class Scenario:
     # with the correction, where no prompt has history: gather the requests their finished
     # siblings say are long onto the replicas that end later (`ConsolidationRules.gather`)
     gather: bool = False
+    # with the correction, once the length history proves wrong in a rollout
+    # (`LengthHistory.unproven`), a leaving replica hands over only to ranks that step no
+    # dearer than its fullest (`ConsolidationRules.no_denser`); on in the GPU scenarios
+    no_denser: bool = False
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
     # figures to reach, checked and printed: {"baseline": mode, metric thresholds}
@@ -127,7 +131,7 @@ PAPER_TARGETS = {"baseline": Mode.SINGLE_GROUP.value, "tokens_per_occupied_worke
 # tail consolidation across replicas with the online correction, and a floor of one node: a replica of one node is released
 # whole (a shrink inside it would stall it for a new communicator and buys nothing there)
 ON_GPUS = dict(max_share=1.0, load_cap=0.7, min_active_ranks=8, consolidate=True, correct=True,
-               taker_hedge=1.25)
+               taker_hedge=1.25, no_denser=True)
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
@@ -492,8 +496,14 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     if bound is None and sc.gather:  # no end to keep: gather what the siblings say is long
         rules = dataclasses.replace(rules, gather=True)
         every = plan.finish_bound / 50 if plan.finish_bound else None
+    # the guard: where the history proves wrong in this rollout (its finished samples outside
+    # their prompts' past ranges), a leaving replica hands over only to ranks no denser than
+    # its fullest; where no prompt has history there is nothing to prove wrong
+    history = predictor.history
+    unproven = (history.unproven if sc.no_denser and bound is not None else None)
     return TailConsolidation(rules, step_cost, prices, remaining, sc.kv_block_tokens or 1,
-                             end_bound_s=bound, worst=worst, gather_every_s=every)
+                             end_bound_s=bound, worst=worst, gather_every_s=every,
+                             unproven=unproven)
 
 
 def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:

@@ -1,0 +1,86 @@
+"""Held-out workloads: FlexFloor's elastic mode against `static` on workloads fixed before any
+result was looked at (the rule: no rollout longer than static's on workloads not shown).
+
+    python tools/heldout.py [--out heldout.json] [--only corr0.8,corr0.5] [--seeds 10]
+
+Each workload is `paper-like`'s GPU policy on a small cluster (16 H800 as 4 replicas x EP4, 16
+prompts x 8 samples, lognormal median 400, cap 2,048, 4 steps: steps 2-4 are the rollouts
+scored, as tools/simulate.py scores steps 2..E), run through flexfloor.sim (the entry
+tools/simulate.py uses), seeds 0-9. Printed per workload: makespan / static (max and median
+over the rollouts), late (rollouts with makespan > static's, of all), and tokens per occupied
+GPU-s / static's (median and min over seeds). The set is fixed here; do not tune against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flexfloor.sim.scenarios import SCENARIOS, run  # noqa: E402
+
+SMALL = dict(gpus=16, replicas=4, num_prompts=16, max_len=2048, epochs=4)
+MEDIAN = {"median": 400.0, "sigma": 0.6}
+
+# name -> scenario overrides of paper-like (fixed before looking at any result)
+WORKLOADS = {
+    "corr0.8": dict(SMALL, length_params=MEDIAN, history_correlation=0.8),
+    "corr0.5": dict(SMALL, length_params=MEDIAN, history_correlation=0.5),
+    "small": dict(SMALL, length_params=MEDIAN),
+    "drift0.3": dict(SMALL, length_params={**MEDIAN, "drift_sigma": 0.3}),
+    "cap0.05": dict(SMALL, length_params=MEDIAN, cap_fraction=0.05),
+}
+
+
+def one(name: str, seed: int) -> dict:
+    sc = SCENARIOS["paper-like"].with_overrides(seed=seed, **WORKLOADS[name])
+    rep = run(sc)
+    spans = [e["elastic"]["rollout_wall_seconds"] / e["static"]["rollout_wall_seconds"]
+             for e in rep["per_epoch"][1:]]
+    return {"seed": seed, "makespan": spans,
+            "tokens_per_occupied_gpu_s": rep["ratios"]["tokens_per_occupied_worker_second"]}
+
+
+def summary(rows: list[dict]) -> dict:
+    spans = [s for r in rows for s in r["makespan"]]
+    tok = [r["tokens_per_occupied_gpu_s"] for r in rows]
+    return {"makespan_max": max(spans), "makespan_median": statistics.median(spans),
+            "late": sum(s > 1.0 for s in spans), "rollouts": len(spans),
+            "tokens_median": statistics.median(tok), "tokens_min": min(tok)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="JSON file for every rollout's figures and the summaries")
+    p.add_argument("--only", help="comma-separated workload names (default: all)")
+    p.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (default 10)")
+    args = p.parse_args(argv)
+    names = args.only.split(",") if args.only else list(WORKLOADS)
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload {unknown}; choose from {list(WORKLOADS)}")
+    t0 = time.process_time()
+    out = {}
+    print(f"{'workload':<10} {'makespan max':>12} {'median':>7} {'late':>7} "
+          f"{'tok/GPU-s med':>13} {'min':>6}")
+    for name in names:
+        rows = [one(name, s) for s in range(args.seeds)]
+        s = summary(rows)
+        out[name] = {"overrides": WORKLOADS[name], "summary": s, "rollouts": rows}
+        print(f"{name:<10} {s['makespan_max']:>12.3f} {s['makespan_median']:>7.3f} "
+              f"{s['late']:>3}/{s['rollouts']:<3} {s['tokens_median']:>13.3f} "
+              f"{s['tokens_min']:>6.3f}", flush=True)
+    print(f"({time.process_time() - t0:.0f} s of CPU)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
