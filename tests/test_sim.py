@@ -221,3 +221,22 @@ def test_where_history_proves_wrong_hand_overs_go_no_denser():
         spans[on] = (step2["elastic"]["rollout_wall_seconds"]
                      / step2["static"]["rollout_wall_seconds"])
     assert spans[True] <= 1.0 < spans[False]
+
+
+def test_heldout_reports_every_rollout_and_refuses_an_unknown_workload(tmp_path):
+    """tools/heldout.py: one workload, one seed: its three scored rollouts in the JSON, the
+    summary counted from them; an unknown workload name fails naming the choices."""
+    out = tmp_path / "h.json"
+    proc = subprocess.run([sys.executable, "tools/heldout.py", "--only", "corr0.8", "--seeds",
+                           "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(out.read_text())["corr0.8"]
+    spans = rep["rollouts"][0]["makespan"]
+    assert len(spans) == 3 and rep["summary"]["rollouts"] == 3
+    assert rep["summary"]["late"] == sum(s > 1.0 for s in spans)
+    assert rep["summary"]["makespan_max"] == max(spans)
+    assert "corr0.8" in proc.stdout
+    proc = subprocess.run([sys.executable, "tools/heldout.py", "--only", "nope"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "corr0.5" in proc.stderr

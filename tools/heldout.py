@@ -2,6 +2,7 @@
 result was looked at (the rule: no rollout longer than static's on workloads not shown).
 
     python tools/heldout.py [--out heldout.json] [--only corr0.8,corr0.5] [--seeds 10]
+                            [--no-denser 0]   # without ConsolidationRules.no_denser: the before
 
 Each workload is `paper-like`'s GPU policy on a small cluster (16 H800 as 4 replicas x EP4, 16
 prompts x 8 samples, lognormal median 400, cap 2,048, 4 steps: steps 2-4 are the rollouts
@@ -37,8 +38,9 @@ WORKLOADS = {
 }
 
 
-def one(name: str, seed: int) -> dict:
-    sc = SCENARIOS["paper-like"].with_overrides(seed=seed, **WORKLOADS[name])
+def one(name: str, seed: int, no_denser: bool = True) -> dict:
+    sc = SCENARIOS["paper-like"].with_overrides(seed=seed, no_denser=no_denser,
+                                                 **WORKLOADS[name])
     rep = run(sc)
     spans = [e["elastic"]["rollout_wall_seconds"] / e["static"]["rollout_wall_seconds"]
              for e in rep["per_epoch"][1:]]
@@ -59,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="JSON file for every rollout's figures and the summaries")
     p.add_argument("--only", help="comma-separated workload names (default: all)")
     p.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (default 10)")
+    p.add_argument("--no-denser", type=int, choices=(0, 1), default=1,
+                   help="ConsolidationRules.no_denser once history proves wrong (paper-like's "
+                        "default, 1) or never (0)")
     args = p.parse_args(argv)
     names = args.only.split(",") if args.only else list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
     print(f"{'workload':<10} {'makespan max':>12} {'median':>7} {'late':>7} "
           f"{'tok/GPU-s med':>13} {'min':>6}")
     for name in names:
-        rows = [one(name, s) for s in range(args.seeds)]
+        rows = [one(name, s, bool(args.no_denser)) for s in range(args.seeds)]
         s = summary(rows)
         out[name] = {"overrides": WORKLOADS[name], "summary": s, "rollouts": rows}
         print(f"{name:<10} {s['makespan_max']:>12.3f} {s['makespan_median']:>7.3f} "
