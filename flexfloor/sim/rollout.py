@@ -616,7 +616,7 @@ class TailConsolidation:
     # seconds apart (on its clock) for long work to gather (`consolidate._gather`); None: never
     gather_every_s: Optional[float] = None
     # (lengths finished by uid) -> whether the length history has proved wrong in this rollout
-    # (`LengthHistory.unproven`): from then on the decision runs with
+    # (`LengthHistory.unproven`), asked at each decision: a decision it says so for runs with
     # `ConsolidationRules.no_denser`; None: never
     unproven: object = None
 
