@@ -308,3 +308,62 @@ def StepReportLike(**kw):
     from flexfloor.rollout.engine import StepReport
 
     return StepReport(finished=0, tokens=0, requests=0, **kw)
+
+
+def test_a_rollout_outside_the_history_proves_it_wrong_and_the_verdict_is_saved():
+    """`record_rollout` judges the history by the rollout's lengths before recording them: more
+    than a tenth of 16+ samples outside their prompt's last range (widened by a quarter) prove
+    it wrong; a later rollout that keeps to the (new) history clears the verdict; checkpoints
+    keep it, and one saved before it existed loads as not proved wrong."""
+    h = LengthHistory()
+    h.record_rollout({u: [100, 120] for u in range(10)})
+    assert not h.proved_wrong  # no history to judge
+    h.record_rollout({u: [110, 118] for u in range(10)})
+    assert not h.proved_wrong  # within 100 / 1.25 .. 120 * 1.25
+    h.record_rollout({u: [110, 400 if u < 3 else 118] for u in range(10)})
+    assert h.proved_wrong  # 3 of 20 samples past 118 * 1.25
+    assert LengthHistory.from_state_dict(h.state_dict()).proved_wrong
+    old = h.state_dict()
+    del old["proved_wrong"]
+    assert not LengthHistory.from_state_dict(old).proved_wrong
+    h.record_rollout({u: [110, 400 if u < 3 else 118] for u in range(10)})
+    assert not h.proved_wrong  # the same lengths again: the history now holds
+
+
+def test_a_predictor_that_does_not_trust_history_uses_siblings_and_the_prior():
+    h = LengthHistory()
+    h.record(1, [10, 30])
+    h.record(2, [50, 70])
+    p = Predictor(h, prior_quantile=0.5, trust_history=False)
+    assert p.predict(1) == (h.quantile(0.5), "prior")
+    assert p.predict(1, siblings=[12, 14]) == (14, "siblings")
+    assert p.running(1, [12, 14], produced=20) == 14.0
+    assert Predictor(h).running(1, [12, 14], produced=20) == 30.0
+
+
+@pytest.mark.parametrize("replicas,step_cost", [(None, None), ([(0, 1), (2, 3)], None),
+                                                ([(0, 1), (2, 3)], lambda n, ctx: 1.0 + 0.01 * n)])
+def test_after_a_rollout_that_proved_history_wrong_the_plan_is_statics(replicas, step_cost):
+    """FlexFloor packs the long work by history; once the last rollout proved that history
+    wrong (`LengthHistory.proved_wrong`) it places as static does (least outstanding requests
+    over the replicas, then the ranks), with no end to keep, and says so (`distrusted`);
+    `distrust_wrong_history=False` packs anyway. By predicted steps and by modelled seconds."""
+    from flexfloor.rollout.replicas import route_least_outstanding
+
+    lengths = {0: 5, 1: 80, 2: 10, 3: 40, 4: 20, 5: 160, 6: 15, 7: 30}
+    gs = groups(lengths)
+    groups_of = [tuple(range(4))] if replicas is None else replicas
+    static = route_least_outstanding(gs, groups_of)
+    ids = lambda a: {r: [q.request_id for q in reqs] for r, reqs in a.items()}  # noqa: E731
+    for wrong, distrust in ((False, True), (True, True), (True, False)):
+        h = history(lengths)
+        h.proved_wrong = wrong
+        sched = Scheduler(PlacementPolicy.FLEXFLOOR, history=h, distrust_wrong_history=distrust)
+        plan = sched.plan(gs, range(4), replicas=replicas, step_cost=step_cost)
+        placed = sorted(q.request_id for reqs in plan.assignment.values() for q in reqs)
+        assert placed == sorted(q.request_id for g in gs for q in g.requests)
+        assert plan.distrusted == (wrong and distrust)
+        assert (ids(plan.assignment) == ids(static)) == (wrong and distrust)
+        assert (plan.finish_bound is None) == (wrong and distrust)
+        assert plan.predicted[5] == 160 and plan.sources["history"] == 8  # still reported
+        assert set(plan.expected_finish) == {0, 1, 2, 3}

@@ -223,6 +223,26 @@ def test_where_history_proves_wrong_hand_overs_go_no_denser():
     assert spans[True] <= 1.0 < spans[False]
 
 
+def test_after_history_proves_wrong_the_next_rollout_is_placed_as_statics():
+    """History correlation 0.8, seed 7: step 2 proves the history wrong (a fifth of the prompts
+    redrawn); step 3, packed by it anyway, ends 1.39x after static's (`--distrust 0`). Placed as
+    static (`Scheduler.distrust_wrong_history`, the default), its consolidation predicting from
+    siblings and the prior, not that history, it ends with static's."""
+    sc = SCENARIOS["paper-like"].with_overrides(seed=7, history_correlation=0.8,
+                                                **dict(SMALL, epochs=3))
+    assert sc.distrust  # the product's default
+    spans, distrusted = {}, {}
+    for on in (True, False):
+        rep = run(sc.with_overrides(distrust=on))
+        assert rep["elastic"]["total_response_tokens"] == rep["static"]["total_response_tokens"]
+        step3 = rep["per_epoch"][2]
+        spans[on] = (step3["elastic"]["rollout_wall_seconds"]
+                     / step3["static"]["rollout_wall_seconds"])
+        distrusted[on] = [e["plan"]["distrusted"] for e in rep["per_epoch"]]
+    assert distrusted == {True: [False, False, True], False: [False, False, False]}
+    assert spans[True] <= 1.0 + 1e-9 < 1.3 < spans[False]
+
+
 def test_heldout_reports_every_rollout_and_refuses_an_unknown_workload(tmp_path):
     """tools/heldout.py: one workload, one seed: its three scored rollouts in the JSON, the
     summary counted from them; an unknown workload name fails naming the choices."""

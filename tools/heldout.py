@@ -2,7 +2,8 @@
 result was looked at (the rule: no rollout longer than static's on workloads not shown).
 
     python tools/heldout.py [--out heldout.json] [--only corr0.8,corr0.5] [--seeds 10]
-                            [--no-denser 0]   # without ConsolidationRules.no_denser: the before
+                            [--no-denser 0]   # without ConsolidationRules.no_denser
+                            [--distrust 0]    # pack by a history the last rollout proved wrong
 
 Each workload is `paper-like`'s GPU policy on a small cluster (16 H800 as 4 replicas x EP4, 16
 prompts x 8 samples, lognormal median 400, cap 2,048, 4 steps: steps 2-4 are the rollouts
@@ -38,13 +39,14 @@ WORKLOADS = {
 }
 
 
-def one(name: str, seed: int, no_denser: bool = True) -> dict:
+def one(name: str, seed: int, no_denser: bool = True, distrust: bool = True) -> dict:
     sc = SCENARIOS["paper-like"].with_overrides(seed=seed, no_denser=no_denser,
-                                                 **WORKLOADS[name])
+                                                 distrust=distrust, **WORKLOADS[name])
     rep = run(sc)
     spans = [e["elastic"]["rollout_wall_seconds"] / e["static"]["rollout_wall_seconds"]
              for e in rep["per_epoch"][1:]]
     return {"seed": seed, "makespan": spans,
+            "distrusted": [e["plan"]["distrusted"] for e in rep["per_epoch"][1:]],
             "tokens_per_occupied_gpu_s": rep["ratios"]["tokens_per_occupied_worker_second"]}
 
 
@@ -64,6 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-denser", type=int, choices=(0, 1), default=1,
                    help="ConsolidationRules.no_denser once history proves wrong (paper-like's "
                         "default, 1) or never (0)")
+    p.add_argument("--distrust", type=int, choices=(0, 1), default=1,
+                   help="after a rollout that proved the length history wrong, place the next as "
+                        "static does (the default, 1) or pack by it anyway (0)")
     args = p.parse_args(argv)
     names = args.only.split(",") if args.only else list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
@@ -74,7 +79,8 @@ def main(argv=None) -> int:
     print(f"{'workload':<10} {'makespan max':>12} {'median':>7} {'late':>7} "
           f"{'tok/GPU-s med':>13} {'min':>6}")
     for name in names:
-        rows = [one(name, s, bool(args.no_denser)) for s in range(args.seeds)]
+        rows = [one(name, s, bool(args.no_denser), bool(args.distrust))
+                for s in range(args.seeds)]
         s = summary(rows)
         out[name] = {"overrides": WORKLOADS[name], "summary": s, "rollouts": rows}
         print(f"{name:<10} {s['makespan_max']:>12.3f} {s['makespan_median']:>7.3f} "

@@ -53,6 +53,9 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     # 1: where the history proves wrong in a rollout, a leaving replica hands over only to
     # ranks no denser than its fullest (`ConsolidationRules.no_denser`); 0: never
     "no_denser": ("no_denser", lambda v: bool(int(v))),
+    # 1: after a rollout that proved the length history wrong, place the next as static does
+    # (`Scheduler.distrust_wrong_history`); 0: pack by it anyway
+    "distrust": ("distrust", lambda v: bool(int(v))),
 }
 
 

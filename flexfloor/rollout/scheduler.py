@@ -43,6 +43,9 @@ class LengthHistory:
     max_epochs: int = 4
     _all: list[int] = field(default_factory=list)  # sorted, every length seen (for the prior)
     max_prior_samples: int = 100_000
+    # whether the last rollout recorded (`record_rollout`) proved this history wrong: its
+    # lengths, set against the history before them, were `unproven`
+    proved_wrong: bool = False
 
     def record(self, uid: int, lengths: Sequence[int]) -> None:
         epochs = self.lengths.setdefault(uid, [])
@@ -53,12 +56,19 @@ class LengthHistory:
         if len(self._all) > self.max_prior_samples:
             self._all = self._all[:: 2]
 
+    def record_rollout(self, finished: Mapping[int, Sequence[int]]) -> None:
+        """Record one whole rollout's lengths (uid -> its samples' lengths), first judging the
+        history by them (`proved_wrong`: `unproven` over the whole rollout)."""
+        self.proved_wrong = self.unproven(finished)
+        for uid in sorted(finished):
+            self.record(uid, finished[uid])
+
     def record_results(self, results: Iterable) -> None:
+        """`record_rollout` of one rollout's `Result`s."""
         by_uid: dict[int, list[int]] = {}
         for r in results:
             by_uid.setdefault(r.prompt_uid, []).append(len(r.token_ids))
-        for uid in sorted(by_uid):
-            self.record(uid, by_uid[uid])
+        self.record_rollout(by_uid)
 
     def last(self, uid: int) -> Optional[list[int]]:
         epochs = self.lengths.get(uid)
@@ -125,13 +135,14 @@ class LengthHistory:
 
     def state_dict(self) -> dict:
         return {"lengths": {int(k): v for k, v in self.lengths.items()}, "all": list(self._all),
-                "max_epochs": self.max_epochs}
+                "max_epochs": self.max_epochs, "proved_wrong": self.proved_wrong}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "LengthHistory":
         h = cls(lengths={int(k): [list(e) for e in v] for k, v in state["lengths"].items()},
                 max_epochs=state["max_epochs"])
         h._all = list(state["all"])
+        h.proved_wrong = bool(state.get("proved_wrong", False))  # absent from older checkpoints
         return h
 
 
@@ -147,10 +158,13 @@ class Predictor:
     history: LengthHistory
     prior_quantile: float = 0.5
     default: float = 64.0
+    # False: a prompt's own past lengths are not evidence (the last rollout proved them wrong,
+    # `LengthHistory.proved_wrong`); siblings and the prior still are
+    trust_history: bool = True
 
     def predict(self, uid: int, siblings: Sequence[int] = ()) -> tuple[float, str]:
         """(predicted longest sample of the group, source of the prediction)."""
-        past = self.history.last(uid)
+        past = self.history.last(uid) if self.trust_history else None
         if past:
             return float(max(past)), "history"
         if siblings:
@@ -166,7 +180,7 @@ class Predictor:
         as `predict`; from siblings done (the shorter ones: they finish first), the longest of
         them or `spread` (`LengthHistory.sibling_spread`) times the shortest, whichever is
         longer; with neither, the prior beyond what it produced (`LengthHistory.beyond`)."""
-        past = self.history.last(uid)
+        past = self.history.last(uid) if self.trust_history else None
         if past:
             return float(max(past))
         if siblings:
@@ -325,8 +339,12 @@ class RolloutPlan:
     # seconds: the planned order in which ranks and replicas leave
     expected_finish: dict[int, float]
     per_request: dict[str, float] = field(default_factory=dict)  # request id -> predicted length
-    # FlexFloor: the static baseline's predicted end (with a step cost in seconds, else in steps)
+    # FlexFloor: the static baseline's predicted end (with a step cost in seconds, else in
+    # steps); None where the plan is static's (`distrusted`) or the baseline's
     finish_bound: Optional[float] = None
+    # FlexFloor placed as static, the last rollout having proved the history wrong
+    # (`Scheduler.distrust_wrong_history`)
+    distrusted: bool = False
 
     def leaving_order(self, replicas: Sequence[Sequence[int]]) -> list[int]:
         """Replica indices in the order they are planned to leave (first to leave first): the
@@ -706,6 +724,12 @@ class Scheduler:
     # the static baseline's predicted end (room for what the predictions miss)
     pace_margin: float = 0.9
     refusals: int = 16  # across replicas: a replica refusing this many groups in a row is full
+    # FlexFloor: after a rollout that proved the length history wrong (`LengthHistory.
+    # proved_wrong`), place the next as the static baseline does (least outstanding requests
+    # over the replicas, then their ranks), with no end to keep: a plan packed by a wrong
+    # history is what ends a rollout after static's, and no hand-over undoes it. The history
+    # is judged again by each rollout, so the packing returns once it holds
+    distrust_wrong_history: bool = True
 
     @property
     def predictor(self) -> Predictor:
@@ -729,8 +753,18 @@ class Scheduler:
             for i, req in enumerate(g.requests):
                 self._per_request[req.request_id] = float(past[i % len(past)])
         bound = None
+        distrusted = (self.policy == PlacementPolicy.FLEXFLOOR and self.distrust_wrong_history
+                      and self.history.proved_wrong)
         if self.policy == PlacementPolicy.BASELINE:
             assignment = self._baseline(groups, ranks)
+        elif distrusted:
+            from flexfloor.rollout.replicas import route_least_outstanding
+
+            groups_of = [tuple(sorted(g)) for g in replicas] if replicas else [tuple(ranks)]
+            if sorted(r for g in groups_of for r in g) != ranks:
+                raise ValueError(f"replicas {groups_of} must partition the ranks {ranks} exactly")
+            assignment = route_least_outstanding(groups, groups_of)
+            replicas = groups_of
         elif step_cost is not None:
             replicas = [sorted(g) for g in replicas] if replicas else [ranks]
             if sorted(r for g in replicas for r in g) != ranks:
@@ -745,10 +779,10 @@ class Scheduler:
             expected = {}
             for g in replicas:
                 expected.update(zip(g, self._finish([assignment[r] for r in g], step_cost)))
-        elif self.policy == PlacementPolicy.BASELINE:
+        elif self.policy == PlacementPolicy.BASELINE or distrusted:
             expected = {r: self._profile(reqs)[0] for r, reqs in assignment.items()}
         return RolloutPlan(assignment, predicted, sources, expected, dict(self._per_request),
-                           bound)
+                           bound, distrusted)
 
     def _finish(self, per_rank: Sequence[Sequence[Request]], step_cost: StepCost) -> list[float]:
         """Predicted seconds to each rank's finish in one lockstep group (`replica_finish`)."""

@@ -110,6 +110,9 @@ class Scenario:
     # (`LengthHistory.unproven`), a leaving replica hands over only to ranks that step no
     # dearer than its fullest (`ConsolidationRules.no_denser`); on in the GPU scenarios
     no_denser: bool = False
+    # after a rollout that proved the length history wrong, FlexFloor places the next as static
+    # does (`Scheduler.distrust_wrong_history`, the product's default); False: it packs anyway
+    distrust: bool = True
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
     # figures to reach, checked and printed: {"baseline": mode, metric thresholds}
@@ -242,7 +245,7 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
     chunks = Scheduler(PlacementPolicy.BASELINE, memory=topo_r.memory, max_batch_size=max_batch)
     flexfloor = Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), memory=topo_r.memory,
                           max_batch_size=max_batch, max_share=sc.max_share, load_cap=sc.load_cap,
-                          pace_margin=sc.pace_margin)
+                          pace_margin=sc.pace_margin, distrust_wrong_history=sc.distrust)
     per_epoch, kept = [], []
     for epoch in range(1, sc.epochs + 1):
         groups = [PromptGroup(int(uid), tuple(
@@ -266,7 +269,7 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
                        Mode.ELASTIC: plan.assignment}
         entry, outs = {"epoch": epoch, "prediction_sources": dict(plan.sources)}, {}
         if step_cost is not None:  # the plan's predicted seconds, to set against what happened
-            entry["plan"] = {"finish_bound_s": plan.finish_bound,
+            entry["plan"] = {"finish_bound_s": plan.finish_bound, "distrusted": plan.distrusted,
                              "replica_end_s": [max(plan.expected_finish[r] for r in g)
                                                for g in replicated],
                              "leaving_order": plan.leaving_order(replicated)}
@@ -284,8 +287,7 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
         entry["prediction_accuracy"] = evidence_accuracy(plan, outs["elastic"].lengths,
                                                          flexfloor.predictor)
         _add_ratios(entry)
-        for uid in sorted(outs["elastic"].lengths):
-            flexfloor.history.record(uid, outs["elastic"].lengths[uid])
+        flexfloor.history.record_rollout(outs["elastic"].lengths)
         per_epoch.append(entry)
         if epoch > 1 or sc.epochs == 1:
             kept.append(outs)
@@ -452,7 +454,10 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     prices = MovePrices(kv_bytes_per_token=topo.memory.kv_bytes_per_token,
                         transfer_bytes_per_s=cost.accel.network_bytes_per_s * params.link_efficiency,
                         reprefill_s_per_token=prefill)
-    with_history = {uid for uid in plan.predicted if predictor.history.last(uid)}
+    if plan.distrusted:  # the last rollout proved the history wrong: siblings and the prior
+        predictor = dataclasses.replace(predictor, trust_history=False)
+    with_history = {uid for uid in plan.predicted
+                    if predictor.trust_history and predictor.history.last(uid)}
     spread = predictor.history.sibling_spread() if sc.gather else 1.0  # read by gathering only
 
     def predicted(req: SimRequest, produced: int, finished: dict) -> float:
@@ -465,6 +470,8 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
         # the longest (which sample index ran longest last time says nothing of this one)
         if req.prompt_uid not in with_history and finished.get(req.prompt_uid):
             return predictor.predict(req.prompt_uid, finished[req.prompt_uid])[0]
+        if plan.distrusted:  # the prior, not the plan's (history's) prediction
+            return predictor.predict(req.prompt_uid)[0]
         return plan.predicted.get(req.prompt_uid, plan.per_request.get(req.request_id, 0.0))
 
     def remaining(req: SimRequest, produced: int, finished: dict) -> float:
