@@ -379,10 +379,6 @@ class SchedulerConfig:
     # baseline's fullest rank's; None = no cap. On accelerators (memory-bound decode, lockstep
     # steps at the fullest rank's pace) 0.7 keeps steps as fast as the baseline's
     load_cap: float | None = None
-    # FlexFloor placement: after a rollout whose lengths proved the length history wrong (more
-    # than a tenth of its samples outside their prompt's last range, widened by a quarter),
-    # place the next rollout as the static baseline does; false: pack by that history anyway
-    distrust_wrong_history: bool = True
 
     def validate(self) -> None:
         _in_range("scheduler.prior_quantile", self.prior_quantile, 0.0, 1.0)

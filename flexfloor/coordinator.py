@@ -193,8 +193,7 @@ class Job:
                                    memory=self.stack.memory,
                                    max_batch_size=cfg.rollout.max_batch_size,
                                    max_share=cfg.scheduler.max_share,
-                                   load_cap=cfg.scheduler.load_cap,
-                                   distrust_wrong_history=cfg.scheduler.distrust_wrong_history)
+                                   load_cap=cfg.scheduler.load_cap)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
         self.cursor.check(cfg.trainer.prompts_per_step)
 
@@ -369,8 +368,6 @@ class Job:
             "rollout/local_finish_s": [p["local_finish_s"] for p in roll["per_rank"]],
             "scheduler/spearman": acc["spearman"],
             "scheduler/mae": acc["mae"],
-            # 1: placed as static, the last rollout having proved the length history wrong
-            "scheduler/distrusted": int(plan.distrusted),
             "data/epoch": self.cursor.epoch,  # the cursor after this step's prompts
             "data/position": self.cursor.position,
             "timing/resync_s": rollout.resync_s,

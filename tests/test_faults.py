@@ -151,7 +151,6 @@ JOB = [
 EXACT = ("reward/mean", "reward/solved", "response_length/mean", "response_length/max",
          "rollout/occupied_worker_steps", "actor/loss",
          "actor/grad_norm", "actor/lr", "data/epoch", "data/position", "scheduler/mae",
-         "scheduler/distrusted",
          "rollout/steps")
 
 

@@ -342,12 +342,14 @@ def test_a_predictor_that_does_not_trust_history_uses_siblings_and_the_prior():
 
 
 @pytest.mark.parametrize("replicas,step_cost", [(None, None), ([(0, 1), (2, 3)], None),
-                                                ([(0, 1), (2, 3)], lambda n, ctx: 1.0 + 0.01 * n)])
+                                                ([(0, 1), (2, 3)], lambda n, ctx: 1.0 + 0.01 * n),
+                                                ([(0, 1, 2, 3)], lambda n, ctx: 1.0 + 0.01 * n)])
 def test_after_a_rollout_that_proved_history_wrong_the_plan_is_statics(replicas, step_cost):
-    """FlexFloor packs the long work by history; once the last rollout proved that history
-    wrong (`LengthHistory.proved_wrong`) it places as static does (least outstanding requests
-    over the replicas, then the ranks), with no end to keep, and says so (`distrusted`);
-    `distrust_wrong_history=False` packs anyway. By predicted steps and by modelled seconds."""
+    """By modelled seconds FlexFloor packs the long work by history; once the last rollout
+    proved that history wrong (`LengthHistory.proved_wrong`) it places as static does (least
+    outstanding requests over the replicas, then the ranks), with no end to keep, and says so
+    (`distrusted`); `distrust_wrong_history=False` packs anyway. By predicted steps (no step
+    cost) it packs whatever the verdict."""
     from flexfloor.rollout.replicas import route_least_outstanding
 
     lengths = {0: 5, 1: 80, 2: 10, 3: 40, 4: 20, 5: 160, 6: 15, 7: 30}
@@ -355,6 +357,7 @@ def test_after_a_rollout_that_proved_history_wrong_the_plan_is_statics(replicas,
     groups_of = [tuple(range(4))] if replicas is None else replicas
     static = route_least_outstanding(gs, groups_of)
     ids = lambda a: {r: [q.request_id for q in reqs] for r, reqs in a.items()}  # noqa: E731
+    priced = step_cost is not None
     for wrong, distrust in ((False, True), (True, True), (True, False)):
         h = history(lengths)
         h.proved_wrong = wrong
@@ -362,8 +365,8 @@ def test_after_a_rollout_that_proved_history_wrong_the_plan_is_statics(replicas,
         plan = sched.plan(gs, range(4), replicas=replicas, step_cost=step_cost)
         placed = sorted(q.request_id for reqs in plan.assignment.values() for q in reqs)
         assert placed == sorted(q.request_id for g in gs for q in g.requests)
-        assert plan.distrusted == (wrong and distrust)
-        assert (ids(plan.assignment) == ids(static)) == (wrong and distrust)
-        assert (plan.finish_bound is None) == (wrong and distrust)
+        assert plan.distrusted == (priced and wrong and distrust)
+        assert (ids(plan.assignment) == ids(static)) == (priced and wrong and distrust)
+        assert (plan.finish_bound is None) == (priced and wrong and distrust)
         assert plan.predicted[5] == 160 and plan.sources["history"] == 8  # still reported
         assert set(plan.expected_finish) == {0, 1, 2, 3}
