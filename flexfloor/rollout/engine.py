@@ -1107,11 +1107,15 @@ class RolloutEngine:
         return (blocks_for(longest, self.block_tokens) or None) if self.kv_lanes else None
 
     def _sample(self, st: Rollout, logits: torch.Tensor) -> None:
-        """One batched draw for every running request; one device-to-host copy of the results."""
+        """One batched draw for every running request; one device-to-host copy of the results
+        (none on CPU: both read as they are)."""
         running = st.running
         tokens, logprobs = sample(logits, [r.request for r in running],
                                   [r.position for r in running])
-        drawn = torch.stack([tokens.double(), logprobs]).cpu().tolist()  # the step's one copy
+        if tokens.is_cpu:
+            drawn = tokens.tolist(), logprobs.tolist()
+        else:
+            drawn = torch.stack([tokens.double(), logprobs]).cpu().tolist()  # the step's one copy
         now = st.elapsed()
         still = []
         for r, token, logprob in zip(running, map(int, drawn[0]), drawn[1]):
