@@ -348,7 +348,9 @@ class PlacedMoE:
         flat = experts.reshape(-1)  # [T*k], token-major: pair i is token i // k
         key = flat if size == 1 else self._owner_index[flat] * E + flat  # [T*k] (owner, expert)
         order = torch.argsort(key, stable=True)  # token order kept within an expert
-        counts = _count(key, size * E)  # [size * E] (destination, expert)
+        # [size * E] (destination, expert); a step sized by its batch is never captured: on
+        # CPU bincount, one op instead of `_count`'s three
+        counts = torch.bincount(key, minlength=size * E) if key.is_cpu else _count(key, size * E)
         send_x = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
         send_p = routed.probs.reshape(-1).index_select(0, order)
         if size == 1:  # a lone rank (EP=1, or the last survivor): nothing to exchange
@@ -447,8 +449,10 @@ class PlacedMoE:
             out = self._grouped_segments(layer, rows, probs, segments)
         elif stack is not None:
             # [count] one past each stacked expert's rows; rows past the last: not computed
-            offs = handle.counts[stack.first:stack.first + stack.count].cumsum(
-                0, dtype=torch.int32)
+            counts = handle.counts
+            if stack.count != counts.shape[0]:  # not every expert of the layer: its range
+                counts = counts[stack.first:stack.first + stack.count]
+            offs = counts.cumsum(0, dtype=torch.int32)
             h = torch._grouped_mm(rows, stack.operands["linear_fc1"], offs=offs)
             h = self._activation(self._expert_config[layer], h, probs)  # [N, F]
             out = torch._grouped_mm(h, stack.operands["linear_fc2"], offs=offs)
@@ -675,8 +679,10 @@ class PlacedMoE:
         mlp = self.layers[layer]
         if t == 0:
             return back.new_empty(0, self.hidden)
-        slots = torch.empty_like(back).index_copy_(0, handle.order, back)  # [T*k, H]
-        out = slots.view(t, self.topk, self.hidden).sum(dim=1)
+        slots = torch.empty_like(back).index_copy_(0, handle.order, back).view(
+            t, self.topk, self.hidden)  # [T, k, H]
+        # two terms: one add, the same value as the sum (its reduction over a middle dim costs more)
+        out = slots[:, 0] + slots[:, 1] if self.topk == 2 else slots.sum(dim=1)
         if mlp.use_shared_expert:
             x = handle.x
             out = out + mlp.shared_experts(x.view(t, 1, self.hidden)).view(t, self.hidden)
@@ -713,6 +719,14 @@ def _plain_topk_router(router) -> bool:
                  or cfg.moe_router_dtype == "fp64"))
 
 
+def _softmax_fp32(t: torch.Tensor) -> torch.Tensor:
+    """Megatron's `torch.softmax(t, dim=-1, dtype=torch.float32).type_as(t)`, without the two
+    casts (no-ops in value) where t is float32 already."""
+    if t.dtype == torch.float32:
+        return torch.softmax(t, dim=-1)
+    return torch.softmax(t, dim=-1, dtype=torch.float32).type_as(t)
+
+
 def _raw_topk(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's `router_gating_linear` + `topk_routing_with_score_function` (x [T, H]) as raw
     ops: returns the top-k probabilities and expert indices [T, k] x2, in top-k order."""
@@ -722,16 +736,15 @@ def _raw_topk(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w if w.dtype == dtype else w.to(dtype)
     x = x if x.dtype == dtype else x.to(dtype)
     if router.bias is None:
-        logits = torch.mm(x, w.t())  # [T, E]
+        logits = F.linear(x, w)  # [T, E]: x @ w.t() in one call
     else:
         logits = torch.addmm(router.bias.to(dtype), x, w.t())
     if router.score_function == "softmax":
         if cfg.moe_router_pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-            probs, top = torch.topk(scores, k=k, dim=1)
+            probs, top = torch.topk(_softmax_fp32(logits), k=k, dim=1)
         else:
             scores, top = torch.topk(logits, k=k, dim=1)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+            probs = _softmax_fp32(scores)
     else:  # sigmoid
         scores = torch.sigmoid(logits.float()).type_as(logits)
         if router.expert_bias is not None:

@@ -8,6 +8,7 @@ that received no rows. Also the rollout step's raw RoPE against Megatron's.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flexfloor.model import stack_experts
 from megatron_ext.elastic_moe import ExpertStack, PlacedMoE, _grouped_mm_runs, stacked_weights
@@ -107,6 +108,25 @@ def test_rollout_rope_is_megatrons_bit_for_bit(rot):
         cos, sin = rope_terms(freqs, dtype)
         ref = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs.unsqueeze(1))[:, 0]
         assert torch.equal(_rope(t, cos, sin), ref)
+
+
+def test_rollout_rms_norm_is_f_rms_norm_bit_for_bit():
+    """The rollout step's RMSNorm as its own CPU ops (`rms_norm`) gives `F.rms_norm` exactly in
+    float32 and float64: widths that are and are not powers of two, strided inputs, no weight,
+    the default eps; other dtypes go to `F.rms_norm` itself."""
+    from flexfloor.rollout.engine import rms_norm
+
+    torch.manual_seed(4)
+    for dtype in (torch.float32, torch.float64):
+        for width in (64, 100, 256, 3000):
+            x = torch.randn(9, 3, width + 4, dtype=dtype)[:, :, 2: width + 2] * 4  # strided
+            weight = 1 + 0.3 * torch.randn(width, dtype=dtype)
+            for eps in (1e-6, 1e-5, None):
+                for w in (weight, None):
+                    assert torch.equal(rms_norm(x, width, w, eps),
+                                       F.rms_norm(x, (width,), w, eps)), (dtype, width, eps)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert torch.equal(rms_norm(x, 64, None, 1e-6), F.rms_norm(x, (64,), None, 1e-6))
 
 
 @pytest.mark.parametrize("norms", ["per_head", "none", "full_width", "q_only"])

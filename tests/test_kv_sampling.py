@@ -110,6 +110,21 @@ def test_top_k_top_p_greedy_and_mixed_batches():
     assert fields.tolist() == [[5, 2, 0, 0, 0], [5, 2, 1, 0, 9]]
 
 
+def test_greedy_batch_logprobs_in_the_logits_dtype():
+    """An all-greedy batch takes its log-probs in the logits' own dtype (no float64 copy of the
+    logits): float32 logits give float32's log-softmax, returned as float64, within 1e-6 of
+    float64's; the tokens are the argmax either way."""
+    torch.manual_seed(5)
+    logits = torch.randn(6, 50) * 4
+    reqs = [req(i, SamplingParams(greedy=True)) for i in range(6)]
+    tokens, logprobs = sample(logits, reqs, [0] * 6)
+    assert torch.equal(tokens, logits.argmax(-1)) and logprobs.dtype == torch.float64
+    pick = tokens.view(-1, 1)
+    assert torch.equal(logprobs, F.log_softmax(logits, -1).gather(1, pick).view(-1).double())
+    exact = F.log_softmax(logits.double(), -1).gather(1, pick).view(-1)
+    assert float((logprobs - exact).abs().max()) < 1e-6
+
+
 def _full_vocabulary_draw(logits, requests, positions):
     """The sampler's definition over the whole vocabulary: every token gets its noise, the
     filtered ones -inf, Gumbel-max picks (what `sample` computes on the candidates only)."""

@@ -9,7 +9,8 @@ moving a request needs only its position (no generator state).
 
 The returned log-prob is under the temperature-scaled distribution before top-k/top-p filtering
 (the quantity the trainer recomputes for the importance ratio); greedy reports it at
-temperature 1.
+temperature 1. Sampling runs in float64; an all-greedy batch in the logits' own dtype (float32
+for a float32 or bfloat16 model: its log-probs within ~1e-6 of float64's).
 """
 
 from __future__ import annotations
@@ -78,14 +79,15 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], positions: Sequenc
     """logits [B, V] -> (tokens [B] int64, log-probs [B] float64), every row its own request's
     parameters (greedy, temperature, top_k, top_p) and its own stream at `positions[b]` (the
     index in the sequence of the token sampled)."""
+    params = [r.sampling for r in requests]
+    is_greedy = [p.greedy or p.temperature == 0.0 for p in params]  # on the host: no device read
+    if all(is_greedy):  # in the logits' dtype: no float64 copy of [B, V] (argmax: the same token)
+        tokens = logits.argmax(dim=-1)
+        chosen = F.log_softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).view(-1)
+        return tokens, chosen.double()
     logits = logits.double()
     B, V = logits.shape
     dev = logits.device
-    params = [r.sampling for r in requests]
-    is_greedy = [p.greedy or p.temperature == 0.0 for p in params]  # on the host: no device read
-    if all(is_greedy):
-        tokens = logits.argmax(dim=-1)
-        return tokens, F.log_softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).view(-1)
     greedy = torch.tensor(is_greedy, device=dev)
     temp = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)],
                         dtype=torch.float64, device=dev)
