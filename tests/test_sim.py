@@ -230,7 +230,7 @@ def test_after_history_proves_wrong_the_next_rollout_is_placed_as_statics():
     siblings and the prior, not that history, it ends with static's."""
     sc = SCENARIOS["paper-like"].with_overrides(seed=7, history_correlation=0.8,
                                                 **dict(SMALL, epochs=3))
-    assert sc.distrust  # the product's default
+    assert sc.distrust  # the Scheduler's default
     spans, distrusted = {}, {}
     for on in (True, False):
         rep = run(sc.with_overrides(distrust=on))

@@ -111,7 +111,8 @@ class Scenario:
     # dearer than its fullest (`ConsolidationRules.no_denser`); on in the GPU scenarios
     no_denser: bool = False
     # after a rollout that proved the length history wrong, FlexFloor places the next as static
-    # does (`Scheduler.distrust_wrong_history`, the product's default); False: it packs anyway
+    # does (`Scheduler.distrust_wrong_history`, its default; plans by modelled seconds only);
+    # False: it packs anyway
     distrust: bool = True
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
