@@ -243,6 +243,25 @@ def test_after_history_proves_wrong_the_next_rollout_is_placed_as_statics():
     assert spans[True] <= 1.0 + 1e-9 < 1.3 < spans[False]
 
 
+def test_once_history_proves_wrong_mid_rollout_hand_overs_predict_without_it():
+    """History correlation 0.8, seed 2, step 2 (the first plan from history: nothing yet to
+    judge it by): predicting the running requests from the history throughout, the hand-overs
+    misplace its short prompts that run long and the rollout ends 1.28x after static's; once the
+    finished samples prove the history wrong (`LengthHistory.unproven`), predicting them from
+    siblings and the prior, it ends 1.09x after."""
+    sc = SCENARIOS["paper-like"].with_overrides(seed=2, history_correlation=0.8,
+                                                **dict(SMALL, epochs=4))
+    spans = {}
+    for on in (True, False):
+        rep = run(sc.with_overrides(distrust=on))
+        assert rep["elastic"]["total_response_tokens"] == rep["static"]["total_response_tokens"]
+        step2 = rep["per_epoch"][1]
+        assert not step2["plan"]["distrusted"]
+        spans[on] = (step2["elastic"]["rollout_wall_seconds"]
+                     / step2["static"]["rollout_wall_seconds"])
+    assert spans[True] < 1.1 < 1.25 < spans[False]
+
+
 def test_heldout_reports_every_rollout_and_refuses_an_unknown_workload(tmp_path):
     """tools/heldout.py: one workload, one seed: its three scored rollouts in the JSON, the
     summary counted from them; an unknown workload name fails naming the choices."""

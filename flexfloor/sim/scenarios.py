@@ -461,7 +461,22 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
                     if predictor.trust_history and predictor.history.last(uid)}
     spread = predictor.history.sibling_spread() if sc.gather else 1.0  # read by gathering only
 
+    # once the history proves wrong in this rollout (`LengthHistory.unproven` of the samples
+    # finished so far), its prompts are predicted as a distrusted plan's are, from siblings and
+    # the prior (with `Scenario.distrust`): the history's short prompts that run long are the
+    # ones a hand-over would misplace
+    untrusting = dataclasses.replace(predictor, trust_history=False)
+    verdicts: dict[int, bool] = {}  # samples finished -> the history proved wrong by then
+
+    def wrong_now(finished: dict) -> bool:
+        n = sum(map(len, finished.values()))
+        if n not in verdicts:
+            verdicts[n] = sc.distrust and bool(with_history) and predictor.history.unproven(finished)
+        return verdicts[n]
+
     def predicted(req: SimRequest, produced: int, finished: dict) -> float:
+        if req.prompt_uid in with_history and wrong_now(finished):
+            return untrusting.predict(req.prompt_uid, finished.get(req.prompt_uid, ()))[0]
         if req.prompt_uid not in with_history and sc.gather:
             # no history: its siblings done (the shorter ones) and how far a prompt's samples
             # spread, else the prior beyond what it produced (`Predictor.running`)
