@@ -209,13 +209,15 @@ def test_where_history_proves_wrong_hand_overs_go_no_denser():
     rollout ends after static's when leaving replicas hand their tails to the taker within the
     bound made from that history; once the history is unproven (`LengthHistory.unproven`) they
     hand over only to ranks no denser than their fullest (`ConsolidationRules.no_denser`), and
-    it ends within static's."""
+    it ends within static's. Run without the distrust rule, whose half inside the rollout also
+    acts here (`test_once_history_proves_wrong_mid_rollout_hand_overs_predict_without_it`): this
+    pins `no_denser` alone."""
     sc = SCENARIOS["paper-like"].with_overrides(seed=6, history_correlation=0.8,
                                                 **dict(SMALL, epochs=4))
     assert sc.no_denser  # the GPU scenarios' default
     spans = {}
     for on in (True, False):
-        rep = run(sc.with_overrides(no_denser=on))
+        rep = run(sc.with_overrides(no_denser=on, distrust=False))
         assert rep["elastic"]["total_response_tokens"] == rep["static"]["total_response_tokens"]
         step2 = rep["per_epoch"][1]
         spans[on] = (step2["elastic"]["rollout_wall_seconds"]
