@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexfloor.faults import FaultPhase, inject
+from flexfloor.faults import FaultPhase, arm_at_fork, inject
 
 FORMAT_VERSION = 1
 META_FILE = "flexfloor.json"
@@ -232,6 +232,7 @@ def save_checkpoint(
     _barrier()
     rank = dist.get_rank() if dist.is_initialized() else 0
     _write_results_in_process()
+    arm_at_fork(FaultPhase.WRITE, rank, step)  # at dist-checkpointing's first writer process
     with _io("saving", tmp, _SAVE_FIX):
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
         torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))

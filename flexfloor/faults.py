@@ -12,6 +12,8 @@ fault of the list, or none. Where each phase fires:
              (elastic release policy: the hook is the elastic membership's step boundary)
     resync   a rank released early, as it starts waiting for the survivors at resync
     train    after the old log-probs are computed, before the policy update's collectives
+    write    while this rank's checkpoint writer processes run: right after the first is forked
+             (its half of the write goes on without the worker)
     save     after this rank's shards of the checkpoint are written, before it is complete
     sigterm  where `rollout` fires, but sends SIGTERM once instead of SIGKILL: a preemption
              (flexfloor/preemption.py: the step finishes, is saved, the worker exits 75)
@@ -34,6 +36,7 @@ class FaultPhase(enum.Enum):
     ROLLOUT = "rollout"
     RESYNC = "resync"
     TRAIN = "train"
+    WRITE = "write"  # fires at the first fork after `arm_at_fork`
     SAVE = "save"
     SIGTERM = "sigterm"  # at the rollout hook
 
@@ -89,3 +92,11 @@ def inject(phase: FaultPhase, rank: int, step: Optional[int], engine_step: int =
           f"{step}{at}", file=sys.stderr, flush=True)
     _sent.add(f)
     os.kill(os.getpid(), sig)
+
+
+def arm_at_fork(phase: FaultPhase, rank: int, step: Optional[int]) -> None:
+    """Make `phase` fire in this process right after it next forks (the child runs on), if the
+    planned fault is there."""
+    f = planned()
+    if f is not None and (f.phase, f.rank, f.step) == (phase, rank, step) and f not in _sent:
+        os.register_at_fork(after_in_parent=lambda: inject(phase, rank, step))

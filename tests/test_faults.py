@@ -4,9 +4,11 @@
    parallel.timeout_s), and fail with an error naming the rank, the phase and the step when a
    survivor hangs (3 gloo workers, one launch).
 2. kill -9 of one worker (a) mid-rollout before its release, (b) after its release, while it
-   waits at resync, (c) mid-training, (d) during a checkpoint save, then (e) SIGTERM to one
-   worker mid-rollout (a preemption): one real `torchrun --max-restarts 5 -m flexfloor.train`
-   job meets the five faults on its first five attempts (FLEXFLOOR_FAULT, flexfloor/faults.py)
+   waits at resync, (c) mid-training, (d) during a checkpoint save, once its shards are written,
+   (f) while its checkpoint writer processes (forked copies of it) still write, then (e) SIGTERM
+   to one worker mid-rollout (a preemption): one real `torchrun --max-restarts 6 -m
+   flexfloor.train` job meets the six faults on its first six attempts (FLEXFLOOR_FAULT,
+   flexfloor/faults.py)
    and resumes each time from the newest complete checkpoint (checkpoint.resume=auto); after
    (e) from the step the preemption finished and saved. Its metrics, weights and optimizer
    state at the last step equal an uninterrupted run's bit for bit. Detection and recovery
@@ -131,6 +133,60 @@ def test_launcher_sigterm_stops_a_worker_blocked_in_a_wait_for_a_dead_peer():
         "[flexfloor] error: rank 1: SIGTERM from the launcher after a worker of this node "
         "exited: stopping now (no checkpoint)")
 
+KILLED_WORKER_WITH_HELPERS = """
+import multiprocessing, os, signal, subprocess, sys, time
+from flexfloor.launch.reaper import start_reaper
+
+def writer():  # as dist-checkpointing's writers: a forked copy, which forks once more
+    if os.fork() == 0:
+        time.sleep(120)
+        os._exit(0)
+    time.sleep(120)
+
+start_reaper()
+forked = multiprocessing.get_context("fork").Process(target=writer)
+forked.start()
+execd = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+time.sleep(1)  # the nested fork exists
+print("helpers", forked.pid, execd.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_killed_with_sigkill_leaves_no_helper_forked_or_execd(tmp_path):
+    """Forked copies (dist-checkpointing's writers, and a fork of a fork) carry no token in
+    their environment as Linux reports it; they announce themselves to the reaper. With the
+    worker killed, its reaper ends them and the exec'd helper: the output pipe closes at once,
+    not when they would have ended (120 s), and no process is left."""
+    marker = f"reaper-{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", FLEXFLOOR_TEST_JOB=marker)
+    proc = subprocess.Popen([PY, "-c", KILLED_WORKER_WITH_HELPERS], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                            start_new_session=True)
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=60)
+        reader.join(timeout=30)  # EOF once nothing holds the pipe
+        pipe_closed = not reader.is_alive()
+        deadline = time.monotonic() + 10  # the reaper ends right after the helpers it kills
+        while job_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = job_processes(marker)
+    finally:
+        for pid in job_processes(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL and out[:1] and out[0].startswith("helpers"), (
+        out, proc.stderr.read())
+    assert {"pipe_closed": pipe_closed, "left": left} == {"pipe_closed": True, "left": []}
+
+
 NPROC = 2
 STEPS = 5
 JOB = [
@@ -233,6 +289,8 @@ def runs(tmp_path_factory):
         "a": f"rollout:{steps[step_b + 1].index(max(steps[step_b + 1]))}:{step_b + 1}:2",
         "c": f"train:0:{step_b + 2}",
         "d": f"save:1:{step_b + 2}",
+        # (f) while dist-checkpointing's writer processes run: they are forked copies, reaped too
+        "f": f"write:0:{step_b + 2}",
         # (e) a preemption: SIGTERM to one rank mid-rollout; the step ends and is saved
         "e": f"sigterm:{longest}:{step_b + 2}:2",
     }
@@ -248,14 +306,15 @@ def test_every_fault_was_injected_once_in_order(runs):
     kills = [t for _, t in runs["lines"] if "fault injection: SIG" in t]
     phases = [re.search(r"(SIG\w+) .* phase '(\w+)'", t).groups() for t in kills]
     assert phases == [("SIGKILL", "resync"), ("SIGKILL", "rollout"), ("SIGKILL", "train"),
-                      ("SIGKILL", "save"), ("SIGTERM", "rollout")], kills
+                      ("SIGKILL", "save"), ("SIGKILL", "write"), ("SIGTERM", "rollout")], kills
     # each restart resumed from the newest complete checkpoint: after a kill the one before the
     # step of the fault; after (d), killed while saving, the one before too (the half-written
     # one never); after the preemption (e) the step it interrupted, finished and saved
     resumed = [int(re.search(r"resumed from iter_(\d+)", t).group(1)) for _, t in runs["lines"]
                if "resumed from iter_" in t]
     step = {k: int(f.split(":")[2]) for k, f in runs["faults"].items()}
-    assert resumed == [step["b"] - 1, step["a"] - 1, step["c"] - 1, step["d"] - 1, step["e"]]
+    assert resumed == [step["b"] - 1, step["a"] - 1, step["c"] - 1, step["d"] - 1,
+                       step["f"] - 1, step["e"]]
 
 
 def test_resumed_run_equals_an_uninterrupted_run(runs):
@@ -314,7 +373,7 @@ def test_record_detection_and_recovery_times(runs):
     print(json.dumps({"faults": table, "job_wall_s": round(runs["wall_s"], 1),
                       "uninterrupted_wall_s (incl. the warm start)":
                       round(runs["reference_wall_s"], 1)}, indent=1))
-    assert len(table) == 4
+    assert len(table) == 5
 
 
 def test_sigterm_mid_rollout_finishes_the_step_saves_and_exits_75(runs):

@@ -7,10 +7,16 @@ cannot end them; they are reparented to init, keep the job's stdout/stderr open 
 are still alive, Ray only its actor.
 
 So every worker (`python -m flexfloor.train` under torchrun, a Ray worker) calls `start_reaper()`
-first: it marks the worker's environment with a token that every helper inherits and starts a
-small watcher process (this module, no torch) in a session of its own, with no stdio. The
-watcher waits for the worker to exit, however it exits, then kills every process that carries
-the token and exits itself.
+first. It starts a small watcher process (this module, no torch) in a session of its own, with
+no stdio but a pipe from the worker, and marks the helpers-to-be two ways:
+- an exec'd helper (the resource_tracker, any subprocess) inherits a token in its environment;
+- a forked copy (dist-checkpointing's writers, a DataLoader worker) shows no token: Linux reports
+  a process's environment as it was at its exec, the worker's own, unmarked. So each fork writes
+  its pid into the pipe at once (`os.register_at_fork`), and the watcher keeps that pid with the
+  process's start time (a pid used again later is not the same process).
+The watcher waits for the worker to exit, however it exits, then kills every process that
+carries the token or announced itself, until the pipe closes (its last forked holder is gone),
+and exits itself.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 ENV = "FLEXFLOOR_WORKER_TOKEN"
 
@@ -31,24 +38,70 @@ def start_reaper() -> str:
         return os.environ[ENV]  # already watched (a second Job in this process)
     token = f"{os.getpid()}.{time.time_ns()}"
     env = {k: v for k, v in os.environ.items() if k != ENV}
+    forks, announce = os.pipe()  # both close on exec: an exec'd helper holds neither
     # run as a script: it needs only the standard library and psutil, whatever sys.path holds
     subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()), token],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, env=env,
-                     cwd="/")
+                     stdin=forks, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True, close_fds=True, env=env, cwd="/")
+    os.close(forks)
+
+    def announce_fork():  # in every forked copy, grandchildren too, before it runs anything
+        try:
+            os.write(announce, b"%d\n" % os.getpid())
+        except OSError:  # the reaper is gone: nothing to tell
+            pass
+
+    os.register_at_fork(after_in_child=announce_fork)
     os.environ[ENV] = token  # after the reaper started: it must not carry the token itself
     return token
 
 
-def _wait_for_exit(pid: int) -> None:
+def _pidfd(pid: int) -> Optional[int]:
+    """A descriptor that turns readable when `pid` exits; None on a kernel without pidfds."""
     try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # old kernel: poll
-        while _alive(pid):
-            time.sleep(0.5)
-        return
-    select.select([fd], [], [])
-    os.close(fd)
+        return os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already: a pipe's read end is readable at once
+        r, w = os.pipe()
+        os.close(w)
+        return r
+    except (AttributeError, OSError):
+        return None
+
+
+class Forks:
+    """The forked copies announced on `fd`: pid -> start time."""
+
+    def __init__(self, fd: int):
+        self.fd, self.open, self.pending, self.known = fd, True, b"", {}
+
+    def read(self) -> None:
+        """Take what the pipe holds now (call when it is readable)."""
+        import psutil
+
+        data = os.read(self.fd, 65536)
+        if not data:  # every holder of the write end is gone
+            self.open = False
+            return
+        *lines, self.pending = (self.pending + data).split(b"\n")
+        for line in lines:
+            try:
+                self.known[int(line)] = psutil.Process(int(line)).create_time()
+            except (ValueError, psutil.Error):  # ended already
+                pass
+
+    def alive(self) -> list:
+        """The announced processes still running (psutil.Process list)."""
+        import psutil
+
+        found = []
+        for pid, started in self.known.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == started:
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
 
 
 def _alive(pid: int) -> bool:
@@ -75,15 +128,18 @@ def helpers(token: str) -> list:
     return found
 
 
-def reap(token: str) -> int:
-    """Kill every process that carries `token`; returns how many were killed."""
+def reap(token: str, forks: Optional[Forks] = None, settle_s: float = 30.0) -> int:
+    """Kill every process that carries `token` and every fork announced on `forks`, until the
+    announcement pipe closes (or `settle_s` passes); returns how many were killed."""
     import psutil
 
     killed = 0
-    for _ in range(3):  # a helper may have started another one meanwhile
-        procs = helpers(token)
-        if not procs:
-            break
+    deadline = time.monotonic() + settle_s
+    for _ in range(100):  # a helper may have started another one meanwhile
+        if forks is not None and forks.open:
+            while select.select([forks.fd], [], [], 0)[0] and forks.open:
+                forks.read()
+        procs = helpers(token) + (forks.alive() if forks is not None else [])
         for p in procs:
             try:
                 p.kill()
@@ -91,6 +147,11 @@ def reap(token: str) -> int:
             except psutil.Error:
                 pass
         psutil.wait_procs(procs, timeout=5)
+        if forks is None or not forks.open or time.monotonic() > deadline:
+            if not procs:
+                break
+        elif not procs:  # a fork not announced yet (or one that could not): wait for the pipe
+            select.select([forks.fd], [], [], 0.2)
     return killed
 
 
@@ -100,8 +161,17 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     pid, token = int(argv[0]), argv[1]
-    _wait_for_exit(pid)
-    reap(token)
+    forks = Forks(sys.stdin.fileno())
+    exited = _pidfd(pid)
+    while True:  # take the announcements while the worker runs, so the pipe never fills
+        watched = [exited] if exited is not None else []
+        ready = select.select(watched + ([forks.fd] if forks.open else []), [], [],
+                              None if exited is not None else 0.5)[0]
+        if forks.fd in ready:
+            forks.read()
+        if (exited in ready) if exited is not None else not _alive(pid):
+            break
+    reap(token, forks)
     return 0
 
 
