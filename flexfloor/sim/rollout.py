@@ -597,7 +597,9 @@ def replica_state(num_experts: int, ranks: Sequence[int], training_ep: Optional[
 class TailConsolidation:
     """What the driver of several replicas needs to consolidate their tails: the decision's
     rules, a rank's step cost, the prices of a move, and each running request's predicted
-    remaining tokens (request, produced, the lengths finished so far by prompt uid) -> tokens."""
+    remaining tokens (request, produced, the lengths finished so far by prompt uid) -> tokens.
+    The lengths are one decision's: a dict made for it and not grown while it lasts, so the
+    callables may judge it once (by identity) however many requests they are asked about."""
 
     rules: object  # flexfloor.rollout.consolidate.ConsolidationRules
     step_cost: object  # scheduler.StepCost
@@ -712,8 +714,9 @@ def _consolidate_within(view: GroupView, tc: TailConsolidation, changed: dict, i
     if not tails.may_give_within(shared, tc.within):
         return
     block_bytes = tc.block_tokens * limits.kv_bytes_per_token
+    lengths = dict(view.lengths)  # this decision's (the group's own dict grows as it runs)
     states = [cons.RankState(r, i, tuple(cons.Running(req.request_id, req.prompt_len + produced,
-                                                      tc.remaining(req, produced, view.lengths))
+                                                      tc.remaining(req, produced, lengths))
                                          for req, produced in ranks[r][0]), ranks[r][1],
                              None if ranks[r][2] >= UNBOUNDED_KV else ranks[r][2] // block_bytes)
               for r in order]

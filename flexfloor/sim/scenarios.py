@@ -466,16 +466,16 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     # the prior (with `Scenario.distrust`): the history's short prompts that run long are the
     # ones a hand-over would misplace
     untrusting = dataclasses.replace(predictor, trust_history=False)
-    # the last verdict: (the finished lengths it read, their count, verdict); held, so that the
-    # same dict grown no further (a decision asks once per running request) is judged once
-    last: list = [None, -1, False]
+    # the last verdict: (the finished lengths it read, verdict). A decision's lengths are its
+    # own dict (`TailConsolidation`), asked about once per running request: judged once. Held,
+    # so that no later dict takes the same identity
+    judge = sc.distrust and bool(with_history)
+    last: list = [None, False]
 
     def wrong_now(finished: dict) -> bool:
-        n = sum(map(len, finished.values()))
-        if last[0] is not finished or last[1] != n:
-            last[:] = [finished, n, sc.distrust and bool(with_history)
-                       and predictor.history.unproven(finished)]
-        return last[2]
+        if judge and last[0] is not finished:
+            last[:] = [finished, predictor.history.unproven(finished)]
+        return judge and last[1]
 
     def predicted(req: SimRequest, produced: int, finished: dict) -> float:
         if req.prompt_uid in with_history and wrong_now(finished):
