@@ -101,7 +101,7 @@ class Scenario:
     # (`ConsolidationRules.taker_hedge`; 1.25 in the GPU scenarios, 1: off)
     taker_hedge: float = 1.0
     # the ceiling of prediction: FlexFloor's policy (elastic mode) told every length exactly, the
-    # plan's and the consolidation's (no hedges, `pace_margin` 1); the other modes unchanged
+    # plan's and the consolidation's (no hedges; `pace_margin` as set); the other modes unchanged
     oracle: bool = False
     # with the correction, where no prompt has history: gather the requests their finished
     # siblings say are long onto the replicas that end later (`ConsolidationRules.gather`)
@@ -340,7 +340,8 @@ def oracle_plan(scheduler: Scheduler, groups, ranks, **kw):
     """`scheduler`'s plan as if it knew every length of this rollout (`Scenario.oracle`): a
     scheduler of the same settings whose history holds each prompt's lengths now, its samples
     ordered longest first (the plan gives a prompt's i-th sample its i-th longest past length);
-    its margin 1 (nothing to mispredict). `scheduler` itself learns nothing from it."""
+    its other settings, `pace_margin` too, unchanged. `scheduler` itself learns nothing from
+    it."""
     told = LengthHistory()
     ordered = []
     for g in groups:
