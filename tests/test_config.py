@@ -432,3 +432,22 @@ def test_every_example_config_loads(name):
     cfg = load_config(path, [])
     world = cfg.parallel.world_size or cfg.parallel.expert_parallel_size or 4
     assert cfg.resolve_world(world).parallel.world_size == world
+
+
+def test_the_gpu_example_runs_the_simulators_gpu_policy():
+    """The GPU starting config is the rollout the simulator's paper-like figures are for: its
+    replicas of one node, a floor of the whole replica, consolidation across replicas with the
+    GPU scenarios' hedge and correction, and their placement limits."""
+    from flexfloor.sim.scenarios import ON_GPUS, SCENARIOS
+
+    cfg = load_config(str(EXAMPLES / "grpo_qwen3_30b_a3b_gpu.yaml")).resolve_world(64)
+    sim = SCENARIOS["paper-like"]
+    assert cfg.rollout.replicas == sim.replicas and sim.gpus == 64
+    assert cfg.elastic.min_active_ranks == ON_GPUS["min_active_ranks"] == 64 // cfg.rollout.replicas
+    assert cfg.elastic.consolidate and cfg.elastic.consolidate_across
+    assert cfg.elastic.consolidate_taker_hedge == ON_GPUS["taker_hedge"]
+    assert cfg.elastic.consolidate_correct == ON_GPUS["correct"]
+    assert cfg.scheduler.max_share == ON_GPUS["max_share"]
+    assert cfg.scheduler.load_cap == ON_GPUS["load_cap"]
+    assert cfg.rollout.max_batch_size == sim.max_batch_size
+    assert cfg.rollout.max_new_tokens == sim.max_len
