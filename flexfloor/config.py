@@ -379,6 +379,11 @@ class SchedulerConfig:
     # baseline's fullest rank's; None = no cap. On accelerators (memory-bound decode, lockstep
     # steps at the fullest rank's pace) 0.7 keeps steps as fast as the baseline's
     load_cap: float | None = None
+    # FlexFloor across replicas by modelled seconds, the simulator's GPU policy: each replica's
+    # lockstep steps priced by its batch, context and the experts they read, at the step cost
+    # of elastic.pace_model's accelerator, and bounded by the static baseline's end priced the
+    # same way. False: by predicted steps (a step costs the same whatever it decodes, as on CPU)
+    plan_seconds: bool = False
 
     def validate(self) -> None:
         _in_range("scheduler.prior_quantile", self.prior_quantile, 0.0, 1.0)
@@ -568,6 +573,16 @@ class Config:
                      f"{self.elastic.min_active_ranks} is more than the {per_replica} ranks of a "
                      f"replica (parallel.world_size / rollout.replicas); set "
                      f"elastic.min_active_ranks <= {per_replica} or rollout.replicas lower")
+        if self.scheduler.plan_seconds:
+            _require(self.elastic.pace_model != PACE_OFF, "scheduler.plan_seconds",
+                     "needs a cost model to price the steps with; set elastic.pace_model to an "
+                     "accelerator (e.g. elastic.pace_model=H800) or scheduler.plan_seconds=false")
+            _require(r.replicas > 1, "scheduler.plan_seconds",
+                     "places across replicas and there is one (rollout.replicas=1); set "
+                     "rollout.replicas > 1 or scheduler.plan_seconds=false")
+            _require(not self.elastic.consolidate_correct, "elastic.consolidate_correct",
+                     "keeps the plan's end in engine steps, and scheduler.plan_seconds gives it "
+                     "in modelled seconds; set one of them to false")
         if ep is not None:
             _require(m.num_experts >= ep, "model.num_experts",
                      f"{m.num_experts} experts are fewer than the {ep} EP ranks "

@@ -36,7 +36,7 @@ from flexfloor.data.cursor import DataCursor
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import ReleaseListener
+from flexfloor.rollout.elastic import ReleaseListener, pace_cost_of, plan_step_cost
 from flexfloor.rollout.metrics import rollout_metrics
 from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
 from flexfloor.rollout.replicas import held_to_end, route_least_outstanding
@@ -76,8 +76,10 @@ def _phase(rank: int, name: str, step: int):
 
 
 def plan_rollout(scheduler: Scheduler, groups: list[PromptGroup], *, policy: ReleasePolicy,
-                 replicas) -> RolloutPlan:
-    """Where each request runs. Elastic: the scheduler's placement (`scheduler.placement`).
+                 replicas, step_cost=None) -> RolloutPlan:
+    """Where each request runs. Elastic: the scheduler's placement (`scheduler.placement`),
+    across the replicas by modelled seconds with `step_cost` (`scheduler.plan_seconds`:
+    `elastic.plan_step_cost`), else by predicted steps.
     Static (`elastic.release_policy=static`): the baseline users run, the benchmark's `static`
     mode: each sample to the replica, then the rank, with the fewest outstanding requests
     (`route_least_outstanding` over `replicas`, the rollout's EP groups), whatever
@@ -85,7 +87,7 @@ def plan_rollout(scheduler: Scheduler, groups: list[PromptGroup], *, policy: Rel
     its expected finishes do not (a static rollout builds no survivor group)."""
     ranks = [r for g in replicas for r in g]
     # inside each replica: its static bound, its releases and memory floor (as the benchmark)
-    plan = scheduler.plan(groups, ranks, replicas=replicas)
+    plan = scheduler.plan(groups, ranks, replicas=replicas, step_cost=step_cost)
     if policy == ReleasePolicy.STATIC:
         plan = dataclasses.replace(plan, assignment=route_least_outstanding(groups, replicas),
                                    expected_finish={})
@@ -194,6 +196,11 @@ class Job:
                                    max_batch_size=cfg.rollout.max_batch_size,
                                    max_share=cfg.scheduler.max_share,
                                    load_cap=cfg.scheduler.load_cap)
+        # scheduler.plan_seconds: the replicas' steps priced at elastic.pace_model's step cost
+        self.plan_cost = (plan_step_cost(pace_cost_of(cfg.elastic, self.stack.layout.model_shape),
+                                         self.stack.layout.topology.placements[0],
+                                         cfg.rollout.max_batch_size)
+                          if cfg.scheduler.plan_seconds else None)
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
         self.cursor.check(cfg.trainer.prompts_per_step)
 
@@ -247,7 +254,8 @@ class Job:
         policy = self.cfg.elastic.release_policy
         with self.phase("plan", k):
             plan = plan_rollout(self.scheduler, groups, policy=policy,
-                                replicas=self.stack.layout.topology.replicas)
+                                replicas=self.stack.layout.topology.replicas,
+                                step_cost=self.plan_cost)
             run = self.stack.start(policy, step=k, on_event=self._release_listener(),
                                    expected_finish=plan.expected_finish,
                                    end_bound=end_to_keep(plan))

@@ -370,3 +370,42 @@ def test_after_a_rollout_that_proved_history_wrong_the_plan_is_statics(replicas,
         assert (plan.finish_bound is None) == (priced and wrong and distrust)
         assert plan.predicted[5] == 160 and plan.sources["history"] == 8  # still reported
         assert set(plan.expected_finish) == {0, 1, 2, 3}
+
+
+def test_a_plan_by_modelled_seconds_is_the_simulators_plan_and_gives_no_end_in_steps():
+    """scheduler.plan_seconds: the job's plan (`coordinator.plan_rollout`) with the step cost
+    `elastic.plan_step_cost` makes of a replica's placement is the plan the simulator makes
+    (`rank_step_cost` over the placement stretched to the cost model's experts). Its bound is
+    static's predicted end in modelled seconds; the correction, which keeps an end in engine
+    steps (`tails.end_to_keep`), gets none from it."""
+    from flexfloor.config import ReleasePolicy
+    from flexfloor.coordinator import plan_rollout
+    from flexfloor.rollout.elastic import plan_step_cost
+    from flexfloor.rollout.tails import end_to_keep
+    from flexfloor.sim.cost import cost_model, model_owner
+    from flexfloor.sim.scenarios import rank_step_cost
+    from megatron_ext.placement import Placement
+
+    lengths = {0: 5, 1: 80, 2: 10, 3: 40, 4: 20, 5: 160, 6: 15, 7: 30}
+    gs = groups(lengths, n=4)
+    replicas = [(0, 1), (2, 3)]
+    first = Placement(owner=(0, 0, 0, 0, 1, 1, 1, 1), ranks=(0, 1))  # the engine's 8 experts
+    cost = cost_model("H800", "qwen3-30b-a3b")  # 128 experts
+    ids = lambda a: {r: [q.request_id for q in reqs] for r, reqs in a.items()}  # noqa: E731
+
+    def plan(step_cost):
+        return plan_rollout(Scheduler(PlacementPolicy.FLEXFLOOR, history=history(lengths)), gs,
+                            policy=ReleasePolicy.ELASTIC, replicas=replicas, step_cost=step_cost)
+
+    by_seconds, by_steps = plan(plan_step_cost(cost, first, 64)), plan(None)
+    stretched = Placement(owner=tuple(model_owner(first.owner, cost)), ranks=(0, 1))
+    sim = Scheduler(PlacementPolicy.FLEXFLOOR, history=history(lengths)).plan(
+        gs, range(4), replicas=replicas, step_cost=rank_step_cost(cost, stretched, (0, 1), 64))
+    assert len(stretched.owner) == 128 and stretched.owner.count(0) == 64
+    assert ids(by_seconds.assignment) == ids(sim.assignment)
+    assert by_seconds.finish_bound == sim.finish_bound
+    assert by_seconds.by_seconds and not by_steps.by_seconds
+    # the longest prompt's 160 steps bound the plan by steps; at milliseconds a step on an H800
+    # the same rollout is a few seconds
+    assert by_steps.finish_bound >= 160 and 0 < by_seconds.finish_bound < 16
+    assert end_to_keep(by_steps) == by_steps.finish_bound and end_to_keep(by_seconds) is None

@@ -70,3 +70,14 @@ def test_distributed_grpo_gradient_equals_the_single_process_gradient(res):
     for r in res:
         assert r["nonzero_advantages"] > 0 and r["grad_scale"] > 1e-4
         assert r["grad_diff"] <= 1e-5 * r["grad_scale"], (r["grad_diff"], r["grad_scale"])
+
+
+def test_a_plan_by_modelled_seconds_trains_to_the_same_weights(res):
+    """scheduler.plan_seconds with elastic.pace_model=H800 on 2 replicas: the job plans by
+    seconds (static's end bounds it: at most 24 new tokens, milliseconds a step on an H800, so
+    well under a second, where a plan by steps would bound it by steps) and trains to case 1's
+    weights."""
+    for r in res:
+        assert r["seconds_plan_equals_elastic"] is True
+        by_seconds, bound, _ = r["seconds_plan"]
+        assert by_seconds and 0 < bound < 1.0

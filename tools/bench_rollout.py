@@ -133,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--pace-bound", action="store_true",
                    help="elastic: refuse a shrink whose survivors would end their replica later "
                         "at this cost model's step cost (elastic.pace_model); default off")
+    c.add_argument("--plan-seconds", action="store_true",
+                   help="elastic: place across the replicas by this cost model's modelled "
+                        "seconds (scheduler.plan_seconds; with the pace rule, as the job runs "
+                        "it: elastic.pace_model), not by predicted steps; needs --replicas > 1")
     t = p.add_argument_group("tail consolidation (elastic; inside each replica by default)")
     t.add_argument("--consolidate-across", action="store_true",
                    help="also hand a replica's last requests to another replica "
@@ -184,6 +188,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if given:
         p.error(f"{', '.join('--' + f.replace('_', '-') for f in given)} do not apply to "
                 f"--length-dist {args.length_dist}")
+    if args.plan_seconds and args.replicas < 2:
+        p.error("--plan-seconds places across replicas; give --replicas 2 or more")
+    if args.plan_seconds and args.correct:
+        p.error("--plan-seconds and --correct: the correction keeps the plan's end in engine "
+                "steps, a plan by seconds gives it in modelled seconds; drop one")
     from flexfloor.config import ConfigError, ElasticConfig
 
     try:
@@ -424,6 +433,7 @@ class Bench:
         from flexfloor.model import build_model
         from flexfloor.parallel import Parallel
         from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS
+        from flexfloor.rollout.elastic import pace_cost_of, plan_step_cost
         from flexfloor.rollout.offload import ResidentSet
         from flexfloor.rollout.scheduler import LengthHistory, Scheduler
         from flexfloor.rollout.stack import RolloutStack
@@ -446,7 +456,7 @@ class Bench:
                                   migrate_max_requests=args.migrate_max_requests)
         # --pace-bound: the pace rule priced by the cost model the figures are priced with
         elastic = (ElasticConfig(pace_model=args.accelerator, pace_model_shape=args.model_shape)
-                   if args.pace_bound else ElasticConfig())
+                   if args.pace_bound or args.plan_seconds else ElasticConfig())
         elastic = dataclasses.replace(elastic, consolidate_across=args.consolidate_across,
                                       consolidate_taker_hedge=args.taker_hedge,
                                       consolidate_correct=args.correct)
@@ -463,6 +473,11 @@ class Bench:
                                                  progress=False))
                        for r in sorted({1, args.replicas})}
         self.stack = self.stacks[args.replicas]
+        # --plan-seconds: FlexFloor's plan priced by the cost model the figures are priced with
+        self.plan_cost = (plan_step_cost(pace_cost_of(elastic, self.stack.layout.model_shape),
+                                         self.stack.layout.topology.placements[0],
+                                         self.max_batch)
+                          if args.plan_seconds else None)
         memory = self.stack.memory
         self.resident = ResidentSet(self.model, moe=self.stack.moe, engine=self.stack.engine)
         self.schedulers = {
@@ -489,7 +504,8 @@ class Bench:
         chunks = self.schedulers["chunks"].plan(groups, range(self.world))
         # FlexFloor plans inside each replica (its static bound, releases and memory floor), as
         # the simulator does
-        plan = self.schedulers["flexfloor"].plan(groups, range(self.world), replicas=replicas)
+        plan = self.schedulers["flexfloor"].plan(groups, range(self.world), replicas=replicas,
+                                                 step_cost=self.plan_cost)
         assignment = mode_assignments(groups, replicas, chunks=chunks, flexfloor=plan)
         expected = {Mode.STATIC_CHUNKS: chunks.expected_finish,
                     Mode.SINGLE_GROUP: chunks.expected_finish, Mode.ELASTIC: plan.expected_finish}
@@ -618,7 +634,7 @@ class Bench:
                 "max_seq_len": self.model_cfg.max_seq_len, "repeats": self.args.repeats,
                 "modes": self.args.modes, "worker_seconds": time.perf_counter() - self.t_start,
                 "accelerator": self.args.accelerator, "model_shape": self.args.model_shape,
-                "pace_bound": self.args.pace_bound,
+                "pace_bound": self.args.pace_bound, "plan_seconds": self.args.plan_seconds,
                 "consolidate_across": self.args.consolidate_across,
                 "taker_hedge": self.args.taker_hedge, "correct": self.args.correct,
                 "cpu_seconds_warning": cpu_seconds_warning(self.world)}

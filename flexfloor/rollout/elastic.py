@@ -509,6 +509,20 @@ def pace_cost_of(elastic_cfg, model_shape: Optional[dict]):
                         ModelShape.from_config("the run's model", model_shape))
 
 
+def plan_step_cost(cost, placement, max_batch: int):
+    """The scheduler's step cost for a plan by modelled seconds (`scheduler.plan_seconds`): a
+    rank's step in a replica with every rank loaded alike, and the step's shared part
+    (`sim.scenarios.rank_step_cost`, what the simulator's GPU scenarios plan with), priced on a
+    replica's `placement` (the first: every replica holds every expert alike), the engine's
+    experts stretched to the cost model's (`sim.cost.model_owner`). `cost`: `pace_cost_of`'s."""
+    from megatron_ext.placement import Placement
+    from flexfloor.sim.cost import model_owner
+    from flexfloor.sim.scenarios import rank_step_cost
+
+    priced = Placement(owner=tuple(model_owner(placement.owner, cost)), ranks=tuple(placement.ranks))
+    return rank_step_cost(cost, priced, tuple(placement.ranks), max_batch)
+
+
 def pace_of(cost, max_batch: int) -> Pace:
     """The pace rule's step cost of an EP group from a cost model: a decoding rank's step with
     every decoding rank of its group loaded alike and the others at empty batches (their experts

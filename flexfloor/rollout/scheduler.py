@@ -345,6 +345,8 @@ class RolloutPlan:
     # FlexFloor placed as static, the last rollout having proved the history wrong
     # (`Scheduler.distrust_wrong_history`)
     distrusted: bool = False
+    # placed with a step cost: `expected_finish` and `finish_bound` are modelled seconds
+    by_seconds: bool = False
 
     def leaving_order(self, replicas: Sequence[Sequence[int]]) -> list[int]:
         """Replica indices in the order they are planned to leave (first to leave first): the
@@ -787,7 +789,8 @@ class Scheduler:
         elif self.policy == PlacementPolicy.BASELINE:
             expected = {r: self._profile(reqs)[0] for r, reqs in assignment.items()}
         return RolloutPlan(assignment, predicted, sources, expected, dict(self._per_request),
-                           bound, distrusted)
+                           bound, distrusted, by_seconds=step_cost is not None
+                           and self.policy != PlacementPolicy.BASELINE)
 
     def _finish(self, per_rank: Sequence[Sequence[Request]], step_cost: StepCost) -> list[float]:
         """Predicted seconds to each rank's finish in one lockstep group (`replica_finish`)."""

@@ -204,10 +204,12 @@ def worst_tokens(max_new_tokens: int, produced: int, siblings: Sequence[int]) ->
 
 def end_to_keep(plan) -> Optional[float]:
     """The rollout's end the correction keeps, in engine steps: the plan's `finish_bound` (the
-    static baseline's predicted end; the engine's plans are made by predicted steps, without a
-    step cost) where some prompt was predicted from its history, else None (from the prior
-    alone it is a guess: the simulator's rule, flexfloor/sim/scenarios.py)."""
-    if plan is None or plan.finish_bound is None or not plan.sources.get("history"):
+    static baseline's predicted end) where some prompt was predicted from its history, else None
+    (from the prior alone it is a guess: the simulator's rule, flexfloor/sim/scenarios.py). None
+    for a plan by modelled seconds (`scheduler.plan_seconds`): its bound is not in the engine's
+    steps (config validation keeps `elastic.consolidate_correct` off with it)."""
+    if (plan is None or plan.finish_bound is None or plan.by_seconds
+            or not plan.sources.get("history")):
         return None
     return float(plan.finish_bound)
 

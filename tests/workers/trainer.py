@@ -174,6 +174,18 @@ def main(out):
             res["val_lines"] = [sorted(k for k in json.loads(line) if k.startswith("val/"))
                                 for line in f]
 
+    # 8. scheduler.plan_seconds: placed by modelled seconds over 2 replicas of 1 rank (the pace
+    #    rule on too); the plan is by seconds and the weights are case 1's (tokens do not
+    #    depend on placement)
+    j = job(out, "elastic.release_policy=elastic", "rollout.replicas=2",
+            "scheduler.plan_seconds=true", "elastic.pace_model=H800")
+    j.step()
+    j.step()
+    res["seconds_plan_equals_elastic"] = same(weights(j), w2)
+    plan = j.rollout(j.next_prompt_groups(), 3).plan
+    res["seconds_plan"] = [plan.by_seconds, plan.finish_bound, plan.sources["history"]]
+    j.parallel.destroy()
+
     return gather(res)
 
 
