@@ -519,7 +519,8 @@ def plan_step_cost(cost, placement, max_batch: int):
     from flexfloor.sim.cost import model_owner
     from flexfloor.sim.scenarios import rank_step_cost
 
-    priced = Placement(owner=tuple(model_owner(placement.owner, cost)), ranks=tuple(placement.ranks))
+    priced = Placement(owner=tuple(model_owner(placement.owner, cost)),
+                       ranks=tuple(placement.ranks))
     return rank_step_cost(cost, priced, tuple(placement.ranks), max_batch)
 
 
