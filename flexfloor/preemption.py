@@ -10,7 +10,9 @@ reached one worker stops all of them at the same step. The entry point then save
 `checkpoint.preempt_grace_s` after the signal, the worker exits 1 with one line saying so (the
 job then resumes from its previous checkpoint): a stuck peer never turns a preemption into a hang.
 A second SIGINT stops at once. A SIGTERM that torchrun sends because a worker of this node
-exited (it stops the rest of a failed group) is no preemption: the worker exits at once, also
+exited (it stops the rest of a failed group) is no preemption (the handler looks for the exited
+worker for up to `PEER_GONE_WAIT_S`, 1 s, before it takes a SIGTERM for one: what a rank reads of
+the process table can lag torchrun's own view): the worker exits at once, also
 when its main thread is blocked in a C++ call that waits for the dead peer (a rendezvous, a store
 read): Python runs a signal's handler only between the main thread's calls, so a thread that
 reads the signal's wakeup byte (`signal.set_wakeup_fd`) stops it instead of torchrun's SIGKILL
@@ -31,6 +33,9 @@ import torch.distributed as dist
 # EX_TEMPFAIL: "try again later". Distinct from 0 (done), 1 (failed) and 2 (bad config), so a
 # wrapper script can requeue (Slurm: `scontrol requeue`) on exactly this code.
 PREEMPTED_EXIT_CODE = 75
+# how long a SIGTERM's handler looks for an exited worker of this node before it counts the
+# signal as a preemption (the grace, checkpoint.preempt_grace_s, runs from after it)
+PEER_GONE_WAIT_S = 1.0
 
 
 class Preemption:
@@ -78,7 +83,16 @@ class Preemption:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             return
         rank = os.environ.get("RANK", "0")
-        if self._stop_if_peer_gone(name):
+        # torchrun sends its SIGTERM once it has seen a worker exit; what this rank reads of the
+        # process table may lag that by a moment (a worker being reaped, a process gone while it
+        # is read), so a SIGTERM looks again for a short while before it counts as a preemption
+        wait = PEER_GONE_WAIT_S if signum == signal.SIGTERM else 0.0
+        deadline = time.monotonic() + wait
+        while not self._stop_if_peer_gone(name):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        else:
             return
         self.signal_name, self.signalled_at = name, time.monotonic()
         os.write(2, (f"[flexfloor] rank {rank}: {name}: finishing the step in progress, then "
@@ -141,8 +155,17 @@ def _local_peer_gone() -> bool:
     import psutil
 
     try:
-        workers = [p for p in psutil.Process(os.getppid()).children()
-                   if p.status() != psutil.STATUS_ZOMBIE]
+        children = psutil.Process(os.getppid()).children()
     except psutil.Error:
         return False
-    return len(workers) < int(local)
+    workers = 0
+    for p in children:
+        # a process gone while it is read, or a zombie, is no live worker
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                workers += 1
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.Error:
+            workers += 1  # there but unreadable: counted alive
+    return workers < int(local)
