@@ -36,7 +36,7 @@ from flexfloor.data.cursor import DataCursor
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
-from flexfloor.rollout.elastic import ReleaseListener, pace_cost_of, plan_step_cost
+from flexfloor.rollout.elastic import ReleaseListener
 from flexfloor.rollout.metrics import rollout_metrics
 from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
 from flexfloor.rollout.replicas import held_to_end, route_least_outstanding
@@ -197,10 +197,7 @@ class Job:
                                    max_share=cfg.scheduler.max_share,
                                    load_cap=cfg.scheduler.load_cap)
         # scheduler.plan_seconds: the replicas' steps priced at elastic.pace_model's step cost
-        self.plan_cost = (plan_step_cost(pace_cost_of(cfg.elastic, self.stack.layout.model_shape),
-                                         self.stack.layout.topology.placements[0],
-                                         cfg.rollout.max_batch_size)
-                          if cfg.scheduler.plan_seconds else None)
+        self.plan_cost = self.stack.plan_step_cost() if cfg.scheduler.plan_seconds else None
         self.cursor = DataCursor(len(self.examples), cfg.data.synthetic_seed, cfg.data.shuffle)
         self.cursor.check(cfg.trainer.prompts_per_step)
 

@@ -76,6 +76,15 @@ class Preemption:
                          "worker of this node exited: stopping now (no checkpoint)")
         return True
 
+    def _stopped_as_peer_gone(self, name: str, until: float) -> bool:
+        """`_stop_if_peer_gone`, asked again every 50 ms until `time.monotonic()` reaches
+        `until`."""
+        while not self._stop_if_peer_gone(name):
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.05)
+        return True
+
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.signalled_at is not None:
@@ -87,12 +96,7 @@ class Preemption:
         # process table may lag that by a moment (a worker being reaped, a process gone while it
         # is read), so a SIGTERM looks again for a short while before it counts as a preemption
         wait = PEER_GONE_WAIT_S if signum == signal.SIGTERM else 0.0
-        deadline = time.monotonic() + wait
-        while not self._stop_if_peer_gone(name):
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        else:
+        if self._stopped_as_peer_gone(name, time.monotonic() + wait):
             return
         self.signal_name, self.signalled_at = name, time.monotonic()
         os.write(2, (f"[flexfloor] rank {rank}: {name}: finishing the step in progress, then "

@@ -79,5 +79,5 @@ def test_a_plan_by_modelled_seconds_trains_to_the_same_weights(res):
     weights."""
     for r in res:
         assert r["seconds_plan_equals_elastic"] is True
-        by_seconds, bound, _ = r["seconds_plan"]
+        by_seconds, bound = r["seconds_plan"]
         assert by_seconds and 0 < bound < 1.0

@@ -188,20 +188,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     if given:
         p.error(f"{', '.join('--' + f.replace('_', '-') for f in given)} do not apply to "
                 f"--length-dist {args.length_dist}")
-    if args.plan_seconds and args.replicas < 2:
-        p.error("--plan-seconds places across replicas; give --replicas 2 or more")
-    if args.plan_seconds and args.correct:
-        p.error("--plan-seconds and --correct: the correction keeps the plan's end in engine "
-                "steps, a plan by seconds gives it in modelled seconds; drop one")
-    from flexfloor.config import ConfigError, ElasticConfig
+    from flexfloor.config import (Config, ConfigError, ElasticConfig, RolloutConfig,
+                                  SchedulerConfig)
 
+    elastic = ElasticConfig(consolidate_across=args.consolidate_across,
+                            consolidate_taker_hedge=args.taker_hedge,
+                            consolidate_correct=args.correct)
     try:
-        ElasticConfig(consolidate_across=args.consolidate_across,
-                      consolidate_taker_hedge=args.taker_hedge,
-                      consolidate_correct=args.correct).validate()
+        elastic.validate()
     except ConfigError as e:
         p.error(f"--taker-hedge/--correct: {e} (--consolidate-across sets "
                 "elastic.consolidate_across)")
+    if args.plan_seconds:  # the job's own checks of scheduler.plan_seconds
+        try:
+            Config(rollout=RolloutConfig(replicas=args.replicas),
+                   elastic=dataclasses.replace(elastic, pace_model=args.accelerator),
+                   scheduler=SchedulerConfig(plan_seconds=True)).validate()
+        except ConfigError as e:
+            p.error(f"--plan-seconds: {e} (--replicas sets rollout.replicas, --correct "
+                    "elastic.consolidate_correct)")
     return args
 
 
@@ -433,7 +438,6 @@ class Bench:
         from flexfloor.model import build_model
         from flexfloor.parallel import Parallel
         from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS
-        from flexfloor.rollout.elastic import pace_cost_of, plan_step_cost
         from flexfloor.rollout.offload import ResidentSet
         from flexfloor.rollout.scheduler import LengthHistory, Scheduler
         from flexfloor.rollout.stack import RolloutStack
@@ -474,10 +478,7 @@ class Bench:
                        for r in sorted({1, args.replicas})}
         self.stack = self.stacks[args.replicas]
         # --plan-seconds: FlexFloor's plan priced by the cost model the figures are priced with
-        self.plan_cost = (plan_step_cost(pace_cost_of(elastic, self.stack.layout.model_shape),
-                                         self.stack.layout.topology.placements[0],
-                                         self.max_batch)
-                          if args.plan_seconds else None)
+        self.plan_cost = self.stack.plan_step_cost() if args.plan_seconds else None
         memory = self.stack.memory
         self.resident = ResidentSet(self.model, moe=self.stack.moe, engine=self.stack.engine)
         self.schedulers = {

@@ -28,6 +28,8 @@ from flexfloor.rollout.elastic import (
     ReleaseListener,
     RolloutLayout,
     membership_for,
+    pace_cost_of,
+    plan_step_cost,
     resync,
 )
 from flexfloor.rollout.engine import Membership, RolloutEngine, RolloutOutput
@@ -99,6 +101,13 @@ class RolloutStack:
             scheduler_cfg=self.scheduler, step=step, on_event=on_event,
             expected_finish=expected_finish, end_bound=end_bound)
         return StackRollout(self, membership, started, step=step, on_event=on_event)
+
+    def plan_step_cost(self):
+        """The scheduler's step cost for a plan by modelled seconds (`scheduler.plan_seconds`):
+        `elastic.plan_step_cost` at the elastic section's `pace_model`, on the first replica's
+        placement and the engine's batch limit."""
+        return plan_step_cost(pace_cost_of(self.elastic, self.layout.model_shape),
+                              self.layout.topology.placements[0], self.engine.max_batch_size)
 
     def close(self) -> None:
         """Destroy the layout's groups (survivors', replicas'); the model and `parallel` stay."""

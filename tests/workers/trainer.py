@@ -183,7 +183,7 @@ def main(out):
     j.step()
     res["seconds_plan_equals_elastic"] = same(weights(j), w2)
     plan = j.rollout(j.next_prompt_groups(), 3).plan
-    res["seconds_plan"] = [plan.by_seconds, plan.finish_bound, plan.sources["history"]]
+    res["seconds_plan"] = [plan.by_seconds, plan.finish_bound]
     j.parallel.destroy()
 
     return gather(res)
