@@ -306,12 +306,12 @@ class ElasticConfig:
     # lands at (and so each rank's steps) depends on their timing; the tokens never do
     consolidate_across: bool = False
     # across replicas, the simulator's hedge and online correction (flexfloor/rollout/tails.py,
-    # on the engine's step clock): a taker counts its own running requests at this times their
+    # on the engine's step clock, or with scheduler.plan_seconds on modelled seconds): a taker counts its own running requests at this times their
     # estimate when it takes requests, and those that outlived their siblings up to their cap
     # (1.0: as estimated; the simulator's GPU scenarios run 1.25)
     consolidate_taker_hedge: float = 1.0
-    # across replicas, a replica predicted past the plan's end (the static baseline's, in steps)
-    # hands its longest requests to replicas running anyway and stays; a leaving replica's
+    # across replicas, a replica predicted past the plan's end (the static baseline's, in steps,
+    # or in modelled seconds with scheduler.plan_seconds) hands its longest requests to replicas running anyway and stays; a leaving replica's
     # requests count half as long again on their takers (the simulator's `correct`)
     consolidate_correct: bool = False
     # a request moved inside a replica: its KV blocks sent, or re-prefilled (same tokens)
@@ -382,7 +382,9 @@ class SchedulerConfig:
     # FlexFloor across replicas by modelled seconds, the simulator's GPU policy: each replica's
     # lockstep steps priced by its batch, context and the experts they read, at the step cost
     # of elastic.pace_model's accelerator, and bounded by the static baseline's end priced the
-    # same way. False: by predicted steps (a step costs the same whatever it decodes, as on CPU)
+    # same way; the replicas' decisions across replicas (elastic.consolidate_across) then run
+    # on modelled seconds too. False: by predicted steps (a step costs the same whatever it
+    # decodes, as on CPU)
     plan_seconds: bool = False
 
     def validate(self) -> None:
@@ -580,9 +582,6 @@ class Config:
             _require(r.replicas > 1, "scheduler.plan_seconds",
                      "places across replicas and there is one (rollout.replicas=1); set "
                      "rollout.replicas > 1 or scheduler.plan_seconds=false")
-            _require(not self.elastic.consolidate_correct, "elastic.consolidate_correct",
-                     "keeps the plan's end in engine steps, and scheduler.plan_seconds gives it "
-                     "in modelled seconds; set one of them to false")
         if ep is not None:
             _require(m.num_experts >= ep, "model.num_experts",
                      f"{m.num_experts} experts are fewer than the {ep} EP ranks "

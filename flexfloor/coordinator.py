@@ -255,7 +255,8 @@ class Job:
                                 step_cost=self.plan_cost)
             run = self.stack.start(policy, step=k, on_event=self._release_listener(),
                                    expected_finish=plan.expected_finish,
-                                   end_bound=end_to_keep(plan))
+                                   end_bound=end_to_keep(plan),
+                                   modelled_clock=plan.by_seconds)
         with self.phase("rollout", k):
             out = run.generate(plan.assignment[self.rank])
         with self.phase("resync", k):

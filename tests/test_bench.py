@@ -133,8 +133,6 @@ def test_table_and_plot(run, tmp_path, capsys):
      "elastic.consolidate_taker_hedge: must be >= 1"),
     (["--plan-seconds"], "--plan-seconds: scheduler.plan_seconds: places across replicas and "
      "there is one (rollout.replicas=1)"),
-    (["--plan-seconds", "--replicas", "2", "--consolidate-across", "--correct"],
-     "--plan-seconds: elastic.consolidate_correct: keeps the plan's end in engine steps"),
 ])
 def test_bad_options_fail_before_launching(tmp_path, flags, message, capsys):
     # the command's own main, in this process (no interpreter start per case): a refusal returns

@@ -438,8 +438,8 @@ def test_every_example_config_loads(name):
 def test_the_gpu_example_runs_the_simulators_gpu_policy():
     """The GPU starting config is the rollout the simulator's paper-like figures are for: its
     replicas of one node, a floor of the whole replica, a plan by modelled seconds, consolidation
-    across replicas with the GPU scenarios' taker hedge, and their placement limits. Not the
-    online correction: it keeps an end in engine steps, which a plan by seconds does not give."""
+    across replicas with the GPU scenarios' taker hedge and online correction (on modelled
+    seconds), and their placement limits."""
     from flexfloor.sim.scenarios import ON_GPUS, SCENARIOS
 
     cfg = load_config(str(EXAMPLES / "grpo_qwen3_30b_a3b_gpu.yaml")).resolve_world(64)
@@ -449,7 +449,7 @@ def test_the_gpu_example_runs_the_simulators_gpu_policy():
     assert cfg.elastic.consolidate and cfg.elastic.consolidate_across
     assert cfg.elastic.consolidate_taker_hedge == ON_GPUS["taker_hedge"]
     assert cfg.scheduler.plan_seconds and cfg.elastic.pace_model == sim.accelerator
-    assert ON_GPUS["correct"] and not cfg.elastic.consolidate_correct
+    assert cfg.elastic.consolidate_correct == ON_GPUS["correct"]
     assert cfg.scheduler.max_share == ON_GPUS["max_share"]
     assert cfg.scheduler.load_cap == ON_GPUS["load_cap"]
     assert cfg.rollout.max_batch_size == sim.max_batch_size
@@ -461,15 +461,16 @@ def test_the_gpu_example_runs_the_simulators_gpu_policy():
      "scheduler.plan_seconds", "elastic.pace_model=H800"),
     (["scheduler.plan_seconds=true", "elastic.pace_model=H800", "parallel.world_size=4"],
      "scheduler.plan_seconds", "rollout.replicas > 1"),
-    (["scheduler.plan_seconds=true", "elastic.pace_model=H800", "rollout.replicas=2",
-      "parallel.world_size=4", "elastic.consolidate_across=true",
-      "elastic.consolidate_correct=true"], "elastic.consolidate_correct", "modelled seconds"),
 ])
-def test_a_plan_by_seconds_needs_a_cost_model_replicas_and_no_correction_in_steps(
-        overrides, field, says):
+def test_a_plan_by_seconds_needs_a_cost_model_and_replicas(overrides, field, says):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert info.value.field == field and says in str(info.value)
     ok = load_config(None, ["scheduler.plan_seconds=true", "elastic.pace_model=H800",
                             "rollout.replicas=2", "parallel.world_size=4"])
     assert ok.scheduler.plan_seconds and not SchedulerConfig().plan_seconds
+    # the correction keeps the plan's end on the clock the plan gives it in (modelled seconds)
+    both = load_config(None, ["scheduler.plan_seconds=true", "elastic.pace_model=H800",
+                              "rollout.replicas=2", "parallel.world_size=4",
+                              "elastic.consolidate_across=true", "elastic.consolidate_correct=true"])
+    assert both.scheduler.plan_seconds and both.elastic.consolidate_correct

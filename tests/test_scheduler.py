@@ -372,12 +372,12 @@ def test_after_a_rollout_that_proved_history_wrong_the_plan_is_statics(replicas,
         assert set(plan.expected_finish) == {0, 1, 2, 3}
 
 
-def test_a_plan_by_modelled_seconds_is_the_simulators_plan_and_gives_no_end_in_steps():
+def test_a_plan_by_modelled_seconds_is_the_simulators_plan_and_its_end_in_seconds():
     """scheduler.plan_seconds: the job's plan (`coordinator.plan_rollout`) with the step cost
     `elastic.plan_step_cost` makes of a replica's placement is the plan the simulator makes
     (`rank_step_cost` over the placement stretched to the cost model's experts). Its bound is
-    static's predicted end in modelled seconds; the correction, which keeps an end in engine
-    steps (`tails.end_to_keep`), gets none from it."""
+    static's predicted end in modelled seconds, the end the correction keeps
+    (`tails.end_to_keep`) on the replicas' modelled clocks."""
     from flexfloor.config import ReleasePolicy
     from flexfloor.coordinator import plan_rollout
     from flexfloor.rollout.elastic import plan_step_cost
@@ -408,4 +408,5 @@ def test_a_plan_by_modelled_seconds_is_the_simulators_plan_and_gives_no_end_in_s
     # the longest prompt's 160 steps bound the plan by steps; at milliseconds a step on an H800
     # the same rollout is a few seconds
     assert by_steps.finish_bound >= 160 and 0 < by_seconds.finish_bound < 16
-    assert end_to_keep(by_steps) == by_steps.finish_bound and end_to_keep(by_seconds) is None
+    assert end_to_keep(by_steps) == by_steps.finish_bound
+    assert end_to_keep(by_seconds) == by_seconds.finish_bound

@@ -114,14 +114,17 @@ def test_the_simulators_hedge_and_correction_keep_the_tokens_across_replicas(res
     assert not any("corrected" in t for p in parts for t in p["hedged"]["timeline"])
 
 
-def test_a_late_replica_hands_its_longest_request_over_and_stays(res):
-    """R = 2, the correction made on 4 engine workers (tests/workers/tails.py, `CORRECTED`):
+@pytest.mark.parametrize("case", ["corrected", "corrected_modelled"])
+def test_a_late_replica_hands_its_longest_request_over_and_stays(res, case):
+    """R = 2, the correction made on 4 engine workers (tests/workers/tails.py, `CORRECTED`),
+    on the engine's step clock and on a modelled clock (a plan by seconds' clock) under the
+    unit cost, where every step is priced once from the step report:
     replica 0 is predicted past the end to keep (rank 0's request, to its cap, ends it), replica
     1 decodes far behind it on the step clock (the worker stops and continues the processes:
     `Conductor`); at a check of its end replica 0 hands rank 0's request to replica 1 and stays
     with rank 1's: the same tokens as static, each request once. (Replica 1 may hand it back
     at its own tail, as the replicas' clocks then say: rank 0 then finishes it.)"""
-    parts = res["corrected"]
+    parts = res[case]
     want = sorted(f"{int(r) * 10 + i}/0" for r, ls in res["corrected_lengths"].items()
                   for i in range(len(ls)))
     assert sorted(tokens(parts, "static")) == want and sorted(tokens(parts, "corrected")) == want
@@ -139,6 +142,10 @@ def test_a_late_replica_hands_its_longest_request_over_and_stays(res):
     assert recs[1]["steps"] >= 88 > fix["step"] and recs[1]["migrated_out"] == 0
     assert recs[0]["migrated_across"] == 1 and recs[0]["adopted_across"] <= 1
     assert sum(r["migrated_across"] for r in recs) == sum(r["adopted_across"] for r in recs)
+    if case == "corrected_modelled":  # replica 0 stayed to its end: each of its steps priced
+        for r in (0, 1):
+            clock = parts[r]["clock"]
+            assert clock["priced"] == recs[r]["steps"] == clock["seconds"], (clock, r)
 
 
 def test_the_simulator_takes_the_engines_steps_with_consolidation(res):
@@ -349,3 +356,65 @@ def test_worst_tokens_is_the_cap_where_the_estimate_is_a_bound_or_known_wrong():
     assert worst_tokens(100, 10, [30, 50, 40]) is None  # its siblings' median still ahead
     assert worst_tokens(100, 60, [30, 50, 40]) == 40  # outlived them: up to the cap
     assert worst_tokens(100, 10, []) == 90 == remaining_tokens(100, 10, [])  # the cap already
+
+
+def modelled(max_batch=8):
+    from flexfloor.rollout.elastic import modelled_clock
+    from flexfloor.sim.cost import cost_model
+    from megatron_ext.placement import Placement
+
+    cost = cost_model("H800", "qwen3-30b-a3b")
+    return modelled_clock(cost, Placement(owner=(0,) * 4 + (1,) * 4, ranks=(0, 1)), max_batch)
+
+
+def test_on_modelled_seconds_a_reprefill_stalls_its_taker():
+    """Replica 1 can hand its one short request over. On the step clock a re-prefill costs no
+    step, so it goes to replica 2, planned to stay longest; on a modelled clock (a plan by
+    seconds') the re-prefill of its 3000 cached tokens stalls the whole lockstep taker, which
+    would then end the rollout later: it goes to replica 0, which ends well before."""
+    states = [RankState(0, 0, (Running("a", 500, 100.0),), 0, None),
+              RankState(1, 0, (Running("b", 500, 100.0),), 0, None),
+              RankState(2, 1, (Running("g", 3000, 2.0),), 0, None), RankState(3, 1, (), 0, None),
+              RankState(4, 2, (Running("c", 500, 300.0),), 0, None), RankState(5, 2, (), 0, None)]
+    rules, clocks = TailRules(across=True), {0: 0.0, 1: 0.0, 2: 0.0}
+    steps = across_replicas(states, clocks, 1, rules, max_batch=8, block_tokens=16)
+    assert [(m.dst, m.seconds) for m in steps.moves] == [(5, 0.0)] and steps.leaving_replicas == [1]
+    clock = modelled()
+    secs = across_replicas(states, clocks, 1, rules, max_batch=8, block_tokens=16, clock=clock)
+    (move,) = secs.moves
+    assert move.dst == 0 and secs.leaving_replicas == [1]
+    assert move.seconds > 0
+    assert move.seconds == pytest.approx(3000 * clock.prices.reprefill_s_per_token)
+    # with no replica ending after the taker, the stall would lengthen the rollout: no move
+    two = [s for s in states if s.replica < 2]
+    assert across_replicas(two, {0: 0.0, 1: 0.0}, 1, rules, max_batch=8, block_tokens=16,
+                           clock=clock).moves == []
+
+
+def test_a_modelled_clock_prices_each_step_once_as_price_trace_does():
+    """Two ranks of a replica, their steps traced; the clock, advanced at each boundary from the
+    step report's traced loads (every rank's last step), reads what `price_trace` makes of the
+    whole traces; a boundary seen twice is priced once, a step skipped is an error."""
+    from flexfloor.rollout.types import StepTrace
+    from flexfloor.sim.cost import price_trace
+
+    clock = modelled()
+    traces = {r: StepTrace(num_experts=8, num_layers=2, expert_bytes=1000) for r in (0, 1)}
+    for tr in traces.values():
+        tr.enter_group((0, 1), (0,) * 4 + (1,) * 4)
+    contexts = {0: [[(0, 7)], [(7, 1)], [(8, 1), (0, 300)], [(9, 1), (300, 1)]],
+                1: [[(0, 40), (0, 3)], [(40, 1), (3, 1)], [], [(0, 1000)]]}
+    for k in range(4):
+        for r, tr in traces.items():
+            tr.add_step(contexts[r][k], experts_touched=3 + r + k)
+        rep = replace(report([state(0, 1), state(1, 1)]),
+                      traced=[traces[r].load(r, k) for r in (0, 1)])
+        clock.advance(rep, traces[0])
+        clock.advance(rep, traces[0])  # the same boundary again: nothing more
+    assert clock.priced == 4
+    assert clock.seconds == pytest.approx(price_trace(traces, clock.cost).rollout_s, rel=1e-12)
+    for tr in traces.values():
+        tr.add_step([(10, 1)], 1)
+        tr.add_step([(11, 1)], 1)
+    with pytest.raises(ValueError, match="one step at each boundary"):
+        clock.advance(rep, traces[0])

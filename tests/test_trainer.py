@@ -73,10 +73,10 @@ def test_distributed_grpo_gradient_equals_the_single_process_gradient(res):
 
 
 def test_a_plan_by_modelled_seconds_trains_to_the_same_weights(res):
-    """scheduler.plan_seconds with elastic.pace_model=H800 on 2 replicas: the job plans by
-    seconds (static's end bounds it: at most 24 new tokens, milliseconds a step on an H800, so
-    well under a second, where a plan by steps would bound it by steps) and trains to case 1's
-    weights."""
+    """scheduler.plan_seconds with elastic.pace_model=H800 on 2 replicas, consolidation across
+    them and the correction on modelled seconds: the job plans by seconds (static's end bounds
+    it: at most 24 new tokens, milliseconds a step on an H800, so well under a second, where a
+    plan by steps would bound it by steps) and trains to case 1's weights."""
     for r in res:
         assert r["seconds_plan_equals_elastic"] is True
         by_seconds, bound = r["seconds_plan"]

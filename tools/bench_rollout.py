@@ -514,7 +514,8 @@ class Bench:
         for rep in range(args.repeats):
             for mode in (args.modes if rep % 2 == 0 else args.modes[::-1]):
                 runs[mode].append(self.rollout(Mode(mode), assignment[Mode(mode)],
-                                               plan.expected_finish, end_to_keep(plan)))
+                                               plan.expected_finish, end_to_keep(plan),
+                                               modelled_clock=plan.by_seconds))
         entry = {"epoch": epoch, "history": epoch > 1, "seconds": time.perf_counter() - t0}
         kept = {}
         for mode in args.modes:
@@ -558,13 +559,14 @@ class Bench:
             for s in range(args.samples_per_prompt))) for uid in order]
 
     def rollout(self, mode: Mode, requests_of: dict, expected_finish: dict,
-                end_bound=None) -> dict:
+                end_bound=None, modelled_clock: bool = False) -> dict:
         """One rollout of this rank's requests (`requests_of`: rank -> requests) in `mode`;
         every rank's records and results, gathered. single_group runs on one world-wide group,
         the others on the replicas; elastic builds the survivor groups its plan
         (`expected_finish`) implies before decoding and, with --correct, keeps its end
-        (`end_bound`, engine steps: `tails.end_to_keep`). A held mode's ranks are occupied to the
-        end of the slowest replica."""
+        (`end_bound`: `tails.end_to_keep`, in engine steps, or with `modelled_clock` (a plan by
+        seconds, --plan-seconds) in modelled seconds, the replicas' clock). A held mode's ranks
+        are occupied to the end of the slowest replica."""
         import torch.distributed as dist
 
         from flexfloor.config import ReleasePolicy
@@ -580,7 +582,7 @@ class Bench:
         listener = OffloadOnRelease(HostOffload(self.resident, self.par.device)) if elastic else None
         # replicas: the experts their placement borrows; elastic: the survivor groups built ahead
         run = stack.start(policy, on_event=listener, expected_finish=expected_finish,
-                          end_bound=end_bound)
+                          end_bound=end_bound, modelled_clock=elastic and modelled_clock)
         groups = live_process_groups()  # after the groups built ahead: counts any made later
         out = run.generate(requests_of[self.rank])
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it

@@ -30,6 +30,7 @@ rank, the phase and the step only when nothing moves for `parallel.timeout_s`.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from flexfloor.config import PACE_OFF, ReleasePolicy
 from flexfloor.faults import FaultPhase, inject
 from flexfloor.rollout.collectives import CollectiveError, gather_objects
+from flexfloor.rollout.consolidate import MovePrices
 from flexfloor.rollout.engine import Boundary, ShrinkStats, StaticMembership, share_step_state
 from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leavers: re-exported)
     Pace,
@@ -53,8 +55,8 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
 from flexfloor.rollout.replicas import ReplicaTopology, replica_ranks
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from flexfloor.rollout.tails import (
-    Across, Mailbox, MoveCosts, TailRules, after_moves, mailbox_for, may_give_within, rank_state,
-    within_replica,
+    Across, Mailbox, ModelledClock, MoveCosts, TailRules, after_moves, mailbox_for,
+    may_give_within, rank_state, within_replica,
 )
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import initial_placement, plan_shrink
@@ -412,7 +414,8 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
                    capacity=None, scheduler_cfg=None, step: Optional[int] = None,
                    on_event: ReleaseListener | None = None,
                    expected_finish: Optional[dict[int, float]] = None,
-                   end_bound: Optional[float] = None):
+                   end_bound: Optional[float] = None,
+                   clock: Optional[ModelledClock] = None):
     """The membership value for a release policy (a fresh one per rollout); `step`, the
     training step, names errors and faults; `on_event` is told when this rank is released
     (a static membership releases nobody).
@@ -428,8 +431,10 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     each replica's ranks leave in their own order) down to the floor is created now, unless an
     earlier rollout of the layout built it. Without a plan nothing is built ahead: each shrink's
     group is then created during the rollout (counted). `end_bound`: the rollout's end to keep
-    in engine steps (`tails.end_to_keep` of the plan), read by the correction across replicas
-    (`elastic.consolidate_correct`); None: no correction."""
+    (`tails.end_to_keep` of the plan), read by the correction across replicas
+    (`elastic.consolidate_correct`); None: no correction. `clock`: the replicas' clock across
+    replicas in modelled seconds (`modelled_clock`; a plan by seconds, `end_bound` in those
+    seconds); None: in engine steps."""
     if layout.replicated and not layout.started:
         raise RuntimeError(f"rank {parallel.rank}: rollout.replicas={layout.topology.count} needs "
                            "layout.start(moe) before membership_for (it fetches the replicas' "
@@ -457,7 +462,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     mailbox = None
     if tails is not None and tails.across and layout.replicated:
         mailbox = mailbox_for(_store(), rollout_id, topo, parallel.rank, parallel.timeout,
-                              end_bound=end_bound)
+                              end_bound=end_bound, clock=clock)
     return ElasticMembership(
         groups=layout.survivors,
         rollout_id=rollout_id,
@@ -522,6 +527,27 @@ def plan_step_cost(cost, placement, max_batch: int):
     priced = Placement(owner=tuple(model_owner(placement.owner, cost)),
                        ranks=tuple(placement.ranks))
     return rank_step_cost(cost, priced, tuple(placement.ranks), max_batch)
+
+
+def modelled_clock(cost, placement, max_batch: int) -> ModelledClock:
+    """A fresh replica clock in modelled seconds for one rollout of a plan by seconds
+    (`tails.ModelledClock`): `cost` (`pace_cost_of`'s) prices the steps, the plan's per-rank
+    step cost (`plan_step_cost`, on `placement`) projects the decision's ends and a move's
+    re-prefill is priced as the simulator prices it (`sim.scenarios.reprefill_seconds_per_token`
+    on `placement`, the engine's experts stretched to the cost model's); a move across replicas
+    never transfers K/V (the mailbox carries no tensors)."""
+    from megatron_ext.placement import Placement
+    from flexfloor.sim.cost import model_owner
+    from flexfloor.sim.scenarios import reprefill_seconds_per_token
+
+    if cost is None:
+        raise ValueError("a modelled clock needs a cost model: set elastic.pace_model to an "
+                         "accelerator (e.g. elastic.pace_model=H800)")
+    priced = Placement(owner=tuple(model_owner(placement.owner, cost)),
+                       ranks=tuple(placement.ranks))
+    prices = MovePrices(kv_bytes_per_token=1, transfer_bytes_per_s=sys.float_info.min,
+                        reprefill_s_per_token=reprefill_seconds_per_token(cost, priced))
+    return ModelledClock(cost, plan_step_cost(cost, placement, max_batch).per_rank, prices)
 
 
 def pace_of(cost, max_batch: int) -> Pace:

@@ -40,6 +40,7 @@ baseline) keeps every rank stepping, with empty batches when it has no work, unt
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -67,6 +68,7 @@ from flexfloor.rollout.sampling import sample
 from flexfloor.rollout.survivors import live_process_groups
 from flexfloor.rollout.types import (
     FinishReason, MoveTrace, RankRecord, Request, Result, RolloutError, ShrinkTrace, StepTrace,
+    TracedLoad,
 )
 
 __all__ = ["RolloutEngine", "RolloutError", "CollectiveError", "collective_phase",
@@ -238,6 +240,9 @@ class StepReport:
     queued: list[int]  # per rank: requests waiting for admission
     remaining: list[int]  # per rank: most tokens a running request may still produce
     kv_free: list[int]  # per rank: KV bytes free
+    # per rank: the step that just ran, as traced (`TracedLoad`; empty before the first step):
+    # what a modelled clock prices (`tails.ModelledClock`)
+    traced: list = field(default_factory=list)
 
 
 @dataclass
@@ -277,15 +282,20 @@ class Membership(Protocol):
 
 
 def share_step_state(group, has_work: bool, engine: "RolloutEngine") -> StepReport:
-    """One all-gather of every rank's step state (this rollout's counters)."""
+    """One all-gather of every rank's step state (this rollout's counters and its last traced
+    step)."""
     st = engine.rollout
+    trace = st.record.trace
+    last = trace.load(engine.rank, trace.steps - 1) if trace.steps else TracedLoad(engine.rank,
+                                                                                 0, 0, 0, 0)
     table = share_rows(group, [int(has_work), st.finished, st.tokens, st.requests,
                                len(st.running), len(st.queue), st.remaining_bound(),
-                               engine.kv_free_bytes()])
+                               engine.kv_free_bytes(), *dataclasses.astuple(last)])
     cols = list(zip(*table))
     return StepReport(has_work=[bool(x) for x in cols[0]], finished=sum(cols[1]),
                       tokens=sum(cols[2]), requests=sum(cols[3]), running=list(cols[4]),
-                      queued=list(cols[5]), remaining=list(cols[6]), kv_free=list(cols[7]))
+                      queued=list(cols[5]), remaining=list(cols[6]), kv_free=list(cols[7]),
+                      traced=[TracedLoad(*row[8:]) for row in table] if trace.steps else [])
 
 
 class StaticMembership:

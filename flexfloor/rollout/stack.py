@@ -28,6 +28,7 @@ from flexfloor.rollout.elastic import (
     ReleaseListener,
     RolloutLayout,
     membership_for,
+    modelled_clock,
     pace_cost_of,
     plan_step_cost,
     resync,
@@ -85,21 +86,26 @@ class RolloutStack:
               on_event: ReleaseListener | None = None,
               expected_finish: Optional[dict[int, float]] = None,
               capacity: Optional[dict[int, int]] = None,
-              end_bound: Optional[float] = None) -> "StackRollout":
+              end_bound: Optional[float] = None,
+              modelled_clock: bool = False) -> "StackRollout":
         """One rollout's start, on every rank of the world: with replicas, each rank borrows the
         experts its replica placement lacks and binds its replica's group; then the membership
         of `policy` (default: the elastic section's `release_policy`), which for an elastic one
         builds the survivor groups the plan (`expected_finish`, rank -> predicted steps) implies.
         `step` (the training step) names errors and faults; `on_event` hears this rank's release
         and, at resync, its rejoin; `capacity`: rank -> most experts it can host; `end_bound`:
-        the plan's end to keep, engine steps (`tails.end_to_keep`; the correction's)."""
+        the plan's end to keep (`tails.end_to_keep`; the correction's), in engine steps, or
+        with `modelled_clock` (a plan by seconds: `RolloutPlan.by_seconds`) in modelled seconds,
+        the clock the replicas then decide on across replicas (`elastic.modelled_clock` at the
+        elastic section's `pace_model`)."""
         if policy is None:
             policy = (self.elastic or ElasticConfig()).release_policy
         started = self.layout.start(self.moe)
         membership = membership_for(
             policy, self.parallel, self.layout, self.elastic, capacity=capacity,
             scheduler_cfg=self.scheduler, step=step, on_event=on_event,
-            expected_finish=expected_finish, end_bound=end_bound)
+            expected_finish=expected_finish, end_bound=end_bound,
+            clock=self.modelled_clock() if modelled_clock else None)
         return StackRollout(self, membership, started, step=step, on_event=on_event)
 
     def plan_step_cost(self):
@@ -107,6 +113,12 @@ class RolloutStack:
         `elastic.plan_step_cost` at the elastic section's `pace_model`, on the first replica's
         placement and the engine's batch limit."""
         return plan_step_cost(pace_cost_of(self.elastic, self.layout.model_shape),
+                              self.layout.topology.placements[0], self.engine.max_batch_size)
+
+    def modelled_clock(self):
+        """A fresh replica clock in modelled seconds for one rollout (`elastic.modelled_clock`),
+        on the plan's step cost (`plan_step_cost`)."""
+        return modelled_clock(pace_cost_of(self.elastic, self.layout.model_shape),
                               self.layout.topology.placements[0], self.engine.max_batch_size)
 
     def close(self) -> None:

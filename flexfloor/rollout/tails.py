@@ -39,7 +39,12 @@ kind and the step-cost bound becomes "no taker ends after the rollout's predicte
 (`OnStepClock`).
 Across replicas each replica's clock is its own step count as its leader last posted it (a
 taker has stepped on since: the bound holds up to that staleness); a moved request then runs
-at the taker's steps.
+at the taker's steps. With a plan by modelled seconds (`scheduler.plan_seconds`) the clock is
+the replica's modelled seconds instead (`ModelledClock`: each step priced by
+elastic.pace_model's cost model from every rank's traced load, as `price_trace` prices it),
+the decision projects on the plan's per-rank step cost and a move's re-prefill costs the
+taker the cost model's prefill seconds, before any of its requests steps on: the simulator's
+GPU scenarios' clock and prices.
 A request's remaining tokens are predicted from what the engine knows: the lengths of its
 siblings finished on this rank in this rollout, corrected once it outlives them, and with no
 sibling finished its cap (`remaining_tokens`); a workload's `target_len` is never read as a
@@ -50,11 +55,14 @@ Across replicas the engine can run the simulator's hedges (flexfloor/sim/scenari
 running requests at that times their estimate, and those whose estimate is a bound, the cap, or
 known wrong, outlived their siblings, at their cap: `worst_tokens`) and
 `elastic.consolidate_correct` (the online correction, `ConsolidationState.end_bound_s`, with the
-end to keep in engine steps: the plan's `finish_bound`, `end_to_keep`; a late replica's leader
-checks it from half that end on, every hundredth of it, hands its longest requests over and
-stays: `Across.CORRECT`). Inside a replica neither applies: every estimate there is the
-request's cap, a bound, on one clock, so a hedge on it only refuses moves that fit, and the
-replica's end is its longest request's wherever in the group it runs.
+end to keep on the replicas' clock: the plan's `finish_bound`, `end_to_keep`, in engine steps or
+a plan by seconds' modelled seconds; a late replica's leader checks it from half that end on,
+every hundredth of it, hands its longest requests over and stays: `Across.CORRECT`). Of the
+simulator's GPU hedges the engine lacks `no_denser` (a leaving replica's requests only to ranks
+stepping no dearer than its fullest once the history proves wrong) and `gather`. Inside a
+replica neither hedge nor correction applies: every estimate there is the request's cap, a
+bound, on one clock, so a hedge on it only refuses moves that fit, and the replica's end is its
+longest request's wherever in the group it runs.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ from flexfloor.rollout.consolidate import (
     MovePrices,
     RankState,
     Running,
+    StepCost,
     decide,
     remaining_estimate,
 )
@@ -203,28 +212,65 @@ def worst_tokens(max_new_tokens: int, produced: int, siblings: Sequence[int]) ->
 
 
 def end_to_keep(plan) -> Optional[float]:
-    """The rollout's end the correction keeps, in engine steps: the plan's `finish_bound` (the
-    static baseline's predicted end) where some prompt was predicted from its history, else None
-    (from the prior alone it is a guess: the simulator's rule, flexfloor/sim/scenarios.py). None
-    for a plan by modelled seconds (`scheduler.plan_seconds`): its bound is not in the engine's
-    steps (config validation keeps `elastic.consolidate_correct` off with it)."""
-    if (plan is None or plan.finish_bound is None or plan.by_seconds
-            or not plan.sources.get("history")):
+    """The rollout's end the correction keeps: the plan's `finish_bound` (the static baseline's
+    predicted end), in engine steps, or for a plan by modelled seconds
+    (`scheduler.plan_seconds`, `plan.by_seconds`) in those seconds (the replicas then run on a
+    `ModelledClock`), where some prompt was predicted from its history; else None (from the
+    prior alone it is a guess: the simulator's rule, flexfloor/sim/scenarios.py)."""
+    if plan is None or plan.finish_bound is None or not plan.sources.get("history"):
         return None
     return float(plan.finish_bound)
 
 
+@dataclass
+class ModelledClock:
+    """A replica's clock in modelled seconds, for a plan by seconds (`scheduler.plan_seconds`):
+    each step of the replica priced by the cost model (elastic.pace_model) as `price_trace`
+    prices it, from every rank's traced load, which the step report carries
+    (`StepReport.traced`: no collective of its own), so every rank of the replica keeps the
+    same clock. The decision then projects ends on the plan's per-rank step cost and prices a
+    move's re-prefill in the cost model's seconds, as the simulator's GPU scenarios do. Not on
+    it: a shrink's seconds (a replica on accelerators keeps its ranks: the floor is the
+    replica) and KV transfers (across replicas a move re-prefills, which the taker's traced
+    prefill tokens price)."""
+
+    cost: object  # the cost model (`elastic.pace_cost_of`)
+    step_cost: StepCost  # a rank's step, the decision's projections (the plan's, per rank)
+    prices: MovePrices  # a move across replicas: re-prefilled, at the cost model's prefill
+    seconds: float = 0.0
+    priced: int = 0  # steps of this replica priced so far
+
+    def advance(self, report, trace) -> None:
+        """Price the step that just ran (`report.traced`, every rank's), once; `trace`: this
+        rank's (the group and placement the step ran in)."""
+        from flexfloor.sim.cost import traced_step_seconds
+
+        if trace.steps == self.priced:
+            return
+        if trace.steps != self.priced + 1 or not report.traced:
+            raise ValueError(f"the modelled clock priced {self.priced} steps and the trace "
+                             f"holds {trace.steps}: it prices one step at each boundary")
+        self.seconds += traced_step_seconds(report.traced, trace.group_at(self.priced).owner,
+                                            trace, self.cost)
+        self.priced += 1
+
+
 def across_replicas(states: Sequence[RankState], clocks: dict, giver: int, rules: TailRules, *,
                     max_batch: int, block_tokens: int, end_bound: Optional[float] = None,
-                    correct: bool = False) -> Consolidation:
+                    correct: bool = False, clock: Optional[ModelledClock] = None
+                    ) -> Consolidation:
     """The decision of replica `giver` at its boundary, from every replica's latest ranks'
-    states and clock (engine steps; `clocks`: replica -> its clock): it gives everything and
-    leaves (`leaving_replicas`), or, with `correct` and `end_bound` (`end_to_keep`), hands its
-    longest requests over and stays (`corrected_replicas`), or nothing moves. Pure."""
+    states and clock (`clocks`: replica -> its clock, engine steps, or with `clock` modelled
+    seconds, projected on its step cost and prices): it gives everything and leaves
+    (`leaving_replicas`), or, with `correct` and `end_bound` (`end_to_keep`, on the same
+    clock), hands its longest requests over and stays (`corrected_replicas`), or nothing
+    moves. Pure."""
     bound = end_bound if rules.correct else None
     state = ConsolidationState(tuple(states), dict(clocks), max_batch, block_tokens,
                                end_bound_s=bound, correct=correct and bound is not None)
-    return decide(state, rules.across_rules(), UNIT_STEP, REPREFILL_ONLY, givers=[giver])
+    step_cost, prices = ((UNIT_STEP, REPREFILL_ONLY) if clock is None
+                         else (clock.step_cost, clock.prices))
+    return decide(state, rules.across_rules(), step_cost, prices, givers=[giver])
 
 
 def may_give_within(report, rules: TailRules) -> bool:
@@ -324,25 +370,33 @@ class Mailbox:
     ranks_per_replica: int
     rank: int
     timeout_s: float
-    # the rollout's end to keep, engine steps (`end_to_keep`); None: no correction
+    # the rollout's end to keep (`end_to_keep`), on this replica's clock; None: no correction
     end_bound: Optional[float] = None
+    # the replicas' clocks in modelled seconds (a plan by seconds); None: in engine steps
+    clock: Optional[ModelledClock] = None
     consumed: int = 0  # messages of this replica's inbox already read
     opened: bool = False
     claimed: list = field(default_factory=list)  # taker replicas this leader holds busy
     _busy_since: Optional[float] = None
     _check_at: Optional[float] = None  # the step of the next check of this replica's end
 
-    def correction_due(self, clock: int, rules: TailRules) -> bool:
-        """Whether this replica's end is checked against the end to keep at step `clock`:
-        from half that end on, a hundredth of it apart (the simulator's checks). The same on
-        every rank of the replica (its ranks step together)."""
+    def now(self, engine) -> float:
+        """This replica's clock: its modelled seconds (`clock`), else its engine steps."""
+        return self.clock.seconds if self.clock is not None else float(engine.record.steps)
+
+    def correction_due(self, clock: float, rules: TailRules) -> bool:
+        """Whether this replica's end is checked against the end to keep at `clock` (`now`):
+        from half that end on, a hundredth of it apart (at least a step apart on the step
+        clock; the simulator's checks). The same on every rank of the replica (its ranks step
+        together and keep the same clock)."""
         if not rules.correct or self.end_bound is None:
             return False
         if self._check_at is None:
             self._check_at = self.end_bound / 2
         if clock < self._check_at:
             return False
-        self._check_at = clock + max(1.0, self.end_bound / 100)
+        gap = self.end_bound / 100
+        self._check_at = clock + (gap if self.clock is not None else max(1.0, gap))
         return True
 
     def key(self, kind: str, i: int, n: Optional[int] = None) -> str:
@@ -393,11 +447,11 @@ class Mailbox:
     def reopen(self) -> None:
         self._call("reopen inbox", self.store.set, self.key("status", self.replica), OPEN)
 
-    def post(self, clock: int, states: Sequence[RankState]) -> None:
+    def post(self, clock: float, states: Sequence[RankState]) -> None:
         self._call("post state", self.store.set, self.key("state", self.replica),
                    pickle.dumps((clock, list(states))))
 
-    def plan(self, clock: int, states: Sequence[RankState], rules: TailRules, *, max_batch: int,
+    def plan(self, clock: float, states: Sequence[RankState], rules: TailRules, *, max_batch: int,
              block_tokens: int, correct: bool = False) -> Consolidation:
         """The leader of a replica that may give or check its end (`correct`; its own inbox
         closed): the others' latest states, `across_replicas` with this replica the only giver,
@@ -417,7 +471,8 @@ class Mailbox:
         if len(now) < 2:
             return Consolidation()
         d = across_replicas(ranks, now, self.replica, rules, max_batch=max_batch,
-                            block_tokens=block_tokens, end_bound=self.end_bound, correct=correct)
+                            block_tokens=block_tokens, end_bound=self.end_bound, correct=correct,
+                            clock=self.clock)
         if not d.moves:
             return Consolidation()
         me = f"busy:{self.replica}"
@@ -441,9 +496,12 @@ class Mailbox:
         (HAND_OVER) or its longest requests (CORRECT). Collective over the replica's group."""
         ranks = list(engine.moe.placement.ranks)
         leader = ranks[0]
+        if self.clock is not None:
+            self.clock.advance(report, engine.record.trace)
+        now = self.now(engine)
         done = not any(report.has_work)
         can_give = not any(report.queued) and 0 < sum(report.running) <= rules.max_requests
-        due = (self.correction_due(engine.record.steps, rules) and not any(report.queued)
+        due = (self.correction_due(now, rules) and not any(report.queued)
                and sum(report.running) > 0)
         plans = can_give or due  # it may hand requests over at this boundary
         mail, closed = [], False
@@ -469,7 +527,7 @@ class Mailbox:
                 queued[ranks.index(t)] += 1
             report = dataclasses.replace(report, has_work=has, queued=queued)
         if engine.rank == leader:
-            self.post(engine.record.steps, states)
+            self.post(now, states)
             if closed and (mail or not (done or plans)):
                 self.reopen()  # work arrived: this replica stays
         usual = MailboxBoundary(Across.DECIDE, report, states, arrivals)
@@ -480,7 +538,7 @@ class Mailbox:
             return MailboxBoundary(Across.WAIT, idle, states)
         if not (plans and closed) or done:
             return usual
-        d = (self.plan(engine.record.steps, states, rules, max_batch=engine.max_batch_size,
+        d = (self.plan(now, states, rules, max_batch=engine.max_batch_size,
                        block_tokens=engine.block_tokens, correct=due)
              if engine.rank == leader else None)
         d = gather_objects(engine.moe.group, d)[0]
@@ -510,8 +568,9 @@ class Mailbox:
 
 
 def mailbox_for(store, rollout_id: str, topology, rank: int, timeout,
-                end_bound: Optional[float] = None) -> Mailbox:
+                end_bound: Optional[float] = None,
+                clock: Optional[ModelledClock] = None) -> Mailbox:
     timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     return Mailbox(store=store, rollout_id=rollout_id, replica=topology.index,
                    replicas=topology.count, ranks_per_replica=topology.ranks_per_replica,
-                   rank=rank, timeout_s=float(timeout_s), end_bound=end_bound)
+                   rank=rank, timeout_s=float(timeout_s), end_bound=end_bound, clock=clock)

@@ -132,6 +132,18 @@ class MoveTrace:
     kv_bytes: int = 0  # bytes of K/V sent, the traced model's
 
 
+@dataclass(frozen=True)
+class TracedLoad:
+    """One rank's traced step (a `StepTrace` entry), what a cost model prices
+    (`flexfloor.sim.cost.traced_step_seconds`): small enough to share at every boundary."""
+
+    rank: int
+    new_tokens: int  # decode + prefill
+    kv_tokens: int
+    attention_pairs: int
+    experts_touched: int  # summed over the MoE layers
+
+
 @dataclass
 class StepTrace:
     """What every engine step of one rank did, one entry per step from the host counts the
@@ -184,6 +196,12 @@ class StepTrace:
         self.kv_tokens.append(kv)
         self.attention_pairs.append(pairs)
         self.experts_touched.append(experts_touched)
+
+    def load(self, rank: int, step: int) -> TracedLoad:
+        """Step `step` (0-based) of this trace, traced by `rank`."""
+        return TracedLoad(rank, self.decode_tokens[step] + self.prefill_tokens[step],
+                          self.kv_tokens[step], self.attention_pairs[step],
+                          self.experts_touched[step])
 
     def group_at(self, step: int) -> GroupSpan:
         """The group step `step` (0-based) ran in, or the boundary after `step` steps saw."""

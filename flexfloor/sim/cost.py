@@ -39,7 +39,7 @@ from typing import Mapping, Optional, Sequence, Union
 import numpy as np
 
 from flexfloor.rollout.consolidate import MoveKind
-from flexfloor.rollout.types import StepTrace
+from flexfloor.rollout.types import StepTrace, TracedLoad
 from flexfloor.sim.hardware import ACCELERATORS, Accelerator, ModelShape
 
 # DeepEP's published low-latency kernels (deepseek-ai/DeepEP README, H800, CX7 400 Gb/s RDMA per
@@ -390,15 +390,22 @@ def _step_seconds(key, rows, cost) -> float:
                          "a lockstep step needs the trace of every rank of its group (gather "
                          "every rank's record)")
     _, tr, _ = rows[0]
-    owner = model_owner(tr.group_at(k).owner, cost)
-    hosted = {r: owner.count(r) for r in ranks}
+    return traced_step_seconds([t.load(r, i) for r, t, i in rows],
+                               tr.group_at(k).owner, tr, cost)
+
+
+def traced_step_seconds(loads: Sequence[TracedLoad], traced_owner: Sequence[int], tr: StepTrace,
+                        cost) -> float:
+    """One lockstep step of a group from every rank's `TracedLoad`, its traced expert -> rank
+    map and the traced model (`tr`: its expert and layer counts): `price_trace`'s step."""
+    owner = model_owner(traced_owner, cost)
+    hosted = {r: owner.count(r) for r in {ld.rank for ld in loads}}
     measured = isinstance(cost, RooflineCost) and (
         tr.num_experts, tr.num_layers) == (cost.model.num_experts, cost.model.num_layers)
-    loads = [RankLoad(r, t.decode_tokens[i] + t.prefill_tokens[i], t.kv_tokens[i], hosted[r],
-                      t.attention_pairs[i],
-                      t.experts_touched[i] / t.num_layers if measured else None)
-             for r, t, i in rows]
-    return cost.step_seconds(loads, owner)
+    return cost.step_seconds(
+        [RankLoad(ld.rank, ld.new_tokens, ld.kv_tokens, hosted[ld.rank], ld.attention_pairs,
+                  ld.experts_touched / tr.num_layers if measured else None) for ld in loads],
+        owner)
 
 
 def _shrink_seconds(key, rows, cost) -> float:

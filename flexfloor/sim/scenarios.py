@@ -393,6 +393,17 @@ def rank_step_cost(cost, placement, ranks: tuple[int, ...], max_batch: int):
                          len(ranks), max_batch)
 
 
+def reprefill_seconds_per_token(cost, placement) -> float:
+    """A re-prefill's seconds per token on a group of `placement`: a 4096-token prompt step on
+    each of its ranks, per token (what a moved request's recompute costs its taker)."""
+    from flexfloor.sim.cost import RankLoad
+
+    probe = 4096
+    return cost.step_seconds([RankLoad(r, probe, probe, placement.owner.count(r),
+                                       probe * (probe + 1) / 2) for r in placement.ranks],
+                             placement.owner) / probe
+
+
 def _spread_step(cost, placement, ranks: tuple[int, ...]):
     """total -> the group's step with `total` requests spread as evenly as its ranks allow
     (no context): what the step's expert reads cost for that many tokens."""
@@ -442,20 +453,13 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     (`Predictor.predict(uid, siblings)`), corrected once a request outlives it; and, with
     `Scenario.correct`, the end to keep (the correction's bound,
     `ConsolidationState.end_bound_s`): the plan's `finish_bound`."""
-    from flexfloor.sim.cost import RankLoad
-
     # priced per rank, as the bounds are (`Scheduler._across_replicas`): with the group's shared
     # part the takers looked lighter, took more, and paper-like ended 3% after static
     step_cost = getattr(step_cost, "per_rank", step_cost)
     placement, _ = topo.states[topo.groups[0]]
-    ranks = topo.groups[0]
-    probe = 4096
-    prefill = cost.step_seconds([RankLoad(r, probe, probe, placement.owner.count(r),
-                                          probe * (probe + 1) / 2) for r in ranks],
-                                placement.owner) / probe
     prices = MovePrices(kv_bytes_per_token=topo.memory.kv_bytes_per_token,
                         transfer_bytes_per_s=cost.accel.network_bytes_per_s * params.link_efficiency,
-                        reprefill_s_per_token=prefill)
+                        reprefill_s_per_token=reprefill_seconds_per_token(cost, placement))
     if plan.distrusted:  # the last rollout proved the history wrong: siblings and the prior
         predictor = dataclasses.replace(predictor, trust_history=False)
     with_history = {uid for uid in plan.predicted

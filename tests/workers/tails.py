@@ -2,7 +2,8 @@
 and under the elastic policy with consolidation on, at R = 1 (moves inside the world-wide group,
 one of them chained: a request moved twice) and R = 2 (moves inside a replica and across
 replicas through the job's store), greedy and sampled; then R = 2 with the simulator's hedge
-and correction, once where nothing is late and once where a late replica corrects.
+and correction, once where nothing is late and twice where a late replica corrects (on the
+step clock, and on a modelled clock).
 
 Usage: torchrun --nproc-per-node 4 tests/workers/tails.py OUT_DIR
 """
@@ -68,6 +69,10 @@ CORRECTED = {0: [96], 1: [88], 2: [28, 26], 3: [28, 24]}
 CORRECTED_CAP = {0: 96, 1: 88, 2: 30, 3: 30}
 LATE_BOUND = 90.0  # engine steps: checked from step 45 on, every step
 LAG = 62
+# the same correction with the replicas on a modelled clock (`tails.ModelledClock`, a plan by
+# seconds' clock) under the unit cost model (every step 1 s): the same decisions as on the step
+# clock, where each step is priced from the step report's traced loads, once
+MODELLED = dataclasses.replace(HEDGED, pace_model="unit")
 
 
 class Conductor:
@@ -179,6 +184,16 @@ def main(out):
                                  end_bound=LATE_BOUND)}
     results["corrected"] = gather(runs)
     results["corrected_lengths"] = CORRECTED
+    started = []
+    conductor = Conductor(gather(os.getpid()))
+    runs = {"static": rollout(stacks[2], ReleasePolicy.STATIC, reqs),
+            "corrected": rollout(dataclasses.replace(stacks[2], elastic=MODELLED),
+                                 ReleasePolicy.ELASTIC, reqs, end_bound=LATE_BOUND,
+                                 modelled_clock=True,
+                                 hold=lambda run: (started.append(run), conductor.hold(run)))}
+    clock = started[0].membership.mailbox.clock
+    runs["clock"] = {"seconds": clock.seconds, "priced": clock.priced}
+    results["corrected_modelled"] = gather(runs)
     for stack in stacks.values():
         stack.close()
     return results

@@ -175,10 +175,13 @@ def main(out):
                                 for line in f]
 
     # 8. scheduler.plan_seconds: placed by modelled seconds over 2 replicas of 1 rank (the pace
-    #    rule on too); the plan is by seconds and the weights are case 1's (tokens do not
-    #    depend on placement)
+    #    rule on too), with consolidation across replicas and the online correction on the
+    #    replicas' modelled clocks; the plan is by seconds and the weights are case 1's (tokens
+    #    depend neither on placement nor on moves)
     j = job(out, "elastic.release_policy=elastic", "rollout.replicas=2",
-            "scheduler.plan_seconds=true", "elastic.pace_model=H800")
+            "scheduler.plan_seconds=true", "elastic.pace_model=H800",
+            "elastic.consolidate_across=true", "elastic.consolidate_correct=true",
+            "elastic.consolidate_taker_hedge=1.25")
     j.step()
     j.step()
     res["seconds_plan_equals_elastic"] = same(weights(j), w2)
