@@ -104,3 +104,32 @@ def test_the_config_names_a_bad_pace_field():
     with pytest.raises(ConfigError, match="elastic.pace_model_shape:.*qwen3-30b-a3b"):
         ElasticConfig(pace_model="H800", pace_model_shape="qwen3").validate()
     ElasticConfig(pace_model="H800", pace_model_shape="qwen3-30b-a3b").validate()
+
+
+def test_a_shrink_whose_expert_transfers_outlast_what_it_saves_is_refused():
+    """The survivors stall for the experts the shrink ships (`Pace.shrink_cost`): with steps no
+    slower after it, a shrink still ends the replica later when the stall is longer than
+    nothing (here the stall is all it changes); `pace_of` prices the stall as `price_trace`
+    prices a shrink (each engine expert stands for its share of the cost model's, sent and
+    received at once, then the switch to a group built ahead)."""
+    same = by_hosted(0.0)
+    stalled = ReleaseRules(pace=Pace(same.group_cost, lambda p, transfers: 0.5 * len(transfers)))
+    d = decide(stalled, placement(), report(WORK), LIMITS, 1, WORK)
+    assert d.paced and d.leaving == []
+    free = ReleaseRules(pace=Pace(same.group_cost, lambda p, transfers: 0.0))
+    assert decide(free, placement(), report(WORK), LIMITS, 1, WORK).leaving == [2, 3]
+    # nothing left to run on the survivors: they wait for nothing
+    idle = [[], [], [], []]
+    assert decide(stalled, placement(), report(idle), LIMITS, 1, idle).leaving == [1, 2, 3]
+
+    cost = cost_model("H800", "qwen3-30b-a3b")  # 128 experts; the engine's 8 as 16 each
+    two = placement(ranks=2)
+    d = decide(ReleaseRules(), two, report([[(5.0, 8)], []]), LIMITS, 1)
+    assert d.leaving == [1] and len(d.transfers) == 4
+    stall = pace_of(cost, 8).shrink_cost(two, d.transfers)
+    assert stall == pytest.approx(cost.measured_shrink_seconds({0: 64.0, 1: 64.0}, (0, 1), 0))
+    # half of a 30B-A3B model's experts over NVLink outlasts many decode steps
+    step = pace_of(cost, 8).group_cost(two, (0,))(1, 100)
+    assert stall > 20 * step
+    assert decide(ReleaseRules(pace=pace_of(cost, 8)), two, report([[(5.0, 8)], []]), LIMITS, 1,
+                  [[(5.0, 8)], []]).paced

@@ -146,7 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "their estimate (elastic.consolidate_taker_hedge; the simulator's GPU "
                         "scenarios: 1.25)")
     t.add_argument("--correct", action="store_true",
-                   help="across replicas: the online correction against the plan's end "
+                   help="across replicas: the online correction against the plan's end, in "
+                        "engine steps, or with --plan-seconds in modelled seconds "
                         "(elastic.consolidate_correct)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -205,8 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    elastic=dataclasses.replace(elastic, pace_model=args.accelerator),
                    scheduler=SchedulerConfig(plan_seconds=True)).validate()
         except ConfigError as e:
-            p.error(f"--plan-seconds: {e} (--replicas sets rollout.replicas, --correct "
-                    "elastic.consolidate_correct)")
+            p.error(f"--plan-seconds: {e} (--replicas sets rollout.replicas)")
     return args
 
 

@@ -119,7 +119,7 @@ class ElasticMembership:
         self._last_beat = _heartbeat(self.heartbeat_key, self._last_beat)
         report = share_step_state(engine.moe.group, has_work, engine)
         t0 = time.perf_counter()
-        states, arrivals = None, []
+        states, arrivals, arrived = None, [], False
         if self.mailbox is not None:
             across = self.mailbox.boundary(engine, report, self.tails)
             if across.action == Across.WAIT:
@@ -135,6 +135,7 @@ class ElasticMembership:
                 # the group decides its releases at the next boundary, on its new state
                 return Boundary(across.report)
             report, states, arrivals = across.report, across.states, across.arrivals
+            arrived = across.arrived  # the group's, where `arrivals` are this rank's own
         if not any(report.has_work):
             self._replica_leaves(engine)
             return Boundary(report, arrivals=arrivals)
@@ -144,7 +145,8 @@ class ElasticMembership:
         decision = self._paced(engine, self._decide_at(placement, report, limits), placement,
                                report, limits)
         # migration (scheduler.migrate) is the older form of the same move: not both at once
-        if (self.tails is not None and not arrivals and not self.migrate_max_requests
+        # (decided alike on every rank: `_within` gathers)
+        if (self.tails is not None and not arrived and not self.migrate_max_requests
                 and may_give_within(report, self.tails)):
             decision = self._within(engine, report, decision, states, placement, limits, prices)
         if decision.migrate:
@@ -555,8 +557,11 @@ def pace_of(cost, max_batch: int) -> Pace:
     every decoding rank of its group loaded alike and the others at empty batches (their experts
     compute what is routed to them), the engine's experts stretched to the cost model's; each
     (group, decoding ranks) priced once (`sim.cost.linear_step_cost`, as
-    `sim.scenarios.rank_step_cost`, which loads every rank of the group)."""
-    from flexfloor.sim.cost import RankLoad, linear_step_cost, model_owner
+    `sim.scenarios.rank_step_cost`, which loads every rank of the group). A shrink's stall:
+    its expert transfers, each of the engine's experts standing for its share of the cost
+    model's, sent and received at once, then the switch to the survivors' group built ahead
+    (the cost model's `measured_shrink_seconds`, as `price_trace` prices a shrink)."""
+    from flexfloor.sim.cost import RankLoad, RooflineCost, linear_step_cost, model_owner
 
     priced: dict = {}
 
@@ -574,7 +579,16 @@ def pace_of(cost, max_batch: int) -> Pace:
             priced[key] = linear_step_cost(at, max_batch)
         return priced[key]
 
-    return Pace(group_cost)
+    def shrink_cost(placement, transfers: list) -> float:
+        scale = (cost.model.num_experts / len(placement.owner)
+                 if isinstance(cost, RooflineCost) else 1.0)
+        moved: dict = {}
+        for t in transfers:
+            for r in (t.src, t.dst):
+                moved[r] = moved.get(r, 0.0) + scale
+        return cost.measured_shrink_seconds(moved, placement.ranks, 0)
+
+    return Pace(group_cost, shrink_cost)
 
 
 HEARTBEAT_S = 0.5  # how often the active ranks of an elastic rollout post progress

@@ -50,7 +50,8 @@ class Pace:
     """The pace rule of a shrink (elastic.pace_model): after a shrink each survivor hosts more
     experts and reads their weights every step, so on an accelerator its later steps are slower;
     a shrink is refused when the survivors' predicted remaining work at their post-shrink step
-    cost would end the replica later than it ends without the shrink (`slows_replica`).
+    cost, after the stall of its expert transfers (`shrink_cost`), would end the replica later
+    than it ends without the shrink (`slows_replica`).
     `group_cost`: (a placement, the ranks of its group that decode) -> the step cost of a rank
     that decodes (`StepCost`: its requests, their cached tokens -> seconds; the others step with
     empty batches, their experts still computing the tokens routed to them; the cost model's,
@@ -58,6 +59,10 @@ class Pace:
     steps, `UnitCost`) the survivors' end is the unshrunk one and the rule never refuses."""
 
     group_cost: Callable[[object, tuple], StepCost]
+    # (the placement before the shrink, its expert transfers) -> the seconds the survivors stall
+    # for them (the cost model's, `elastic.pace_of`): a shrink that ships more expert weights
+    # than the survivors' remaining steps win back ends the replica later; None: free
+    shrink_cost: Optional[Callable[[object, list], float]] = None
 
 
 # per rank of the group, in placement order: (remaining tokens, cached tokens) of each request
@@ -120,23 +125,27 @@ def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
         # the floor: survivors cannot hold every expert; nobody leaves this time
         return ReleaseDecision(migrate=migrate, floor_hit=True)
     if rules.pace is not None and work is not None and slows_replica(
-            rules.pace, placement, new_placement, migrated_work(placement.ranks, work, migrate)):
+            rules.pace, placement, new_placement, migrated_work(placement.ranks, work, migrate),
+            transfers):
         return ReleaseDecision(migrate=migrate, paced=True)
     return ReleaseDecision(migrate=migrate, leaving=leaving, placement=new_placement,
                            transfers=transfers)
 
 
-def slows_replica(pace: Pace, placement, new_placement, work: Work) -> bool:
+def slows_replica(pace: Pace, placement, new_placement, work: Work, transfers=()) -> bool:
     """Whether the survivors (`new_placement`) would end their running `work` later than the
     group of `placement` ends it unshrunk: each group in lockstep at its fullest rank's pace,
     each rank's context growing as it decodes (`scheduler.replica_finish`), every step priced
-    at that group's step cost. The leavers have no work (they are done, or handed theirs over:
+    at that group's step cost, the survivors first stalled for the shrink's expert `transfers`
+    (`Pace.shrink_cost`). The leavers have no work (they are done, or handed theirs over:
     `migrated_work`). Pure."""
     ranks = list(placement.ranks)
     survivors = [work[ranks.index(r)] for r in new_placement.ranks]
     before = lockstep_end(work, pace.group_cost(placement, _busy(placement.ranks, work)))
     after = lockstep_end(survivors, pace.group_cost(new_placement,
                                                     _busy(new_placement.ranks, survivors)))
+    if pace.shrink_cost is not None and any(survivors):  # idle survivors wait for nothing
+        after += pace.shrink_cost(placement, list(transfers))
     return after > before * (1 + 1e-9)
 
 

@@ -349,6 +349,8 @@ class MailboxBoundary:
     report: object  # the step report: arrivals queued on their takers (WAIT: only the leader works)
     states: list  # every rank's RankState, from the replica's gather
     arrivals: list = field(default_factory=list)  # the payloads this rank adopts
+    # requests arrived at some rank of the replica (the same on every rank, unlike `arrivals`)
+    arrived: bool = False
     moves: list = field(default_factory=list)  # HAND_OVER, CORRECT: each request's taker (Move)
 
 
@@ -530,7 +532,7 @@ class Mailbox:
             self.post(now, states)
             if closed and (mail or not (done or plans)):
                 self.reopen()  # work arrived: this replica stays
-        usual = MailboxBoundary(Across.DECIDE, report, states, arrivals)
+        usual = MailboxBoundary(Across.DECIDE, report, states, arrivals, arrived=bool(mail))
         if mail:
             return usual
         if done and not closed:
