@@ -343,6 +343,10 @@ def test_the_end_is_checked_from_half_the_end_to_keep_on_a_hundredth_of_it_apart
     box = Mailbox(None, "r", 0, 2, 2, 0, 60.0, end_bound=300.0)
     assert [s for s in range(140, 160) if box.correction_due(s, on)] == [150, 153, 156, 159]
     assert not Mailbox(None, "r", 0, 2, 2, 0, 60.0, end_bound=300.0).correction_due(200, ACROSS)
+    # on a modelled clock (seconds) a hundredth apart, however short: no step's floor
+    timed = Mailbox(None, "r", 0, 2, 2, 0, 60.0, end_bound=3.0, clock=modelled())
+    assert [t for t in (1.4, 1.5, 1.52, 1.53, 1.55, 1.56) if timed.correction_due(t, on)] == [
+        1.5, 1.53, 1.56]
 
 
 def test_the_end_to_keep_is_the_plans_bound_where_it_predicted_from_history():
@@ -350,6 +354,8 @@ def test_the_end_to_keep_is_the_plans_bound_where_it_predicted_from_history():
     assert end_to_keep(plan) == 120.0
     assert end_to_keep(replace(plan, sources={"history": 0, "prior": 4})) is None
     assert end_to_keep(replace(plan, finish_bound=None)) is None and end_to_keep(None) is None
+    # a plan by seconds: its bound in modelled seconds, the replicas' modelled clock's
+    assert end_to_keep(replace(plan, finish_bound=2.5, by_seconds=True)) == 2.5
 
 
 def test_worst_tokens_is_the_cap_where_the_estimate_is_a_bound_or_known_wrong():
