@@ -230,9 +230,10 @@ class ModelledClock:
     (`StepReport.traced`: no collective of its own), so every rank of the replica keeps the
     same clock. The decision then projects ends on the plan's per-rank step cost and prices a
     move's re-prefill in the cost model's seconds, as the simulator's GPU scenarios do. Not on
-    it: a shrink's seconds (a replica on accelerators keeps its ranks: the floor is the
-    replica) and KV transfers (across replicas a move re-prefills, which the taker's traced
-    prefill tokens price)."""
+    it, unlike `price_trace`: a shrink's stall and a KV transfer inside the replica (the GPU
+    policy's floor is the whole replica, so it neither shrinks nor moves inside; with a lower
+    floor a shrunk replica's clock runs behind its modelled seconds by each stall). Across
+    replicas a move re-prefills, which the taker's traced prefill tokens price."""
 
     cost: object  # the cost model (`elastic.pace_cost_of`)
     step_cost: StepCost  # a rank's step, the decision's projections (the plan's, per rank)
@@ -380,7 +381,7 @@ class Mailbox:
     opened: bool = False
     claimed: list = field(default_factory=list)  # taker replicas this leader holds busy
     _busy_since: Optional[float] = None
-    _check_at: Optional[float] = None  # the step of the next check of this replica's end
+    _check_at: Optional[float] = None  # when this replica's end is next checked (its clock)
 
     def now(self, engine) -> float:
         """This replica's clock: its modelled seconds (`clock`), else its engine steps."""
@@ -517,9 +518,11 @@ class Mailbox:
             else:  # no wait on a busy inbox goes on: a later one is timed from its own start
                 self._busy_since = None
         everyone = gather_objects(engine.moe.group, (rank_state(engine, self.replica),
-                                                     (mail, closed, self.consumed)))
+                                                     (mail, closed, self.consumed, due, plans)))
         states = [s for s, _ in everyone]
-        mail, closed, self.consumed = everyone[0][1]
+        # the leader's view for every rank: what follows branches into collectives, and a
+        # modelled clock is a float each rank sums on its own
+        mail, closed, self.consumed, due, plans = everyone[0][1]
         dst = [t if t in ranks else leader for t, _ in mail]  # a taker since released: leader
         arrivals = [p for t, (_, p) in zip(dst, mail) if t == engine.rank]
         if mail:
