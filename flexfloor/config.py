@@ -306,13 +306,15 @@ class ElasticConfig:
     # lands at (and so each rank's steps) depends on their timing; the tokens never do
     consolidate_across: bool = False
     # across replicas, the simulator's hedge and online correction (flexfloor/rollout/tails.py,
-    # on the engine's step clock, or with scheduler.plan_seconds on modelled seconds): a taker counts its own running requests at this times their
-    # estimate when it takes requests, and those that outlived their siblings up to their cap
-    # (1.0: as estimated; the simulator's GPU scenarios run 1.25)
+    # on the engine's step clock, or with scheduler.plan_seconds on modelled seconds): a taker
+    # counts its own running requests at this times their estimate when it takes requests, and
+    # those that outlived their siblings up to their cap (1.0: as estimated; the simulator's
+    # GPU scenarios run 1.25)
     consolidate_taker_hedge: float = 1.0
     # across replicas, a replica predicted past the plan's end (the static baseline's, in steps,
-    # or in modelled seconds with scheduler.plan_seconds) hands its longest requests to replicas running anyway and stays; a leaving replica's
-    # requests count half as long again on their takers (the simulator's `correct`)
+    # or in modelled seconds with scheduler.plan_seconds) hands its longest requests to
+    # replicas running anyway and stays; a leaving replica's requests count half as long again
+    # on their takers (the simulator's `correct`)
     consolidate_correct: bool = False
     # a request moved inside a replica: its KV blocks sent, or re-prefilled (same tokens)
     move_kv: MoveKV = MoveKV.AUTO

@@ -365,12 +365,13 @@ def test_worst_tokens_is_the_cap_where_the_estimate_is_a_bound_or_known_wrong():
 
 
 def modelled(max_batch=8):
-    from flexfloor.rollout.elastic import modelled_clock
+    from flexfloor.rollout.elastic import modelled_clock, plan_step_cost
     from flexfloor.sim.cost import cost_model
     from megatron_ext.placement import Placement
 
     cost = cost_model("H800", "qwen3-30b-a3b")
-    return modelled_clock(cost, Placement(owner=(0,) * 4 + (1,) * 4, ranks=(0, 1)), max_batch)
+    placement = Placement(owner=(0,) * 4 + (1,) * 4, ranks=(0, 1))
+    return modelled_clock(cost, placement, plan_step_cost(cost, placement, max_batch))
 
 
 def test_on_modelled_seconds_a_reprefill_stalls_its_taker():

@@ -516,40 +516,45 @@ def pace_cost_of(elastic_cfg, model_shape: Optional[dict]):
                         ModelShape.from_config("the run's model", model_shape))
 
 
+def _priced_placement(placement, cost):
+    """`placement` with the engine's experts stretched to the cost model's
+    (`sim.cost.model_owner`)."""
+    from megatron_ext.placement import Placement
+    from flexfloor.sim.cost import model_owner
+
+    return Placement(owner=tuple(model_owner(placement.owner, cost)),
+                     ranks=tuple(placement.ranks))
+
+
 def plan_step_cost(cost, placement, max_batch: int):
     """The scheduler's step cost for a plan by modelled seconds (`scheduler.plan_seconds`): a
     rank's step in a replica with every rank loaded alike, and the step's shared part
     (`sim.scenarios.rank_step_cost`, what the simulator's GPU scenarios plan with), priced on a
     replica's `placement` (the first: every replica holds every expert alike), the engine's
     experts stretched to the cost model's (`sim.cost.model_owner`). `cost`: `pace_cost_of`'s."""
-    from megatron_ext.placement import Placement
-    from flexfloor.sim.cost import model_owner
     from flexfloor.sim.scenarios import rank_step_cost
 
-    priced = Placement(owner=tuple(model_owner(placement.owner, cost)),
-                       ranks=tuple(placement.ranks))
-    return rank_step_cost(cost, priced, tuple(placement.ranks), max_batch)
+    return rank_step_cost(cost, _priced_placement(placement, cost), tuple(placement.ranks),
+                          max_batch)
 
 
-def modelled_clock(cost, placement, max_batch: int) -> ModelledClock:
-    """A fresh replica clock in modelled seconds for one rollout of a plan by seconds
-    (`tails.ModelledClock`): `cost` (`pace_cost_of`'s) prices the steps, the plan's per-rank
-    step cost (`plan_step_cost`, on `placement`) projects the decision's ends and a move's
-    re-prefill is priced as the simulator prices it (`sim.scenarios.reprefill_seconds_per_token`
-    on `placement`, the engine's experts stretched to the cost model's); a move across replicas
-    never transfers K/V (the mailbox carries no tensors)."""
-    from megatron_ext.placement import Placement
-    from flexfloor.sim.cost import model_owner
+def modelled_clock(cost, placement, step_cost) -> ModelledClock:
+    """A replica clock in modelled seconds for one rollout of a plan by seconds
+    (`tails.ModelledClock`, at 0): `cost` (`pace_cost_of`'s) prices the steps, the plan's
+    per-rank step cost (`step_cost`: `plan_step_cost`'s on `placement`) projects the decision's
+    ends and a move's re-prefill is priced as the simulator prices it
+    (`sim.scenarios.reprefill_seconds_per_token` on `placement`, the engine's experts stretched
+    to the cost model's); a move across replicas never transfers K/V (the mailbox carries no
+    tensors)."""
     from flexfloor.sim.scenarios import reprefill_seconds_per_token
 
     if cost is None:
         raise ValueError("a modelled clock needs a cost model: set elastic.pace_model to an "
                          "accelerator (e.g. elastic.pace_model=H800)")
-    priced = Placement(owner=tuple(model_owner(placement.owner, cost)),
-                       ranks=tuple(placement.ranks))
     prices = MovePrices(kv_bytes_per_token=1, transfer_bytes_per_s=sys.float_info.min,
-                        reprefill_s_per_token=reprefill_seconds_per_token(cost, priced))
-    return ModelledClock(cost, plan_step_cost(cost, placement, max_batch).per_rank, prices)
+                        reprefill_s_per_token=reprefill_seconds_per_token(
+                            cost, _priced_placement(placement, cost)))
+    return ModelledClock(cost, step_cost.per_rank, prices)
 
 
 def pace_of(cost, max_batch: int) -> Pace:
@@ -561,7 +566,8 @@ def pace_of(cost, max_batch: int) -> Pace:
     its expert transfers, each of the engine's experts standing for its share of the cost
     model's, sent and received at once, then the switch to the survivors' group built ahead
     (the cost model's `measured_shrink_seconds`, as `price_trace` prices a shrink)."""
-    from flexfloor.sim.cost import RankLoad, RooflineCost, linear_step_cost, model_owner
+    from flexfloor.sim.cost import (RankLoad, linear_step_cost, model_owner,
+                                    traced_shrink_seconds)
 
     priced: dict = {}
 
@@ -580,13 +586,11 @@ def pace_of(cost, max_batch: int) -> Pace:
         return priced[key]
 
     def shrink_cost(placement, transfers: list) -> float:
-        scale = (cost.model.num_experts / len(placement.owner)
-                 if isinstance(cost, RooflineCost) else 1.0)
         moved: dict = {}
         for t in transfers:
             for r in (t.src, t.dst):
-                moved[r] = moved.get(r, 0.0) + scale
-        return cost.measured_shrink_seconds(moved, placement.ranks, 0)
+                moved[r] = moved.get(r, 0) + 1
+        return traced_shrink_seconds(moved, len(placement.owner), placement.ranks, 0, cost)
 
     return Pace(group_cost, shrink_cost)
 

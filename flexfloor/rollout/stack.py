@@ -18,6 +18,7 @@ without this module changing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -57,6 +58,9 @@ class RolloutStack:
     # consolidation), not those of an ElasticConfig()
     elastic: Optional[ElasticConfig] = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # built once, at first use: the plan's step cost, the modelled clock every rollout copies
+    _plan_cost: object = field(default=None, init=False, repr=False)
+    _clock: object = field(default=None, init=False, repr=False)
 
     @classmethod
     def build(cls, parallel: Parallel, model, *, rollout: RolloutConfig,
@@ -111,15 +115,21 @@ class RolloutStack:
     def plan_step_cost(self):
         """The scheduler's step cost for a plan by modelled seconds (`scheduler.plan_seconds`):
         `elastic.plan_step_cost` at the elastic section's `pace_model`, on the first replica's
-        placement and the engine's batch limit."""
-        return plan_step_cost(pace_cost_of(self.elastic, self.layout.model_shape),
-                              self.layout.topology.placements[0], self.engine.max_batch_size)
+        placement and the engine's batch limit (built once)."""
+        if self._plan_cost is None:
+            self._plan_cost = plan_step_cost(pace_cost_of(self.elastic, self.layout.model_shape),
+                                             self.layout.topology.placements[0],
+                                             self.engine.max_batch_size)
+        return self._plan_cost
 
     def modelled_clock(self):
-        """A fresh replica clock in modelled seconds for one rollout (`elastic.modelled_clock`),
-        on the plan's step cost (`plan_step_cost`)."""
-        return modelled_clock(pace_cost_of(self.elastic, self.layout.model_shape),
-                              self.layout.topology.placements[0], self.engine.max_batch_size)
+        """A fresh replica clock in modelled seconds for one rollout (`elastic.modelled_clock`,
+        on the plan's step cost `plan_step_cost`): a copy at 0 of one built once."""
+        if self._clock is None:
+            self._clock = modelled_clock(pace_cost_of(self.elastic, self.layout.model_shape),
+                                         self.layout.topology.placements[0],
+                                         self.plan_step_cost())
+        return dataclasses.replace(self._clock)
 
     def close(self) -> None:
         """Destroy the layout's groups (survivors', replicas'); the model and `parallel` stay."""

@@ -412,11 +412,20 @@ def _shrink_seconds(key, rows, cost) -> float:
     ranks, _ = key
     _, tr, _ = rows[0]
     per_expert = tr.expert_bytes or 1
-    # one traced expert stands for E_model / E_traced of the cost model's experts
-    scale = (cost.model.num_experts / tr.num_experts
-             if isinstance(cost, RooflineCost) and tr.num_experts else 1.0)
-    moved = {r: (sh.sent_bytes + sh.received_bytes) / per_expert * scale for r, _, sh in rows}
-    return cost.measured_shrink_seconds(moved, ranks, max(sh.groups_created for _, _, sh in rows))
+    moved = {r: (sh.sent_bytes + sh.received_bytes) / per_expert for r, _, sh in rows}
+    return traced_shrink_seconds(moved, tr.num_experts, ranks,
+                                 max(sh.groups_created for _, _, sh in rows), cost)
+
+
+def traced_shrink_seconds(moved: Mapping[int, float], traced_experts: int, ranks: Sequence[int],
+                          groups_created: int, cost) -> float:
+    """A shrink of the traced model priced by `cost`: `moved`, rank -> the traced experts it
+    sent plus received, each standing for E_model / E_traced of the cost model's experts
+    (`traced_experts`: E_traced); then the switch (`measured_shrink_seconds`)."""
+    scale = (cost.model.num_experts / traced_experts
+             if isinstance(cost, RooflineCost) and traced_experts else 1.0)
+    return cost.measured_shrink_seconds({r: n * scale for r, n in moved.items()}, ranks,
+                                        groups_created)
 
 
 def model_owner(traced: Sequence[int], cost) -> list[int]:
