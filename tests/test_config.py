@@ -449,7 +449,7 @@ def test_the_gpu_example_runs_the_simulators_gpu_policy():
     assert cfg.elastic.consolidate and cfg.elastic.consolidate_across
     assert cfg.elastic.consolidate_taker_hedge == ON_GPUS["taker_hedge"]
     assert cfg.scheduler.plan_seconds and cfg.elastic.pace_model == sim.accelerator
-    assert cfg.elastic.consolidate_correct == ON_GPUS["correct"]
+    assert cfg.elastic.consolidate_correct and ON_GPUS["correct"]
     assert cfg.scheduler.max_share == ON_GPUS["max_share"]
     assert cfg.scheduler.load_cap == ON_GPUS["load_cap"]
     assert cfg.rollout.max_batch_size == sim.max_batch_size
