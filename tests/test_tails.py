@@ -148,6 +148,35 @@ def test_a_late_replica_hands_its_longest_request_over_and_stays(res, case):
             assert clock["priced"] == recs[r]["steps"] == clock["seconds"], (clock, r)
 
 
+def test_a_modelled_clock_under_a_real_cost_prices_what_each_replica_ran(res):
+    """R = 2 on 4 engine workers, the replicas on modelled clocks under the H800 cost model
+    (tests/workers/tails.py, `PRICED`): each rank's clock priced every step its rank ran, from
+    the loads its step report carried (every rank's of the replica, all-gathered with the
+    report), and so reads what `price_trace` makes of the replica's ranks' own traces; both
+    ranks of a replica keep the same clock. The tokens are static's. (Here no request crosses
+    replicas: priced, a taker's steps grow dearer with a request added, and replica 0's own end
+    is the rollout's; the move's pricing is the 4-worker correction case's, at unit cost.)"""
+    from flexfloor.rollout.elastic import pace_cost_of
+    from flexfloor.rollout.types import StepTrace
+    from flexfloor.sim.cost import price_trace
+
+    parts = res["priced"]
+    assert tokens(parts, "priced") == tokens(parts, "static")
+    recs = [p["priced"]["record"] for p in parts]
+    traces = {r["rank"]: StepTrace.from_dict(r["trace"]) for r in recs}
+    cost = pace_cost_of(ElasticConfig(pace_model="H800"), parts[0]["model_shape"])
+    for replica in ((0, 1), (2, 3)):
+        want = price_trace({r: traces[r] for r in replica}, cost).rollout_s
+        for r in replica:
+            clock = parts[r]["clock"]
+            assert clock["priced"] == traces[r].steps == recs[r]["steps"] > 0, (clock, r)
+            assert clock["seconds"] == pytest.approx(want, rel=1e-9), (replica, r)
+        assert parts[replica[0]]["clock"] == parts[replica[1]]["clock"]
+    # priced, not counted: a step costs other than 1 and the two replicas' clocks differ
+    assert parts[0]["clock"]["seconds"] != parts[0]["clock"]["priced"]
+    assert parts[0]["clock"]["seconds"] != parts[2]["clock"]["seconds"]
+
+
 def test_the_simulator_takes_the_engines_steps_with_consolidation(res):
     """R = 1: the simulator's replica driver (`simulate_replicas`) applies the engine's decision
     inside the group (`tails.within_replica`) with unit cost, so every rank's steps, tokens and

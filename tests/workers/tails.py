@@ -3,7 +3,7 @@ and under the elastic policy with consolidation on, at R = 1 (moves inside the w
 one of them chained: a request moved twice) and R = 2 (moves inside a replica and across
 replicas through the job's store), greedy and sampled; then R = 2 with the simulator's hedge
 and correction, once where nothing is late and twice where a late replica corrects (on the
-step clock, and on a modelled clock).
+step clock, and on a modelled clock); last, R = 2 on a modelled clock under a real cost model.
 
 Usage: torchrun --nproc-per-node 4 tests/workers/tails.py OUT_DIR
 """
@@ -73,6 +73,10 @@ LAG = 62
 # seconds' clock) under the unit cost model (every step 1 s): the same decisions as on the step
 # clock, where each step is priced from the step report's traced loads, once
 MODELLED = dataclasses.replace(HEDGED, pace_model="unit")
+# R = 2 on a modelled clock under a real cost model (H800, the run's own model shape), the
+# requests of REPLICAS: every step of a replica priced from the traced loads its step report
+# carries, which the test checks against `price_trace` of the replica's ranks' own traces
+PRICED = dataclasses.replace(HEDGED, pace_model="H800")
 
 
 class Conductor:
@@ -194,6 +198,16 @@ def main(out):
     clock = started[0].membership.mailbox.clock
     runs["clock"] = {"seconds": clock.seconds, "priced": clock.priced}
     results["corrected_modelled"] = gather(runs)
+    reqs = requests(REPLICAS, rank, SAMPLING["sampled"], step=4, max_new=MAX_NEW[2])
+    started = []
+    runs = {"static": rollout(stacks[2], ReleasePolicy.STATIC, reqs),
+            "priced": rollout(dataclasses.replace(stacks[2], elastic=PRICED),
+                              ReleasePolicy.ELASTIC, reqs, modelled_clock=True,
+                              hold=started.append)}
+    clock = started[0].membership.mailbox.clock
+    runs["clock"] = {"seconds": clock.seconds, "priced": clock.priced}
+    runs["model_shape"] = stacks[2].layout.model_shape
+    results["priced"] = gather(runs)
     for stack in stacks.values():
         stack.close()
     return results
