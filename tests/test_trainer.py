@@ -76,8 +76,16 @@ def test_a_plan_by_modelled_seconds_trains_to_the_same_weights(res):
     """scheduler.plan_seconds with elastic.pace_model=H800 on 2 replicas, consolidation across
     them and the correction on modelled seconds: the job plans by seconds (static's end bounds
     it: at most 24 new tokens, milliseconds a step on an H800, so well under a second, where a
-    plan by steps would bound it by steps) and trains to case 1's weights."""
+    plan by steps would bound it by steps) and trains to case 1's weights; with history for
+    every prompt (the next epoch) its replicas decide on modelled clocks that price every step
+    and keep the plan's end (no correction is forced: whether one comes is the lengths')."""
     for r in res:
         assert r["seconds_plan_equals_elastic"] is True
         by_seconds, bound = r["seconds_plan"]
         assert by_seconds and 0 < bound < 1.0
+        # in the next epoch (every prompt with history) the job ran the replicas on modelled
+        # clocks (every step of the rank priced, in seconds of the same order as the plan's)
+        # and they kept the plan's end
+        clock = r["seconds_clock"]
+        assert clock["kind"] == "ModelledClock" and clock["end_bound"] == bound, clock
+        assert clock["priced"] == clock["steps"] > 0 and 0 < clock["seconds"] < 1.0, clock

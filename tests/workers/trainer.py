@@ -177,7 +177,8 @@ def main(out):
     # 8. scheduler.plan_seconds: placed by modelled seconds over 2 replicas of 1 rank (the pace
     #    rule on too), with consolidation across replicas and the online correction on the
     #    replicas' modelled clocks; the plan is by seconds and the weights are case 1's (tokens
-    #    depend neither on placement nor on moves)
+    #    depend neither on placement nor on moves); in the next epoch (history for every
+    #    prompt) the replicas keep the plan's end on their modelled clocks
     j = job(out, "elastic.release_policy=elastic", "rollout.replicas=2",
             "scheduler.plan_seconds=true", "elastic.pace_model=H800",
             "elastic.consolidate_across=true", "elastic.consolidate_correct=true",
@@ -185,8 +186,15 @@ def main(out):
     j.step()
     j.step()
     res["seconds_plan_equals_elastic"] = same(weights(j), w2)
-    plan = j.rollout(j.next_prompt_groups(), 3).plan
+    j.step()
+    j.step()  # the data's 16 prompts seen: the next rollout's have history, so an end to keep
+    roll = j.rollout(j.next_prompt_groups(), 5)
+    plan = roll.plan
     res["seconds_plan"] = [plan.by_seconds, plan.finish_bound]
+    box = roll.membership.mailbox  # the replica's clock and the end it keeps: the plan's
+    res["seconds_clock"] = {"kind": type(box.clock).__name__, "priced": box.clock.priced,
+                            "seconds": box.clock.seconds, "end_bound": box.end_bound,
+                            "steps": roll.records[dist.get_rank()]["steps"]}
     j.parallel.destroy()
 
     return gather(res)
