@@ -403,6 +403,19 @@ def modelled(max_batch=8):
     return modelled_clock(cost, placement, plan_step_cost(cost, placement, max_batch))
 
 
+def test_a_plan_or_clock_by_modelled_seconds_without_a_cost_model_names_the_setting():
+    """With the pace rule off (no cost model) neither the plan's step cost nor a modelled clock
+    can be built: each says which setting to set, not an AttributeError."""
+    from flexfloor.rollout.elastic import modelled_clock, plan_step_cost
+    from megatron_ext.placement import Placement
+
+    placement = Placement(owner=(0,) * 4 + (1,) * 4, ranks=(0, 1))
+    with pytest.raises(ValueError, match="plan by modelled seconds.*elastic.pace_model=H800"):
+        plan_step_cost(None, placement, 8)
+    with pytest.raises(ValueError, match="modelled clock.*elastic.pace_model=H800"):
+        modelled_clock(None, placement, None)
+
+
 def test_on_modelled_seconds_a_reprefill_stalls_its_taker():
     """Replica 1 can hand its one short request over. On the step clock a re-prefill costs no
     step, so it goes to replica 2, planned to stay longest; on a modelled clock (a plan by

@@ -526,6 +526,12 @@ def _priced_placement(placement, cost):
                      ranks=tuple(placement.ranks))
 
 
+def _require_cost(cost, what: str) -> None:
+    if cost is None:
+        raise ValueError(f"{what} needs a cost model: set elastic.pace_model to an "
+                         "accelerator (e.g. elastic.pace_model=H800)")
+
+
 def plan_step_cost(cost, placement, max_batch: int):
     """The scheduler's step cost for a plan by modelled seconds (`scheduler.plan_seconds`): a
     rank's step in a replica with every rank loaded alike, and the step's shared part
@@ -534,6 +540,7 @@ def plan_step_cost(cost, placement, max_batch: int):
     experts stretched to the cost model's (`sim.cost.model_owner`). `cost`: `pace_cost_of`'s."""
     from flexfloor.sim.scenarios import rank_step_cost
 
+    _require_cost(cost, "a plan by modelled seconds")
     return rank_step_cost(cost, _priced_placement(placement, cost), tuple(placement.ranks),
                           max_batch)
 
@@ -548,9 +555,7 @@ def modelled_clock(cost, placement, step_cost) -> ModelledClock:
     tensors)."""
     from flexfloor.sim.scenarios import reprefill_seconds_per_token
 
-    if cost is None:
-        raise ValueError("a modelled clock needs a cost model: set elastic.pace_model to an "
-                         "accelerator (e.g. elastic.pace_model=H800)")
+    _require_cost(cost, "a modelled clock")
     prices = MovePrices(kv_bytes_per_token=1, transfer_bytes_per_s=sys.float_info.min,
                         reprefill_s_per_token=reprefill_seconds_per_token(
                             cost, _priced_placement(placement, cost)))
