@@ -27,10 +27,10 @@ def res(shared):
     return shared.run(WORKER).results
 
 
-def moves(parts):
-    """Every move the ranks recorded, once each (the giver's side)."""
-    return [m for p in parts for m in p["elastic"]["record"]["trace"]["moves"]
-            if m["src"] == p["elastic"]["record"]["rank"]]
+def moves(parts, mode="elastic"):
+    """Every move the ranks recorded in `mode`, once each (the giver's side)."""
+    return [m for p in parts for m in p[mode]["record"]["trace"]["moves"]
+            if m["src"] == p[mode]["record"]["rank"]]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -175,6 +175,65 @@ def test_a_modelled_clock_under_a_real_cost_prices_what_each_replica_ran(res):
     # priced, not counted: a step costs other than 1 and the two replicas' clocks differ
     assert parts[0]["clock"]["seconds"] != parts[0]["clock"]["priced"]
     assert parts[0]["clock"]["seconds"] != parts[2]["clock"]["seconds"]
+
+
+def test_a_replica_predicted_short_by_its_history_hands_its_requests_over(res):
+    """R = 2 on 4 engine workers with the plan's estimates (tests/workers/tails.py, `HISTORY`):
+    one sample per prompt, so no sibling ever finishes and without the plan each request's
+    estimate is its cap (128), which only fits on a replica running 8 steps behind. From its
+    history replica 1's two requests (60 and 58 tokens) are predicted to end well inside
+    replica 0's 120 steps: it hands both over and leaves whole, before its own requests would
+    have ended; replica 0 decodes them on. The tokens are static's, each request once."""
+    parts = res["history"]
+    want = sorted(f"{int(r) * 10 + i}/0" for r, ls in res["history_lengths"].items()
+                  for i in range(len(ls)))
+    assert sorted(tokens(parts, "history")) == want
+    assert tokens(parts, "history") == tokens(parts, "static")
+    got, ref = tokens(parts, "history", "logprobs"), tokens(parts, "static", "logprobs")
+    assert {k: pytest.approx(v, abs=1e-5) for k, v in ref.items()} == got
+    across = [m for m in moves(parts, "history") if m["across"]]
+    assert sorted(m["request_id"] for m in across) == ["20/0", "30/0"], across
+    assert all(m["dst"] in (0, 1) for m in across)
+    recs = [p["history"]["record"] for p in parts]
+    assert recs[2]["steps"] == recs[3]["steps"] < 58  # left whole, early
+    assert all(p["history"]["timeline"][-1].get("handed_over") for p in parts[2:])
+    assert sum(r["adopted_across"] for r in recs[:2]) == 2
+
+
+def test_the_plans_estimates_read_history_then_siblings_then_the_prior():
+    """`RunningEstimates`, the rule the engine and the simulator share: a prompt with history
+    at its plan's prediction until it outlives it (then known wrong: up to its cap), unless the
+    samples finished so far prove the history wrong; a prompt without, the longest of its
+    siblings finished, else the plan's prior; a plan placed as static reads no history."""
+    from flexfloor.rollout.scheduler import LengthHistory, Predictor
+    from flexfloor.rollout.tails import RunningEstimates
+
+    history = LengthHistory()
+    for uid in range(9):
+        history.record(uid, [20, 30])  # prompts 0-8 ran 20-30 tokens last time; 10 is new
+    history.record(9, [60, 70])
+    predicted = {**{u: 30.0 for u in range(9)}, 9: 70.0, 10: 50.0}
+    plan = RolloutPlan(assignment={}, predicted=predicted,
+                       sources={"history": 10, "prior": 1}, expected_finish={})
+    est = RunningEstimates.of_plan(plan, Predictor(history))
+    assert est.with_history == frozenset(range(10))
+    none: dict = {}
+    assert est.remaining(3, "3/0", 10, 100, none) == 20.0  # its history's longest, 30
+    assert est.worst(3, "3/0", 10, 100, none) is None
+    assert est.remaining(3, "3/1", 10, 100, {3: [12]}) == 20.0  # a sibling: still its history
+    assert est.remaining(3, "3/0", 40, 100, none) == 20.0  # outlived: half what it produced
+    assert est.worst(3, "3/0", 40, 100, none) == 60.0  # known wrong: up to its cap
+    assert est.remaining(10, "10/1", 10, 100, none) == 40.0  # no history: the plan's prior
+    assert est.remaining(10, "10/1", 10, 100, {10: [12, 44]}) == 34.0  # its longest sibling
+    # sixteen samples finished, all far outside their prompts' past ranges: the history is wrong
+    wrong = {u: [200, 200] for u in (0, 1, 2, 4, 5, 6, 7, 8)}
+    assert est.history_wrong(wrong) and not est.history_wrong({u: [25, 25] for u in range(8)})
+    assert est.remaining(3, "3/0", 10, 300, {**wrong, 3: [150]}) == 140.0  # its sibling
+    distrusted = RunningEstimates.of_plan(replace(plan, distrusted=True), Predictor(history))
+    assert distrusted.with_history == frozenset()
+    prior = history.quantile(0.5)
+    assert est.length(9, "9/0", none) == 70.0 and distrusted.length(9, "9/0", none) == prior
+    assert prior < 70.0
 
 
 def test_the_simulator_takes_the_engines_steps_with_consolidation(res):

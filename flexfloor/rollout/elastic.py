@@ -55,8 +55,8 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
 from flexfloor.rollout.replicas import ReplicaTopology, replica_ranks
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
 from flexfloor.rollout.tails import (
-    Across, Mailbox, ModelledClock, MoveCosts, TailRules, after_moves, mailbox_for,
-    may_give_within, rank_state, within_replica,
+    Across, Mailbox, ModelledClock, MoveCosts, RunningEstimates, TailRules, after_moves,
+    mailbox_for, may_give_within, rank_state, within_replica,
 )
 from megatron_ext.elastic_moe import PlacedMoE
 from megatron_ext.placement import initial_placement, plan_shrink
@@ -97,6 +97,9 @@ class ElasticMembership:
     move_costs: MoveCosts = field(default_factory=lambda: MoveCosts.of(None))
     # elastic.pace_model: the cost model a shrink's pace is priced with (`Pace`); None: off
     pace_cost: object = None
+    # each running request's prediction from the rollout's plan (`tails.RunningEstimates`), for
+    # the pace rule and the decisions across replicas; None: its siblings, else its cap
+    estimates: Optional[RunningEstimates] = None
     paced_refusals: int = 0  # boundaries where a shrink was refused for its pace
     _pace: Optional[Pace] = None
     _boundaries: int = 0
@@ -208,15 +211,17 @@ class ElasticMembership:
     def _paced(self, engine, decision: ReleaseDecision, placement, report, limits: RankLimits,
                moves=()) -> ReleaseDecision:
         """`decision` under the pace rule (elastic.pace_model, `release.Pace`): when it shrinks
-        the group, one gather of every rank's running requests, each predicted from its
-        siblings finished on its rank, else its cap (`tails.rank_state`), with `moves` (tail
+        the group, one gather of every rank's running requests, each predicted from the plan
+        (`estimates`), else from its siblings finished on its rank, else its cap
+        (`tails.rank_state`), with `moves` (tail
         consolidation inside the group) on their takers; then the decision again with them.
         Collective over the group (every rank proposes the same shrink)."""
         if self.pace_cost is None or not decision.leaving:
             return decision
         if self._pace is None:
             self._pace = pace_of(self.pace_cost, engine.max_batch_size)
-        states = gather_objects(engine.moe.group, rank_state(engine, self.replica))
+        states = gather_objects(engine.moe.group,
+                                rank_state(engine, self.replica, estimates=self.estimates))
         taker = {m.request_id: m.dst for m in moves}
         work = {r: [] for r in placement.ranks}
         for st in states:
@@ -417,7 +422,8 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
                    on_event: ReleaseListener | None = None,
                    expected_finish: Optional[dict[int, float]] = None,
                    end_bound: Optional[float] = None,
-                   clock: Optional[ModelledClock] = None):
+                   clock: Optional[ModelledClock] = None,
+                   estimates: Optional[RunningEstimates] = None):
     """The membership value for a release policy (a fresh one per rollout); `step`, the
     training step, names errors and faults; `on_event` is told when this rank is released
     (a static membership releases nobody).
@@ -436,7 +442,9 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     (`tails.end_to_keep` of the plan), read by the correction across replicas
     (`elastic.consolidate_correct`); None: no correction. `clock`: the replicas' clock across
     replicas in modelled seconds (`modelled_clock`; a plan by seconds, `end_bound` in those
-    seconds); None: in engine steps."""
+    seconds); None: in engine steps. `estimates`: each running request's prediction from the
+    plan (`tails.RunningEstimates.of_plan`), read by the pace rule and the decisions across
+    replicas; None: its siblings finished on its rank, else its cap."""
     if layout.replicated and not layout.started:
         raise RuntimeError(f"rank {parallel.rank}: rollout.replicas={layout.topology.count} needs "
                            "layout.start(moe) before membership_for (it fetches the replicas' "
@@ -464,7 +472,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
     mailbox = None
     if tails is not None and tails.across and layout.replicated:
         mailbox = mailbox_for(_store(), rollout_id, topo, parallel.rank, parallel.timeout,
-                              end_bound=end_bound, clock=clock)
+                              end_bound=end_bound, clock=clock, estimates=estimates)
     return ElasticMembership(
         groups=layout.survivors,
         rollout_id=rollout_id,
@@ -483,6 +491,7 @@ def membership_for(policy: ReleasePolicy, parallel, layout: RolloutLayout, elast
         heartbeat_key=layout.heartbeat_key,
         replicas=topo.count if topo is not None else 1,
         on_event=on_event,
+        estimates=estimates,
     )
 
 

@@ -91,7 +91,8 @@ class RolloutStack:
               expected_finish: Optional[dict[int, float]] = None,
               capacity: Optional[dict[int, int]] = None,
               end_bound: Optional[float] = None,
-              modelled_clock: bool = False) -> "StackRollout":
+              modelled_clock: bool = False,
+              estimates=None) -> "StackRollout":
         """One rollout's start, on every rank of the world: with replicas, each rank borrows the
         experts its replica placement lacks and binds its replica's group; then the membership
         of `policy` (default: the elastic section's `release_policy`), which for an elastic one
@@ -101,7 +102,9 @@ class RolloutStack:
         the plan's end to keep (`tails.end_to_keep`; the correction's), in engine steps, or
         with `modelled_clock` (a plan by seconds: `RolloutPlan.by_seconds`) in modelled seconds,
         the clock the replicas then decide on across replicas (`elastic.modelled_clock` at the
-        elastic section's `pace_model`)."""
+        elastic section's `pace_model`); `estimates`: each running request's prediction from
+        the plan (`tails.RunningEstimates.of_plan`), for the pace rule and the decisions across
+        replicas."""
         if policy is None:
             policy = (self.elastic or ElasticConfig()).release_policy
         started = self.layout.start(self.moe)
@@ -109,7 +112,7 @@ class RolloutStack:
             policy, self.parallel, self.layout, self.elastic, capacity=capacity,
             scheduler_cfg=self.scheduler, step=step, on_event=on_event,
             expected_finish=expected_finish, end_bound=end_bound,
-            clock=self.modelled_clock() if modelled_clock else None)
+            clock=self.modelled_clock() if modelled_clock else None, estimates=estimates)
         return StackRollout(self, membership, started, step=step, on_event=on_event)
 
     def plan_step_cost(self):

@@ -45,10 +45,13 @@ elastic.pace_model's cost model from every rank's traced load, as `price_trace` 
 the decision projects on the plan's per-rank step cost and a move's re-prefill costs the
 taker the cost model's prefill seconds, before any of its requests steps on: the simulator's
 GPU scenarios' clock and prices.
-A request's remaining tokens are predicted from what the engine knows: the lengths of its
-siblings finished on this rank in this rollout, corrected once it outlives them, and with no
-sibling finished its cap (`remaining_tokens`); a workload's `target_len` is never read as a
-prediction.
+A request's remaining tokens are predicted as the simulator predicts them, from the rollout's
+plan (`RunningEstimates`, which the trainer and the benchmark pass): its prompt's history,
+distrusted once the samples finished on this rank prove it wrong, else the longest of its
+siblings finished on this rank, else the prior; corrected once it outlives that
+(`remaining_estimate`). Without a plan: the median of its siblings finished on this rank, and
+with none finished its cap (`remaining_tokens`). Inside a replica every estimate is the cap
+(below). A workload's `target_len` is never read as a prediction.
 
 Across replicas the engine can run the simulator's hedges (flexfloor/sim/scenarios.py,
 `tail_consolidation`) on its own clock: `elastic.consolidate_taker_hedge` (a taker counts its own
@@ -211,6 +214,64 @@ def worst_tokens(max_new_tokens: int, produced: int, siblings: Sequence[int]) ->
     return float(max(1, max_new_tokens - produced))
 
 
+@dataclass
+class RunningEstimates:
+    """How long a running request will be, from its rollout's plan: what the decisions across
+    replicas and the pace rule read, in the engine (`rank_state`) and in the simulator
+    (flexfloor/sim/scenarios.py, `tail_consolidation`): one rule for both. A prompt with
+    history: the plan's prediction (its longest sample last time), unless the history has proved
+    wrong in this rollout (`LengthHistory.unproven` of the samples finished so far, with
+    `distrust`); then, as a prompt without history: the longest of its siblings finished, else
+    the prior. A plan placed as static (`RolloutPlan.distrusted`): no prompt's history counts.
+    `finished`: prompt uid -> the lengths of its samples finished so far (the engine: on this
+    rank; the simulator: anywhere), one dict per decision (judged once, by identity)."""
+
+    predictor: object  # scheduler.Predictor
+    predicted: dict  # prompt uid -> the plan's prediction (`RolloutPlan.predicted`)
+    per_request: dict  # request id -> the plan's prediction (`RolloutPlan.per_request`)
+    with_history: frozenset  # prompt uids predicted from their own history
+    distrusted: bool = False
+    distrust: bool = True
+    _verdict: list = field(default_factory=lambda: [None, False], repr=False)
+
+    @classmethod
+    def of_plan(cls, plan, predictor, *, distrust: bool = True) -> "RunningEstimates":
+        if plan.distrusted:  # the last rollout proved the history wrong: siblings and the prior
+            predictor = replace(predictor, trust_history=False)
+        with_history = frozenset(uid for uid in plan.predicted
+                                 if predictor.trust_history and predictor.history.last(uid))
+        return cls(predictor, dict(plan.predicted), dict(plan.per_request), with_history,
+                   plan.distrusted, distrust)
+
+    def history_wrong(self, finished: dict) -> bool:
+        """Whether the history has proved wrong in this rollout, from `finished`."""
+        if not (self.distrust and self.with_history):
+            return False
+        if self._verdict[0] is not finished:
+            self._verdict[:] = [finished, self.predictor.history.unproven(finished)]
+        return self._verdict[1]
+
+    def length(self, uid: int, request_id: str, finished: dict) -> float:
+        """The predicted length of request `request_id` of prompt `uid`."""
+        if (self.history_wrong(finished) if uid in self.with_history else finished.get(uid)):
+            return replace(self.predictor, trust_history=False).predict(
+                uid, finished.get(uid, ()))[0]
+        if self.distrusted:  # the prior, not the plan's (history's) prediction
+            return self.predictor.predict(uid)[0]
+        return self.predicted.get(uid, self.per_request.get(request_id, 0.0))
+
+    def remaining(self, uid: int, request_id: str, produced: int, cap: int,
+                  finished: dict) -> float:
+        """Tokens still to come (`remaining_estimate`: corrected once it outlives its length)."""
+        return remaining_estimate(self.length(uid, request_id, finished), produced, cap)
+
+    def worst(self, uid: int, request_id: str, produced: int, cap: int,
+              finished: dict) -> Optional[float]:
+        """Once it has outlived its predicted length (known wrong): up to its cap; else None."""
+        return (float(cap - produced) if produced >= self.length(uid, request_id, finished)
+                else None)
+
+
 def end_to_keep(plan) -> Optional[float]:
     """The rollout's end the correction keeps: the plan's `finish_bound` (the static baseline's
     predicted end), in engine steps, or for a plan by modelled seconds
@@ -311,19 +372,30 @@ def after_moves(report, ranks: Sequence[int], moves: Sequence[Move], cached: dic
     return replace(report, has_work=has, running=running, remaining=remaining, kv_free=kv_free)
 
 
-def rank_state(engine, replica: int, *, siblings: bool = True) -> RankState:
-    """This rank's running requests, queue and free KV blocks, as the decision reads them;
-    `siblings`: predict from the siblings finished on this rank (else each request's cap)."""
+def rank_state(engine, replica: int, *, siblings: bool = True,
+               estimates: Optional[RunningEstimates] = None) -> RankState:
+    """This rank's running requests, queue and free KV blocks, as the decision reads them.
+    With `estimates` (the rollout's plan) each request is predicted as `RunningEstimates`
+    says, from the samples finished on this rank; else, with `siblings`, from the siblings
+    finished on this rank (`remaining_tokens`); else each request's cap."""
     st = engine.rollout
     finished: dict[int, list[int]] = {}
-    for res in st.results if siblings else ():
+    for res in st.results if siblings or estimates is not None else ():
         finished.setdefault(res.prompt_uid, []).append(len(res.token_ids))
-    siblings = finished
-    running = tuple(Running(r.request.request_id, r.position,
-                            remaining_tokens(r.request.max_new_tokens, len(r.tokens), sib),
-                            worst_tokens(r.request.max_new_tokens, len(r.tokens), sib))
-                    for r in st.running for sib in [siblings.get(r.request.prompt_uid, ())])
-    return RankState(engine.rank, replica, running, len(st.queue), st.pool.free_blocks)
+    running = []
+    for r in st.running:
+        q, produced = r.request, len(r.tokens)
+        if estimates is not None:
+            remaining = estimates.remaining(q.prompt_uid, q.request_id, produced,
+                                            q.max_new_tokens, finished)
+            worst = estimates.worst(q.prompt_uid, q.request_id, produced, q.max_new_tokens,
+                                    finished)
+        else:
+            sib = finished.get(q.prompt_uid, ())
+            remaining = remaining_tokens(q.max_new_tokens, produced, sib)
+            worst = worst_tokens(q.max_new_tokens, produced, sib)
+        running.append(Running(q.request_id, r.position, remaining, worst))
+    return RankState(engine.rank, replica, tuple(running), len(st.queue), st.pool.free_blocks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,6 +449,8 @@ class Mailbox:
     end_bound: Optional[float] = None
     # the replicas' clocks in modelled seconds (a plan by seconds); None: in engine steps
     clock: Optional[ModelledClock] = None
+    # each running request's prediction from the rollout's plan; None: siblings, else its cap
+    estimates: Optional[RunningEstimates] = None
     consumed: int = 0  # messages of this replica's inbox already read
     opened: bool = False
     claimed: list = field(default_factory=list)  # taker replicas this leader holds busy
@@ -517,7 +591,8 @@ class Mailbox:
                     mail += self.take_mail()  # committed before the close
             else:  # no wait on a busy inbox goes on: a later one is timed from its own start
                 self._busy_since = None
-        everyone = gather_objects(engine.moe.group, (rank_state(engine, self.replica),
+        everyone = gather_objects(engine.moe.group, (rank_state(engine, self.replica,
+                                                                estimates=self.estimates),
                                                      (mail, closed, self.consumed, due, plans)))
         states = [s for s, _ in everyone]
         # the leader's view for every rank: what follows branches into collectives, and a
@@ -574,8 +649,10 @@ class Mailbox:
 
 def mailbox_for(store, rollout_id: str, topology, rank: int, timeout,
                 end_bound: Optional[float] = None,
-                clock: Optional[ModelledClock] = None) -> Mailbox:
+                clock: Optional[ModelledClock] = None,
+                estimates: Optional[RunningEstimates] = None) -> Mailbox:
     timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     return Mailbox(store=store, rollout_id=rollout_id, replica=topology.index,
                    replicas=topology.count, ranks_per_replica=topology.ranks_per_replica,
-                   rank=rank, timeout_s=float(timeout_s), end_bound=end_bound, clock=clock)
+                   rank=rank, timeout_s=float(timeout_s), end_bound=end_bound, clock=clock,
+                   estimates=estimates)

@@ -460,43 +460,22 @@ def tail_consolidation(sc: Scenario, cost, params: CostParams, topo: _Topology, 
     prices = MovePrices(kv_bytes_per_token=topo.memory.kv_bytes_per_token,
                         transfer_bytes_per_s=cost.accel.network_bytes_per_s * params.link_efficiency,
                         reprefill_s_per_token=reprefill_seconds_per_token(cost, placement))
-    if plan.distrusted:  # the last rollout proved the history wrong: siblings and the prior
-        predictor = dataclasses.replace(predictor, trust_history=False)
-    with_history = {uid for uid in plan.predicted
-                    if predictor.trust_history and predictor.history.last(uid)}
+    # the engine's rule (`tails.RunningEstimates`): the plan's history, the siblings finished so
+    # far (here anywhere, the engine's on its rank) and the prior, the history distrusted once
+    # it proves wrong in this rollout (with `Scenario.distrust`)
+    from flexfloor.rollout.tails import RunningEstimates
+
+    est = RunningEstimates.of_plan(plan, predictor, distrust=sc.distrust)
+    predictor = est.predictor
     spread = predictor.history.sibling_spread() if sc.gather else 1.0  # read by gathering only
 
-    # once the history proves wrong in this rollout (`LengthHistory.unproven` of the samples
-    # finished so far), its prompts are predicted as a distrusted plan's are, from siblings and
-    # the prior (with `Scenario.distrust`): the history's short prompts that run long are the
-    # ones a hand-over would misplace
-    untrusting = dataclasses.replace(predictor, trust_history=False)
-    # the last verdict: (the finished lengths it read, verdict). A decision's lengths are its
-    # own dict (`TailConsolidation`), asked about once per running request: judged once. Held,
-    # so that no later dict takes the same identity
-    judge = sc.distrust and bool(with_history)
-    last: list = [None, False]
-
-    def wrong_now(finished: dict) -> bool:
-        if judge and last[0] is not finished:
-            last[:] = [finished, predictor.history.unproven(finished)]
-        return judge and last[1]
-
     def predicted(req: SimRequest, produced: int, finished: dict) -> float:
-        if req.prompt_uid in with_history and wrong_now(finished):
-            return untrusting.predict(req.prompt_uid, finished.get(req.prompt_uid, ()))[0]
-        if req.prompt_uid not in with_history and sc.gather:
+        if req.prompt_uid not in est.with_history and sc.gather:
             # no history: its siblings done (the shorter ones) and how far a prompt's samples
             # spread, else the prior beyond what it produced (`Predictor.running`)
             return predictor.running(req.prompt_uid, finished.get(req.prompt_uid, ()),
                                      produced, spread)
-        # a request still running is one of its prompt's longer samples: predicted as long as
-        # the longest (which sample index ran longest last time says nothing of this one)
-        if req.prompt_uid not in with_history and finished.get(req.prompt_uid):
-            return predictor.predict(req.prompt_uid, finished[req.prompt_uid])[0]
-        if plan.distrusted:  # the prior, not the plan's (history's) prediction
-            return predictor.predict(req.prompt_uid)[0]
-        return plan.predicted.get(req.prompt_uid, plan.per_request.get(req.request_id, 0.0))
+        return est.length(req.prompt_uid, req.request_id, finished)
 
     def remaining(req: SimRequest, produced: int, finished: dict) -> float:
         if sc.oracle:

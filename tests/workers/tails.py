@@ -3,7 +3,8 @@ and under the elastic policy with consolidation on, at R = 1 (moves inside the w
 one of them chained: a request moved twice) and R = 2 (moves inside a replica and across
 replicas through the job's store), greedy and sampled; then R = 2 with the simulator's hedge
 and correction, once where nothing is late and twice where a late replica corrects (on the
-step clock, and on a modelled clock); last, R = 2 on a modelled clock under a real cost model.
+step clock, and on a modelled clock); then R = 2 on a modelled clock under a real cost model;
+last, R = 2 with every request predicted from its prompt's history (the plan's estimates).
 
 Usage: torchrun --nproc-per-node 4 tests/workers/tails.py OUT_DIR
 """
@@ -21,7 +22,9 @@ from _harness import gather, rollout_outcome as rollout, run
 from flexfloor.config import ElasticConfig, ModelConfig, ReleasePolicy, RolloutConfig
 from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
+from flexfloor.rollout.scheduler import LengthHistory, Predictor, RolloutPlan
 from flexfloor.rollout.stack import RolloutStack
+from flexfloor.rollout.tails import RunningEstimates
 from flexfloor.rollout.types import Request, SamplingParams
 
 SAMPLING = {"greedy": SamplingParams(greedy=True),
@@ -77,6 +80,14 @@ MODELLED = dataclasses.replace(HEDGED, pace_model="unit")
 # requests of REPLICAS: every step of a replica priced from the traced loads its step report
 # carries, which the test checks against `price_trace` of the replica's ranks' own traces
 PRICED = dataclasses.replace(HEDGED, pace_model="H800")
+# R = 2 with the rollout's plan predicting every request from its history
+# (`tails.RunningEstimates`, as the trainer and the benchmark pass it): one sample per prompt,
+# so no sibling ever finishes. Replica 1's two requests are predicted 60 and 58 long, which
+# fits inside replica 0's (predicted 120): its leader hands them over as soon as it sees replica
+# 0's state, unless replica 0 runs 60 steps ahead. Without the plan each estimate is the cap
+# (128), which fits only where replica 0 is at least 8 steps behind replica 1
+HISTORY = {0: [120, 118, 116], 1: [119, 117, 115], 2: [60], 3: [58]}
+HISTORY_CAP = 128
 
 
 class Conductor:
@@ -164,6 +175,20 @@ def requests(lengths, rank, sampling, step, max_new):
     return out
 
 
+def history_estimates(lengths) -> RunningEstimates:
+    """The estimates of a plan whose every prompt (`requests`' uids) was seen one rollout
+    before at the lengths it now runs to."""
+    history = LengthHistory()
+    predicted = {}
+    for rank, ns in lengths.items():
+        for i, n in enumerate(ns):
+            history.record(rank * 10 + i, n if isinstance(n, list) else [n])
+            predicted[rank * 10 + i] = float(max(n if isinstance(n, list) else [n]))
+    plan = RolloutPlan(assignment={}, predicted=predicted,
+                       sources={"history": len(predicted)}, expected_finish={})
+    return RunningEstimates.of_plan(plan, Predictor(history))
+
+
 def main(out):
     rank = int(os.environ["RANK"])
     par = Parallel.build(expert_parallel_size=4, timeout_s=60)
@@ -208,6 +233,12 @@ def main(out):
     runs["clock"] = {"seconds": clock.seconds, "priced": clock.priced}
     runs["model_shape"] = stacks[2].layout.model_shape
     results["priced"] = gather(runs)
+    reqs = requests(HISTORY, rank, SAMPLING["sampled"], step=5, max_new=HISTORY_CAP)
+    runs = {"static": rollout(stacks[2], ReleasePolicy.STATIC, reqs),
+            "history": rollout(stacks[2], ReleasePolicy.ELASTIC, reqs,
+                               estimates=history_estimates(HISTORY))}
+    results["history"] = gather(runs)
+    results["history_lengths"] = HISTORY
     for stack in stacks.values():
         stack.close()
     return results
