@@ -42,7 +42,7 @@ from flexfloor.rollout.offload import HostOffload, OffloadOnRelease, ResidentSet
 from flexfloor.rollout.replicas import held_to_end, route_least_outstanding
 from flexfloor.rollout.scheduler import PromptGroup, RolloutPlan, Scheduler, prediction_accuracy
 from flexfloor.rollout.stack import RolloutStack
-from flexfloor.rollout.tails import end_to_keep
+from flexfloor.rollout.tails import RunningEstimates, end_to_keep
 from flexfloor.rollout.types import Request, SamplingParams
 from flexfloor.tokenizer import check_vocab, load_tokenizer
 from flexfloor.runlog import RunLog
@@ -256,7 +256,9 @@ class Job:
             run = self.stack.start(policy, step=k, on_event=self._release_listener(),
                                    expected_finish=plan.expected_finish,
                                    end_bound=end_to_keep(plan),
-                                   modelled_clock=plan.by_seconds)
+                                   modelled_clock=plan.by_seconds,
+                                   estimates=RunningEstimates.of_plan(
+                                       plan, self.scheduler.predictor))
         with self.phase("rollout", k):
             out = run.generate(plan.assignment[self.rank])
         with self.phase("resync", k):

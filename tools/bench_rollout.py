@@ -497,7 +497,7 @@ class Bench:
         from flexfloor.rollout.metrics import ratios
         from flexfloor.rollout.replicas import mode_assignments
         from flexfloor.rollout.scheduler import prediction_accuracy
-        from flexfloor.rollout.tails import end_to_keep
+        from flexfloor.rollout.tails import RunningEstimates, end_to_keep
 
         args, t0 = self.args, time.perf_counter()
         groups = self.prompt_groups(epoch)
@@ -508,6 +508,8 @@ class Bench:
         plan = self.schedulers["flexfloor"].plan(groups, range(self.world), replicas=replicas,
                                                  step_cost=self.plan_cost)
         assignment = mode_assignments(groups, replicas, chunks=chunks, flexfloor=plan)
+        # each running request's prediction in the decisions across replicas: the plan's
+        estimates = RunningEstimates.of_plan(plan, self.schedulers["flexfloor"].predictor)
         expected = {Mode.STATIC_CHUNKS: chunks.expected_finish,
                     Mode.SINGLE_GROUP: chunks.expected_finish, Mode.ELASTIC: plan.expected_finish}
         runs = {m: [] for m in args.modes}
@@ -515,7 +517,8 @@ class Bench:
             for mode in (args.modes if rep % 2 == 0 else args.modes[::-1]):
                 runs[mode].append(self.rollout(Mode(mode), assignment[Mode(mode)],
                                                plan.expected_finish, end_to_keep(plan),
-                                               modelled_clock=plan.by_seconds))
+                                               modelled_clock=plan.by_seconds,
+                                               estimates=estimates))
         entry = {"epoch": epoch, "history": epoch > 1, "seconds": time.perf_counter() - t0}
         kept = {}
         for mode in args.modes:
@@ -559,14 +562,15 @@ class Bench:
             for s in range(args.samples_per_prompt))) for uid in order]
 
     def rollout(self, mode: Mode, requests_of: dict, expected_finish: dict,
-                end_bound=None, modelled_clock: bool = False) -> dict:
+                end_bound=None, modelled_clock: bool = False, estimates=None) -> dict:
         """One rollout of this rank's requests (`requests_of`: rank -> requests) in `mode`;
         every rank's records and results, gathered. single_group runs on one world-wide group,
         the others on the replicas; elastic builds the survivor groups its plan
         (`expected_finish`) implies before decoding and, with --correct, keeps its end
         (`end_bound`: `tails.end_to_keep`, in engine steps, or with `modelled_clock` (a plan by
-        seconds, --plan-seconds) in modelled seconds, the replicas' clock). A held mode's ranks
-        are occupied to the end of the slowest replica."""
+        seconds, --plan-seconds) in modelled seconds, the replicas' clock) and predicts its
+        running requests from the plan (`estimates`). A held mode's ranks are occupied to the
+        end of the slowest replica."""
         import torch.distributed as dist
 
         from flexfloor.config import ReleasePolicy
@@ -582,7 +586,8 @@ class Bench:
         listener = OffloadOnRelease(HostOffload(self.resident, self.par.device)) if elastic else None
         # replicas: the experts their placement borrows; elastic: the survivor groups built ahead
         run = stack.start(policy, on_event=listener, expected_finish=expected_finish,
-                          end_bound=end_bound, modelled_clock=elastic and modelled_clock)
+                          end_bound=end_bound, modelled_clock=elastic and modelled_clock,
+                          estimates=estimates)
         groups = live_process_groups()  # after the groups built ahead: counts any made later
         out = run.generate(requests_of[self.rank])
         held = resident_bytes(self.resident, self.par.device)  # a rank never released holds it
