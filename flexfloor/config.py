@@ -316,6 +316,13 @@ class ElasticConfig:
     # replicas running anyway and stays; a leaving replica's requests count half as long again
     # on their takers (the simulator's `correct`)
     consolidate_correct: bool = False
+    # predict each running request as the simulator does, from the rollout's plan (its prompt's
+    # history, distrusted once the samples finished prove it wrong; then its longest sibling
+    # finished, then the prior: `tails.RunningEstimates`) in the decisions across replicas and
+    # the pace rule; false: from its siblings finished on its rank, else its cap. Off by default:
+    # where history is weak it kept requests from crossing replicas that crossed without it
+    # (docs/launch.md)
+    plan_estimates: bool = False
     # a request moved inside a replica: its KV blocks sent, or re-prefilled (same tokens)
     move_kv: MoveKV = MoveKV.AUTO
     # the link the ranks of a replica share, bytes/s (auto prices a KV transfer over it): gloo
@@ -362,6 +369,10 @@ class ElasticConfig:
             _require(across or not on, f"elastic.{name}",
                      "applies across replicas only; set elastic.consolidate=true and "
                      f"elastic.consolidate_across=true, or leave elastic.{name} at its default")
+        _require(across or self.pace_model != PACE_OFF or not self.plan_estimates,
+                 "elastic.plan_estimates", "is read by the decisions across replicas and the "
+                 "pace rule only; set elastic.consolidate_across=true or elastic.pace_model, or "
+                 "leave elastic.plan_estimates at false")
 
     def offloads(self, device) -> bool:
         """Whether a released rank offloads on `device` (`offload_on_release`, resolved)."""

@@ -257,8 +257,9 @@ class Job:
                                    expected_finish=plan.expected_finish,
                                    end_bound=end_to_keep(plan),
                                    modelled_clock=plan.by_seconds,
-                                   estimates=RunningEstimates.of_plan(
-                                       plan, self.scheduler.predictor))
+                                   estimates=(RunningEstimates.of_plan(
+                                       plan, self.scheduler.predictor)
+                                       if self.cfg.elastic.plan_estimates else None))
         with self.phase("rollout", k):
             out = run.generate(plan.assignment[self.rank])
         with self.phase("resync", k):

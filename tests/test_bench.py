@@ -129,6 +129,7 @@ def test_table_and_plot(run, tmp_path, capsys):
     (["--accelerator", "TPU"], "--accelerator/--model-shape: accelerator 'TPU' unknown"),
     (["--replicas", "3"], "--replicas 3 must divide --nproc 4"),
     (["--correct"], "elastic.consolidate_correct: applies across replicas only"),
+    (["--plan-estimates"], "elastic.plan_estimates: is read by the decisions across replicas"),
     (["--consolidate-across", "--taker-hedge", "0.5"],
      "elastic.consolidate_taker_hedge: must be >= 1"),
     (["--plan-seconds"], "--plan-seconds: scheduler.plan_seconds: places across replicas and "

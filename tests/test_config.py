@@ -250,6 +250,7 @@ def test_bad_enum_lists_allowed_values(override, allowed):
     ("elastic.check_interval_steps=0", "elastic.check_interval_steps"),
     ("elastic.consolidate_taker_hedge=0.8", "elastic.consolidate_taker_hedge"),
     ("elastic.consolidate_correct=true", "elastic.consolidate_correct"),  # needs _across
+    ("elastic.plan_estimates=true", "elastic.plan_estimates"),  # needs _across or pace_model
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
     ("logging.log_interval=0", "logging.log_interval"),
 ])
@@ -423,6 +424,10 @@ def test_example_configs_load(name, algorithm):
     cfg = load_config(None, ["elastic.consolidate_across=true", "elastic.consolidate_correct=true",
                              "elastic.consolidate_taker_hedge=1.25"])
     assert cfg.elastic.consolidate_correct and cfg.elastic.consolidate_taker_hedge == 1.25
+    # the plan's estimates: off by default, read across replicas or by the pace rule
+    assert not ElasticConfig().plan_estimates
+    assert load_config(None, ["elastic.pace_model=unit",
+                              "elastic.plan_estimates=true"]).elastic.plan_estimates
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(

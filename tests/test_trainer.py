@@ -78,7 +78,9 @@ def test_a_plan_by_modelled_seconds_trains_to_the_same_weights(res):
     it: at most 24 new tokens, milliseconds a step on an H800, so well under a second, where a
     plan by steps would bound it by steps) and trains to case 1's weights; with history for
     every prompt (the next epoch) its replicas decide on modelled clocks that price every step
-    and keep the plan's end (no correction is forced: whether one comes is the lengths')."""
+    and keep the plan's end (no correction is forced: whether one comes is the lengths'), each
+    running request predicted from the plan (elastic.plan_estimates), every prompt from its
+    history."""
     for r in res:
         assert r["seconds_plan_equals_elastic"] is True
         by_seconds, bound = r["seconds_plan"]
@@ -89,3 +91,4 @@ def test_a_plan_by_modelled_seconds_trains_to_the_same_weights(res):
         clock = r["seconds_clock"]
         assert clock["kind"] == "ModelledClock" and clock["end_bound"] == bound, clock
         assert clock["priced"] == clock["steps"] > 0 and 0 < clock["seconds"] < 1.0, clock
+        assert r["seconds_estimates"] is True

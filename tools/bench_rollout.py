@@ -149,6 +149,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="across replicas: the online correction against the plan's end, in "
                         "engine steps, or with --plan-seconds in modelled seconds "
                         "(elastic.consolidate_correct)")
+    t.add_argument("--plan-estimates", action="store_true",
+                   help="across replicas and in the pace rule: each running request predicted "
+                        "from the plan (history, then siblings, then the prior) as the "
+                        "simulator does (elastic.plan_estimates)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -194,12 +198,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     elastic = ElasticConfig(consolidate_across=args.consolidate_across,
                             consolidate_taker_hedge=args.taker_hedge,
-                            consolidate_correct=args.correct)
+                            consolidate_correct=args.correct,
+                            plan_estimates=args.plan_estimates,
+                            pace_model=(args.accelerator if args.pace_bound or args.plan_seconds
+                                        else ElasticConfig.pace_model))
     try:
         elastic.validate()
     except ConfigError as e:
-        p.error(f"--taker-hedge/--correct: {e} (--consolidate-across sets "
-                "elastic.consolidate_across)")
+        p.error(f"--taker-hedge/--correct/--plan-estimates: {e} (--consolidate-across sets "
+                "elastic.consolidate_across, --pace-bound elastic.pace_model)")
     if args.plan_seconds:  # the job's own checks of scheduler.plan_seconds
         try:
             Config(rollout=RolloutConfig(replicas=args.replicas),
@@ -463,7 +470,8 @@ class Bench:
                    if args.pace_bound or args.plan_seconds else ElasticConfig())
         elastic = dataclasses.replace(elastic, consolidate_across=args.consolidate_across,
                                       consolidate_taker_hedge=args.taker_hedge,
-                                      consolidate_correct=args.correct)
+                                      consolidate_correct=args.correct,
+                                      plan_estimates=args.plan_estimates)
         elastic.validate()
         # replicas -> rollout stack: R replicas, and R = 1 for single_group (the same at R = 1);
         # elastic runs under the job's default elastic section (tail consolidation inside each
@@ -508,8 +516,10 @@ class Bench:
         plan = self.schedulers["flexfloor"].plan(groups, range(self.world), replicas=replicas,
                                                  step_cost=self.plan_cost)
         assignment = mode_assignments(groups, replicas, chunks=chunks, flexfloor=plan)
-        # each running request's prediction in the decisions across replicas: the plan's
-        estimates = RunningEstimates.of_plan(plan, self.schedulers["flexfloor"].predictor)
+        # with --plan-estimates each running request's prediction across replicas and in the
+        # pace rule: the plan's (else its siblings', else its cap)
+        estimates = (RunningEstimates.of_plan(plan, self.schedulers["flexfloor"].predictor)
+                     if args.plan_estimates else None)
         expected = {Mode.STATIC_CHUNKS: chunks.expected_finish,
                     Mode.SINGLE_GROUP: chunks.expected_finish, Mode.ELASTIC: plan.expected_finish}
         runs = {m: [] for m in args.modes}
@@ -645,6 +655,7 @@ class Bench:
                 "pace_bound": self.args.pace_bound, "plan_seconds": self.args.plan_seconds,
                 "consolidate_across": self.args.consolidate_across,
                 "taker_hedge": self.args.taker_hedge, "correct": self.args.correct,
+                "plan_estimates": self.args.plan_estimates,
                 "cpu_seconds_warning": cpu_seconds_warning(self.world)}
 
 

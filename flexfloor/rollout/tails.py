@@ -45,12 +45,14 @@ elastic.pace_model's cost model from every rank's traced load, as `price_trace` 
 the decision projects on the plan's per-rank step cost and a move's re-prefill costs the
 taker the cost model's prefill seconds, before any of its requests steps on: the simulator's
 GPU scenarios' clock and prices.
-A request's remaining tokens are predicted as the simulator predicts them, from the rollout's
-plan (`RunningEstimates`, which the trainer and the benchmark pass): its prompt's history,
+A request's remaining tokens are predicted from what the engine knows: the median of its
+siblings finished on this rank in this rollout, corrected once it outlives them, and with none
+finished its cap (`remaining_tokens`). With `elastic.plan_estimates` (off by default; measured
+in docs/launch.md) the trainer and the benchmark pass the rollout's plan instead
+(`RunningEstimates`), predicted as the simulator predicts them: its prompt's history,
 distrusted once the samples finished on this rank prove it wrong, else the longest of its
 siblings finished on this rank, else the prior; corrected once it outlives that
-(`remaining_estimate`). Without a plan: the median of its siblings finished on this rank, and
-with none finished its cap (`remaining_tokens`). Inside a replica every estimate is the cap
+(`remaining_estimate`). Inside a replica every estimate is the cap
 (below). A workload's `target_len` is never read as a prediction.
 
 Across replicas the engine can run the simulator's hedges (flexfloor/sim/scenarios.py,

@@ -178,11 +178,12 @@ def main(out):
     #    rule on too), with consolidation across replicas and the online correction on the
     #    replicas' modelled clocks; the plan is by seconds and the weights are case 1's (tokens
     #    depend neither on placement nor on moves); in the next epoch (history for every
-    #    prompt) the replicas keep the plan's end on their modelled clocks
+    #    prompt) the replicas keep the plan's end on their modelled clocks, predicting their
+    #    running requests from the plan (elastic.plan_estimates)
     j = job(out, "elastic.release_policy=elastic", "rollout.replicas=2",
             "scheduler.plan_seconds=true", "elastic.pace_model=H800",
             "elastic.consolidate_across=true", "elastic.consolidate_correct=true",
-            "elastic.consolidate_taker_hedge=1.25")
+            "elastic.consolidate_taker_hedge=1.25", "elastic.plan_estimates=true")
     j.step()
     j.step()
     res["seconds_plan_equals_elastic"] = same(weights(j), w2)
@@ -195,6 +196,11 @@ def main(out):
     res["seconds_clock"] = {"kind": type(box.clock).__name__, "priced": box.clock.priced,
                             "seconds": box.clock.seconds, "end_bound": box.end_bound,
                             "steps": roll.records[dist.get_rank()]["steps"]}
+    est = box.estimates  # the plan's, read by the mailbox and the pace rule alike
+    res["seconds_estimates"] = (est is not None and est is roll.membership.estimates
+                                and est.predicted == plan.predicted
+                                and est.with_history == (frozenset() if plan.distrusted
+                                                         else frozenset(plan.predicted)))
     j.parallel.destroy()
 
     return gather(res)
