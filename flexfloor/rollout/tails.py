@@ -235,6 +235,7 @@ class RunningEstimates:
     distrusted: bool = False
     distrust: bool = True
     _verdict: list = field(default_factory=lambda: [None, False], repr=False)
+    _untrusting: object = field(default=None, repr=False)  # the predictor without history
 
     @classmethod
     def of_plan(cls, plan, predictor, *, distrust: bool = True) -> "RunningEstimates":
@@ -243,7 +244,8 @@ class RunningEstimates:
         with_history = frozenset(uid for uid in plan.predicted
                                  if predictor.trust_history and predictor.history.last(uid))
         return cls(predictor, dict(plan.predicted), dict(plan.per_request), with_history,
-                   plan.distrusted, distrust)
+                   plan.distrusted, distrust,
+                   _untrusting=replace(predictor, trust_history=False))
 
     def history_wrong(self, finished: dict) -> bool:
         """Whether the history has proved wrong in this rollout, from `finished`."""
@@ -256,8 +258,7 @@ class RunningEstimates:
     def length(self, uid: int, request_id: str, finished: dict) -> float:
         """The predicted length of request `request_id` of prompt `uid`."""
         if (self.history_wrong(finished) if uid in self.with_history else finished.get(uid)):
-            return replace(self.predictor, trust_history=False).predict(
-                uid, finished.get(uid, ()))[0]
+            return self._untrusting.predict(uid, finished.get(uid, ()))[0]
         if self.distrusted:  # the prior, not the plan's (history's) prediction
             return self.predictor.predict(uid)[0]
         return self.predicted.get(uid, self.per_request.get(request_id, 0.0))
