@@ -193,15 +193,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if given:
         p.error(f"{', '.join('--' + f.replace('_', '-') for f in given)} do not apply to "
                 f"--length-dist {args.length_dist}")
-    from flexfloor.config import (Config, ConfigError, ElasticConfig, RolloutConfig,
-                                  SchedulerConfig)
+    from flexfloor.config import Config, ConfigError, RolloutConfig, SchedulerConfig
 
-    elastic = ElasticConfig(consolidate_across=args.consolidate_across,
-                            consolidate_taker_hedge=args.taker_hedge,
-                            consolidate_correct=args.correct,
-                            plan_estimates=args.plan_estimates,
-                            pace_model=(args.accelerator if args.pace_bound or args.plan_seconds
-                                        else ElasticConfig.pace_model))
+    elastic = elastic_section(args)
     try:
         elastic.validate()
     except ConfigError as e:
@@ -209,12 +203,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "elastic.consolidate_across, --pace-bound elastic.pace_model)")
     if args.plan_seconds:  # the job's own checks of scheduler.plan_seconds
         try:
-            Config(rollout=RolloutConfig(replicas=args.replicas),
-                   elastic=dataclasses.replace(elastic, pace_model=args.accelerator),
+            Config(rollout=RolloutConfig(replicas=args.replicas), elastic=elastic,
                    scheduler=SchedulerConfig(plan_seconds=True)).validate()
         except ConfigError as e:
             p.error(f"--plan-seconds: {e} (--replicas sets rollout.replicas)")
     return args
+
+
+def elastic_section(args):
+    """The elastic section the elastic mode runs under, from the flags: --pace-bound and
+    --plan-seconds price the pace rule by the cost model the figures are priced with; the tail
+    consolidation flags as given."""
+    from flexfloor.config import ElasticConfig
+
+    paced = args.pace_bound or args.plan_seconds
+    return ElasticConfig(pace_model=args.accelerator if paced else ElasticConfig.pace_model,
+                         pace_model_shape=args.model_shape if paced else None,
+                         consolidate_across=args.consolidate_across,
+                         consolidate_taker_hedge=args.taker_hedge,
+                         consolidate_correct=args.correct, plan_estimates=args.plan_estimates)
 
 
 def workload(args) -> np.ndarray:
@@ -440,8 +447,7 @@ class Bench:
     single_group), both schedulers of one rank, and the epochs they run."""
 
     def __init__(self, args):
-        from flexfloor.config import (ElasticConfig, ModelConfig, PlacementPolicy,
-                                      RolloutConfig, SchedulerConfig)
+        from flexfloor.config import ModelConfig, PlacementPolicy, RolloutConfig, SchedulerConfig
         from flexfloor.model import build_model
         from flexfloor.parallel import Parallel
         from flexfloor.rollout.engine import DEFAULT_BLOCK_TOKENS
@@ -465,13 +471,7 @@ class Bench:
         # FlexFloor's migration (--migrate-max-requests; the baselines never migrate)
         migrate = SchedulerConfig(migrate=args.migrate_max_requests > 0,
                                   migrate_max_requests=args.migrate_max_requests)
-        # --pace-bound: the pace rule priced by the cost model the figures are priced with
-        elastic = (ElasticConfig(pace_model=args.accelerator, pace_model_shape=args.model_shape)
-                   if args.pace_bound or args.plan_seconds else ElasticConfig())
-        elastic = dataclasses.replace(elastic, consolidate_across=args.consolidate_across,
-                                      consolidate_taker_hedge=args.taker_hedge,
-                                      consolidate_correct=args.correct,
-                                      plan_estimates=args.plan_estimates)
+        elastic = elastic_section(args)
         elastic.validate()
         # replicas -> rollout stack: R replicas, and R = 1 for single_group (the same at R = 1);
         # elastic runs under the job's default elastic section (tail consolidation inside each
