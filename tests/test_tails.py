@@ -218,17 +218,17 @@ def test_the_plans_estimates_read_history_then_siblings_then_the_prior():
     est = RunningEstimates.of_plan(plan, Predictor(history))
     assert est.with_history == frozenset(range(10))
     none: dict = {}
-    assert est.remaining(3, "3/0", 10, 100, none) == 20.0  # its history's longest, 30
-    assert est.worst(3, "3/0", 10, 100, none) is None
-    assert est.remaining(3, "3/1", 10, 100, {3: [12]}) == 20.0  # a sibling: still its history
-    assert est.remaining(3, "3/0", 40, 100, none) == 20.0  # outlived: half what it produced
-    assert est.worst(3, "3/0", 40, 100, none) == 60.0  # known wrong: up to its cap
-    assert est.remaining(10, "10/1", 10, 100, none) == 40.0  # no history: the plan's prior
-    assert est.remaining(10, "10/1", 10, 100, {10: [12, 44]}) == 34.0  # its longest sibling
+    # (remaining, worst)
+    assert est.running(3, "3/0", 10, 100, none) == (20.0, None)  # its history's longest, 30
+    assert est.running(3, "3/1", 10, 100, {3: [12]})[0] == 20.0  # a sibling: still its history
+    # outlived: half what it produced, and known wrong: up to its cap
+    assert est.running(3, "3/0", 40, 100, none) == (20.0, 60.0)
+    assert est.running(10, "10/1", 10, 100, none)[0] == 40.0  # no history: the plan's prior
+    assert est.running(10, "10/1", 10, 100, {10: [12, 44]})[0] == 34.0  # its longest sibling
     # sixteen samples finished, all far outside their prompts' past ranges: the history is wrong
     wrong = {u: [200, 200] for u in (0, 1, 2, 4, 5, 6, 7, 8)}
     assert est.history_wrong(wrong) and not est.history_wrong({u: [25, 25] for u in range(8)})
-    assert est.remaining(3, "3/0", 10, 300, {**wrong, 3: [150]}) == 140.0  # its sibling
+    assert est.running(3, "3/0", 10, 300, {**wrong, 3: [150]})[0] == 140.0  # its sibling
     distrusted = RunningEstimates.of_plan(replace(plan, distrusted=True), Predictor(history))
     assert distrusted.with_history == frozenset()
     prior = history.quantile(0.5)

@@ -263,16 +263,15 @@ class RunningEstimates:
             return self.predictor.predict(uid)[0]
         return self.predicted.get(uid, self.per_request.get(request_id, 0.0))
 
-    def remaining(self, uid: int, request_id: str, produced: int, cap: int,
-                  finished: dict) -> float:
-        """Tokens still to come (`remaining_estimate`: corrected once it outlives its length)."""
-        return remaining_estimate(self.length(uid, request_id, finished), produced, cap)
-
-    def worst(self, uid: int, request_id: str, produced: int, cap: int,
-              finished: dict) -> Optional[float]:
-        """Once it has outlived its predicted length (known wrong): up to its cap; else None."""
-        return (float(cap - produced) if produced >= self.length(uid, request_id, finished)
-                else None)
+    def running(self, uid: int, request_id: str, produced: int, cap: int,
+                finished: dict) -> tuple[float, Optional[float]]:
+        """(tokens still to come, the most it may still produce) of a request that produced
+        `produced`: its length less that (`remaining_estimate`: corrected once it outlives its
+        length); and once it has outlived its length (known wrong) up to its cap, else None
+        (`Running.worst`)."""
+        n = self.length(uid, request_id, finished)
+        return (remaining_estimate(n, produced, cap),
+                float(cap - produced) if produced >= n else None)
 
 
 def end_to_keep(plan) -> Optional[float]:
@@ -389,10 +388,8 @@ def rank_state(engine, replica: int, *, siblings: bool = True,
     for r in st.running:
         q, produced = r.request, len(r.tokens)
         if estimates is not None:
-            remaining = estimates.remaining(q.prompt_uid, q.request_id, produced,
-                                            q.max_new_tokens, finished)
-            worst = estimates.worst(q.prompt_uid, q.request_id, produced, q.max_new_tokens,
-                                    finished)
+            remaining, worst = estimates.running(q.prompt_uid, q.request_id, produced,
+                                                 q.max_new_tokens, finished)
         else:
             sib = finished.get(q.prompt_uid, ())
             remaining = remaining_tokens(q.max_new_tokens, produced, sib)

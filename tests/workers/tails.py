@@ -81,10 +81,11 @@ MODELLED = dataclasses.replace(HEDGED, pace_model="unit")
 # carries, which the test checks against `price_trace` of the replica's ranks' own traces
 PRICED = dataclasses.replace(HEDGED, pace_model="H800")
 # R = 2 with the rollout's plan predicting every request from its history
-# (`tails.RunningEstimates`, as the trainer and the benchmark pass it): one sample per prompt,
-# so no sibling ever finishes. Replica 1's two requests are predicted 60 and 58 long, which
-# fits inside replica 0's (predicted 120): its leader hands them over as soon as it sees replica
-# 0's state, unless replica 0 runs 60 steps ahead. Without the plan each estimate is the cap
+# (`tails.RunningEstimates`, as the trainer and the benchmark pass it with
+# elastic.plan_estimates): one sample per prompt, so no sibling ever finishes. Replica 1's two
+# requests are predicted 60 and 58 long, which fits inside replica 0's (predicted 120): its
+# leader hands them over as soon as it sees replica 0's state, unless replica 0 runs 60 steps
+# ahead. Without the plan each estimate is the cap
 # (128), which fits only where replica 0 is at least 8 steps behind replica 1
 HISTORY = {0: [120, 118, 116], 1: [119, 117, 115], 2: [60], 3: [58]}
 HISTORY_CAP = 128
@@ -182,8 +183,8 @@ def history_estimates(lengths) -> RunningEstimates:
     predicted = {}
     for rank, ns in lengths.items():
         for i, n in enumerate(ns):
-            history.record(rank * 10 + i, n if isinstance(n, list) else [n])
-            predicted[rank * 10 + i] = float(max(n if isinstance(n, list) else [n]))
+            history.record(rank * 10 + i, [n])
+            predicted[rank * 10 + i] = float(n)
     plan = RolloutPlan(assignment={}, predicted=predicted,
                        sources={"history": len(predicted)}, expected_finish={})
     return RunningEstimates.of_plan(plan, Predictor(history))
