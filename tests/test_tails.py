@@ -1,8 +1,10 @@
 """Tail consolidation in the engine (flexfloor/rollout/tails.py) on 4 real gloo workers, one
 launch shared with the session's other 4-worker tests: the same tokens and log-probs as the
 static policy at R = 1 and R = 2, greedy and sampled, with a request moved twice and requests
-moved across replicas; every request finished exactly once; the simulator, driving the same
-decision with unit cost, takes the engine's steps rank for rank. Plus the pure pieces."""
+moved across replicas; every request finished exactly once; a replica whose one rank adopts a
+request at a boundary where another could give inside the replica decides alike on both; the
+simulator, driving the same decision with unit cost, takes the engine's steps rank for rank.
+Plus the pure pieces."""
 
 from dataclasses import replace
 
@@ -198,6 +200,32 @@ def test_a_replica_predicted_short_by_its_history_hands_its_requests_over(res):
     assert recs[2]["steps"] == recs[3]["steps"] < 58  # left whole, early
     assert all(p["history"]["timeline"][-1].get("handed_over") for p in parts[2:])
     assert sum(r["adopted_across"] for r in recs[:2]) == 2
+
+
+def test_a_request_arriving_on_one_rank_leaves_its_replica_deciding_alike(res):
+    """R = 2 on 4 engine workers, min_active_ranks 1 (tests/workers/tails.py, `ARRIVAL`):
+    replica 1's one request arrives on rank 0 of replica 0 at the boundary where rank 1's short
+    request has ended, so either rank of replica 0 could give its one request to the other.
+    Every rank of the replica skips the consolidation inside it at that boundary (the mailbox
+    says the replica received work: `MailboxBoundary.arrived`, the same on both, where only rank
+    0 adopts): had rank 1 planned a move to rank 0 while rank 0 adopted, it would wait for rank 0
+    in the move's exchange for ever. The rollout ends, with static's tokens, each request once."""
+    parts = res["arrival"]
+    want = sorted(f"{int(r) * 10 + i}/0" for r, ls in res["arrival_lengths"].items()
+                  for i in range(len(ls)))
+    assert sorted(tokens(parts, "arrival")) == want
+    assert tokens(parts, "arrival") == tokens(parts, "static")
+    across = [m for m in moves(parts, "arrival") if m["across"]]
+    assert [(m["request_id"], m["dst"]) for m in across] == [("20/0", 0)], across
+    # the arrival's boundary, as ranks 0 and 1 saw it: (step, arrived, own arrivals, each rank's
+    # running requests, a rank could give inside the replica): one request each (rank 1's short
+    # one just ended), so each had a free slot to take the other's
+    at = [[tuple(s) for s in p["seen"] if s[1]] for p in parts[:2]]
+    assert at == [[(8, True, 1, [1, 1], True)], [(8, True, 0, [1, 1], True)]], at
+    # the consolidation inside came later (rank 0 then gave its request to rank 1 and left)
+    inside = [t["step"] for t in parts[0]["arrival"]["timeline"] if "consolidated" in t]
+    assert inside and 8 not in inside, inside
+    assert sum(p["arrival"]["record"]["adopted_across"] for p in parts[:2]) == 1
 
 
 def test_the_plans_estimates_read_history_then_siblings_then_the_prior():

@@ -4,7 +4,9 @@ one of them chained: a request moved twice) and R = 2 (moves inside a replica an
 replicas through the job's store), greedy and sampled; then R = 2 with the simulator's hedge
 and correction, once where nothing is late and twice where a late replica corrects (on the
 step clock, and on a modelled clock); then R = 2 on a modelled clock under a real cost model;
-last, R = 2 with every request predicted from its prompt's history (the plan's estimates).
+then R = 2 with every request predicted from its prompt's history (the plan's estimates); last,
+R = 2 with a request arriving from the other replica on one rank of a replica at the very
+boundary where another of its ranks could give its requests away inside the replica.
 
 Usage: torchrun --nproc-per-node 4 tests/workers/tails.py OUT_DIR
 """
@@ -24,7 +26,7 @@ from flexfloor.model import build_model
 from flexfloor.parallel import Parallel
 from flexfloor.rollout.scheduler import LengthHistory, Predictor, RolloutPlan
 from flexfloor.rollout.stack import RolloutStack
-from flexfloor.rollout.tails import RunningEstimates
+from flexfloor.rollout.tails import RunningEstimates, may_give_within
 from flexfloor.rollout.types import Request, SamplingParams
 
 SAMPLING = {"greedy": SamplingParams(greedy=True),
@@ -89,6 +91,20 @@ PRICED = dataclasses.replace(HEDGED, pace_model="H800")
 # (128), which fits only where replica 0 is at least 8 steps behind replica 1
 HISTORY = {0: [120, 118, 116], 1: [119, 117, 115], 2: [60], 3: [58]}
 HISTORY_CAP = 128
+# R = 2, a request from another replica arriving on one rank of a replica at the boundary where
+# another of its ranks could give inside the replica (`Gate`): every rank of the replica must
+# then take the same decision (`MailboxBoundary.arrived`, the group's), else the one that
+# adopted skips the consolidation inside while the other plans a move to it and waits for it.
+# Replica 0: rank 0 runs one request (100 tokens), rank 1 two (100 and 8), with a batch of two,
+# so rank 0 has no room on rank 1 to give to until rank 1's short request ends at its step
+# ARRIVAL_AT; then either rank could give its one request to the other. Replica 1's one request
+# (30 tokens; predicted from its history, as replica 0's) fits on rank 0's free slot: replica 1
+# starts once replica 0 posted the step before ARRIVAL_AT, hands it over and leaves, and replica
+# 0's leader reads its inbox at ARRIVAL_AT only once the request is there
+ARRIVAL = {0: [100], 1: [100, 8], 2: [30], 3: []}
+ARRIVAL_AT = 8
+ARRIVING = ElasticConfig(consolidate=True, consolidate_max_requests=1, min_active_ranks=1,
+                         consolidate_across=True)
 
 
 class Conductor:
@@ -156,6 +172,37 @@ class Conductor:
         self._until("replica 0 neither wrote to replica 1's inbox nor ended", decided)
         self._until("replica 1 did not stop", lambda: self._stopped(2) and self._stopped(3))
         self._signal(signal.SIGCONT, (2, 3))
+
+
+class Gate:
+    """Times the arrival's case (above) from the mailbox's own keys: replica 1 starts once
+    replica 0 posted step ARRIVAL_AT - 1; replica 0's leader enters its boundary at step
+    ARRIVAL_AT once replica 1's message to it is committed. Records what every rank of replica
+    0 saw at each boundary: (step, arrived, its own arrivals, each rank's running requests,
+    whether a rank could give inside the replica)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def hold(self, run) -> None:
+        me, box = int(os.environ["RANK"]), run.membership.mailbox
+        if me in (2, 3):
+            Conductor._until(f"replica 0 posted no step {ARRIVAL_AT - 1}",
+                             lambda: (posted(box.store, box, 0) or (-1,))[0] >= ARRIVAL_AT - 1)
+            return
+        boundary = box.boundary
+
+        def timed(engine, report, rules):
+            if me == 0 and engine.record.steps == ARRIVAL_AT:
+                count = box.key("count", 0)
+                Conductor._until("replica 1 sent replica 0 nothing", lambda: (
+                    box.store.check([count]) and int(box.store.add(count, 0)) >= 1))
+            got = boundary(engine, report, rules)
+            self.seen.append((engine.record.steps, got.arrived, len(got.arrivals),
+                              list(got.report.running), may_give_within(got.report, rules)))
+            return got
+
+        box.boundary = timed
 
 
 def posted(store, box, replica: int):
@@ -240,6 +287,16 @@ def main(out):
                                estimates=history_estimates(HISTORY))}
     results["history"] = gather(runs)
     results["history_lengths"] = HISTORY
+    stacks["arrival"] = RolloutStack.build(par, model, elastic=ARRIVING, rollout=RolloutConfig(
+        replicas=2, max_batch_size=2, progress=False))
+    reqs = requests(ARRIVAL, rank, SAMPLING["sampled"], step=6, max_new=HISTORY_CAP)
+    gate = Gate()
+    runs = {"static": rollout(stacks["arrival"], ReleasePolicy.STATIC, reqs),
+            "arrival": rollout(stacks["arrival"], ReleasePolicy.ELASTIC, reqs, hold=gate.hold,
+                               estimates=history_estimates(ARRIVAL)),
+            "seen": gate.seen}
+    results["arrival"] = gather(runs)
+    results["arrival_lengths"] = ARRIVAL
     for stack in stacks.values():
         stack.close()
     return results
