@@ -217,6 +217,22 @@ def prediction_accuracy(predicted: dict[int, float], realised: dict[int, float])
     return {"spearman": cov / sp if sp > 0 else float("nan"), "mae": mae, "n": len(uids)}
 
 
+def evidence_accuracy(plan, lengths: dict, predictor) -> dict:
+    """The predictor's accuracy this step (Spearman, MAE of each prompt's predicted vs realised
+    longest sample), per evidence: `history` (the plan's predictions from the prompt's own past)
+    and `siblings` (`Predictor.predict(uid, siblings)` given the shorter half of its samples,
+    those that finish first: what the rollout knows once they are done)."""
+    realised = {uid: float(max(ls)) for uid, ls in lengths.items()}
+    hist = {uid: p for uid, p in plan.predicted.items() if predictor.history.last(uid)}
+    sib = {}
+    for uid, ls in lengths.items():
+        done = sorted(ls)[: len(ls) // 2]
+        if done:
+            sib[uid] = Predictor(LengthHistory(), predictor.prior_quantile).predict(uid, done)[0]
+    return {"history": prediction_accuracy(hist, realised),
+            "siblings": prediction_accuracy(sib, realised)}
+
+
 # --------------------------------------------------------------------------------------------
 # memory
 

@@ -40,7 +40,7 @@ from flexfloor.rollout.replicas import (  # noqa: F401  (Mode, MODES, ...: re-ex
     BASELINES, HELD, MODES, Mode, route_least_outstanding,
 )
 from flexfloor.rollout.scheduler import (
-    LengthHistory, MemoryModel, Predictor, PromptGroup, Scheduler, prediction_accuracy,
+    LengthHistory, MemoryModel, Predictor, PromptGroup, Scheduler, evidence_accuracy,
 )
 from flexfloor.rollout.types import Request
 from flexfloor.rollout.workload import dataset_batches, make_lengths, make_prompts, tail_stats
@@ -350,22 +350,6 @@ def oracle_plan(scheduler: Scheduler, groups, ranks, **kw):
         ordered.append(PromptGroup(g.uid, reqs))
     knows = dataclasses.replace(scheduler, history=told)
     return knows.plan(ordered, ranks, **kw)
-
-
-def evidence_accuracy(plan, lengths: dict, predictor) -> dict:
-    """The predictor's accuracy this step (Spearman, MAE of each prompt's predicted vs realised
-    longest sample), per evidence: `history` (the plan's predictions from the prompt's own past)
-    and `siblings` (`Predictor.predict(uid, siblings)` given the shorter half of its samples,
-    those that finish first: what the rollout knows once they are done)."""
-    realised = {uid: float(max(ls)) for uid, ls in lengths.items()}
-    hist = {uid: p for uid, p in plan.predicted.items() if predictor.history.last(uid)}
-    sib = {}
-    for uid, ls in lengths.items():
-        done = sorted(ls)[: len(ls) // 2]
-        if done:
-            sib[uid] = Predictor(LengthHistory(), predictor.prior_quantile).predict(uid, done)[0]
-    return {"history": prediction_accuracy(hist, realised),
-            "siblings": prediction_accuracy(sib, realised)}
 
 
 def _mix_params(sc: Scenario) -> dict:
