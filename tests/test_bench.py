@@ -65,6 +65,28 @@ def test_identical_responses_and_fewer_occupied_steps(run):
         assert e["predictor"]["sources"]["history"] == NUM_PROMPTS, e["epoch"]
 
 
+def test_the_predictors_accuracy_is_reported_per_evidence(run):
+    """Each epoch reports Spearman and MAE of the history's and the siblings' predictions apart,
+    as the simulator does: the history's over the prompts that have some (none in epoch 1, then
+    all of them: the plan's predictions, so its figures are the `predictor`'s), the siblings'
+    over every prompt (each from the shorter half of its samples)."""
+    import math
+
+    report, _, stdout = run
+    for e in report["per_epoch"]:
+        acc = e["prediction_accuracy"]
+        assert set(acc) == {"history", "siblings"}
+        assert acc["siblings"]["n"] == NUM_PROMPTS
+        assert acc["siblings"]["mae"] >= 0 and -1 <= acc["siblings"]["spearman"] <= 1
+        if e["epoch"] == 1:
+            assert acc["history"]["n"] == 0
+            continue
+        assert acc["history"]["n"] == NUM_PROMPTS
+        for k in ("spearman", "mae"):
+            assert math.isclose(acc["history"][k], e["predictor"][k], rel_tol=1e-12), k
+    assert stdout.count("history spearman") >= 2 * EPOCHS  # each epoch's line, and the summary
+
+
 def test_modelled_seconds_price_every_traced_step(run):
     """The JSON's per-rank step traces priced again: with every step at 1 they give each rank's
     occupied steps; with the default cost model, the JSON's modelled seconds."""

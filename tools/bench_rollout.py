@@ -366,6 +366,8 @@ def format_report(report: dict) -> str:
         if "predictor" in e:
             parts.append(f"predictor spearman {_fmt(e['predictor']['spearman'], 2)} "
                          f"({max(e['predictor']['sources'], key=e['predictor']['sources'].get)})")
+        if "prediction_accuracy" in e:
+            parts.append(evidence_line(e["prediction_accuracy"]))
         tails = e.get("elastic", {}).get("tails")
         if tails:
             parts.append(f"elastic moved {tails['moved_within']} within, "
@@ -502,9 +504,8 @@ class Bench:
 
     def epoch(self, epoch: int) -> dict:
         """Place every mode, run them alternately, report; the FlexFloor scheduler then learns."""
-        from flexfloor.rollout.metrics import ratios
         from flexfloor.rollout.replicas import mode_assignments
-        from flexfloor.rollout.scheduler import prediction_accuracy
+        from flexfloor.rollout.scheduler import evidence_accuracy, prediction_accuracy
         from flexfloor.rollout.tails import RunningEstimates, end_to_keep
 
         args, t0 = self.args, time.perf_counter()
@@ -540,11 +541,16 @@ class Bench:
             self.kept.append(kept)
         if "elastic" in args.modes:
             results = runs["elastic"][0]["results"]
-            realised = {}
+            lengths = {}
             for r in results:
-                realised[r.prompt_uid] = max(realised.get(r.prompt_uid, 0), len(r.token_ids))
+                lengths.setdefault(r.prompt_uid, []).append(len(r.token_ids))
+            realised = {uid: max(ls) for uid, ls in lengths.items()}
+            predictor = self.schedulers["flexfloor"].predictor
             entry["predictor"] = {**prediction_accuracy(plan.predicted, realised),
                                   "sources": plan.sources}
+            # per evidence, as the simulator reports it: the history's (prompts that have
+            # some) and the siblings' (each prompt from the shorter half of its samples)
+            entry["prediction_accuracy"] = evidence_accuracy(plan, lengths, predictor)
             # history for the next epoch: every rank observes the same (gathered) results
             self.schedulers["flexfloor"].observe(results)
         add_ratios(entry, args.modes)
@@ -812,6 +818,12 @@ def add_ratios(rep: dict, modes: list[str]) -> None:
     rep["ratios_vs"] = {b: ratios(rep["elastic"], rep[b]) for b in BASELINES if b in modes}
 
 
+def evidence_line(accuracy: dict) -> str:
+    """The predictor's accuracy per evidence (`prediction_accuracy`), on one line."""
+    return " / ".join(f"{k} spearman {_fmt(v['spearman'], 2)} mae {_fmt(v['mae'])} (n {v['n']})"
+                      for k, v in accuracy.items())
+
+
 def progress_line(entry: dict, args) -> str:
     parts = [f"{m} {entry[m]['occupied_worker_steps']} occupied steps" for m in args.modes]
     if "ratios" in entry:
@@ -824,6 +836,8 @@ def progress_line(entry: dict, args) -> str:
     if "predictor" in entry:
         p = entry["predictor"]
         parts.append(f"predictor spearman {_fmt(p['spearman'], 2)}")
+    if "prediction_accuracy" in entry:
+        parts.append(evidence_line(entry["prediction_accuracy"]))
     return f"epoch {entry['epoch']}/{args.epochs} ({entry['seconds']:.1f} s): " + ", ".join(parts)
 
 
