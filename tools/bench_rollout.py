@@ -49,7 +49,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.rollout.metrics import cpu_seconds_warning, json_safe  # noqa: E402
+from flexfloor.outputs import writable, write_json  # noqa: E402
+from flexfloor.rollout.metrics import cpu_seconds_warning  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
 from flexfloor.sim.cost import cost_model  # noqa: E402
 from flexfloor.rollout.workload import (  # noqa: E402
@@ -267,7 +268,13 @@ def main(argv=None) -> int:
         print(f"bench_rollout: --kv-budget-tokens {args.kv_budget_tokens} cannot hold the longest "
               f"request alone ({longest} tokens: prompt + response); raise it", file=sys.stderr)
         return 2
-    out = os.path.abspath(args.out)
+    try:  # before the workers start: a bad path costs a second, not the run
+        out = writable(args.out, "--out")
+        if args.plot:
+            writable(args.plot, "--plot")
+    except ValueError as e:
+        print(f"bench_rollout: {e}", file=sys.stderr)
+        return 2
     if os.path.exists(out):
         os.remove(out)  # a stale file must not pass for this run's result
     worker_argv = [*argv, f"--out={out}"]  # the last --out wins: an absolute path
@@ -434,10 +441,7 @@ def worker(args) -> None:
     report["caveat"] = CAVEAT if bench.par.backend == "gloo" else (
         "Seconds are measured on the accelerators; the step ratio is the machine-independent twin.")
     if bench.rank == 0:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(json_safe(report), f, indent=1)
-        os.replace(tmp, args.out)
+        write_json(args.out, report)
     bench.par.barrier()
     for stack in bench.stacks.values():
         stack.close()

@@ -37,7 +37,6 @@ run, on the same threads; the step's time is the larger of bytes / bandwidth and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -67,7 +66,23 @@ def parse(argv=None):
     p.add_argument("--static-decode", action="store_true",
                    help="FlexFloor's decode steps padded to buckets (rollout.static_decode)")
     p.add_argument("--out", help="write the figures as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value in (("--batch", args.batch), ("--prompts", args.prompts),
+                        ("--new-tokens", args.new_tokens), ("--repeats", args.repeats),
+                        ("--threads", args.threads)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be at least 1")
+    if args.new_tokens < 2:
+        p.error(f"--new-tokens {args.new_tokens}: must be at least 2 (the decode rate is the "
+                "long run's tokens less a 1-token run's)")
+    if args.out:
+        from flexfloor.outputs import writable
+
+        try:  # before the work: a bad path costs a second
+            writable(args.out, "--out")
+        except ValueError as e:
+            p.error(str(e))
+    return args
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -243,8 +258,9 @@ def main(argv=None) -> int:
               f"{r['identical_responses']:>4d}/{r['responses']:<5d} "
               f"{r['roofline_tokens_per_s']:15.1f} {r['roofline_fraction']:9.3f}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"runs": rows}, f, indent=1)
+        from flexfloor.outputs import write_json
+
+        write_json(args.out, {"runs": rows})
     return 0
 
 

@@ -16,7 +16,6 @@ GPU-s / static's (median and min over seeds). The set is fixed here; do not tune
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flexfloor.outputs import writable, write_json  # noqa: E402
 from flexfloor.sim.scenarios import SCENARIOS, run  # noqa: E402
 
 SMALL = dict(gpus=16, replicas=4, num_prompts=16, max_len=2048, epochs=4)
@@ -74,6 +74,11 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         p.error(f"unknown workload {unknown}; choose from {list(WORKLOADS)}")
+    if args.out:
+        try:  # before the work: a bad path costs a second
+            writable(args.out, "--out")
+        except ValueError as e:
+            p.error(str(e))
     t0 = time.process_time()
     out = {}
     print(f"{'workload':<10} {'makespan max':>12} {'median':>7} {'late':>7} "
@@ -88,8 +93,7 @@ def main(argv=None) -> int:
               f"{s['tokens_min']:>6.3f}", flush=True)
     print(f"({time.process_time() - t0:.0f} s of CPU)")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out)
     return 0
 
 

@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from flexfloor.outputs import writable  # noqa: E402
 from flexfloor.rollout.timeline import plot_rank_timeline  # noqa: E402
 
 
@@ -51,6 +52,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--epoch", type=int, default=None, help="which epoch (default: the last)")
     args = p.parse_args(argv)
+    try:
+        writable(args.out, "--out")
+    except ValueError as e:
+        print(f"plot_timeline: {e}", file=sys.stderr)
+        return 2
     try:
         with open(args.report) as f:
             report = json.load(f)

@@ -19,7 +19,6 @@ per line).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,9 +27,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.rollout.metrics import json_safe  # noqa: E402
+from flexfloor.outputs import writable, write_json  # noqa: E402
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import MODES, SCENARIOS, run, sweep  # noqa: E402
+
+def switch(value: str) -> bool:
+    """A 0/1 flag's value (1: on)."""
+    if value not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or 1 (on), got {value!r}")
+    return value == "1"
+
 
 OVERRIDES = {  # flag -> (Scenario field, type)
     "gpus": ("gpus", int), "replicas": ("replicas", int), "accelerator": ("accelerator", str),
@@ -43,19 +49,19 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     "migrate_max_requests": ("migrate_max_requests", int), "seed": ("seed", int),
     "max_share": ("max_share", float), "load_cap": ("load_cap", float),
     "pace_margin": ("pace_margin", float),
-    "consolidate": ("consolidate", lambda v: bool(int(v))),  # 1: tail consolidation, 0: off
+    "consolidate": ("consolidate", switch),  # 1: tail consolidation, 0: off
     # the online correction and the evacuation's hedges (docs/simulator.md): 1 on (the GPU
     # scenarios' default), 0 off
-    "correct": ("correct", lambda v: bool(int(v))),
+    "correct": ("correct", switch),
     "taker_hedge": ("taker_hedge", float),
-    "oracle": ("oracle", lambda v: bool(int(v))),  # 1: elastic told every length (a ceiling)
-    "gather": ("gather", lambda v: bool(int(v))),  # 1: no history: gather known-long work
+    "oracle": ("oracle", switch),  # 1: elastic told every length (a ceiling)
+    "gather": ("gather", switch),  # 1: no history: gather known-long work
     # 1: where the history proves wrong in a rollout, a leaving replica hands over only to
     # ranks no denser than its fullest (`ConsolidationRules.no_denser`); 0: never
-    "no_denser": ("no_denser", lambda v: bool(int(v))),
+    "no_denser": ("no_denser", switch),
     # 1: after a rollout that proved the length history wrong, place the next as static does
     # (`Scheduler.distrust_wrong_history`); 0: pack by it anyway
-    "distrust": ("distrust", lambda v: bool(int(v))),
+    "distrust": ("distrust", switch),
 }
 
 
@@ -72,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-sigmas", default="0.4,0.6,0.8")
     o = p.add_argument_group("scenario overrides")
     for flag, (_, typ) in OVERRIDES.items():
-        o.add_argument("--" + flag.replace("_", "-"), type=typ, default=None)
+        o.add_argument("--" + flag.replace("_", "-"), type=typ, default=None,
+                       **({"metavar": "{0,1}"} if typ is switch else {}))
     o.add_argument("--length-file", help="replay these lengths (workload file format)")
     o.add_argument("--length-median", type=float, help="lognormal median")
     o.add_argument("--length-sigma", type=float, help="lognormal sigma")
@@ -165,6 +172,9 @@ def main(argv=None) -> int:
             print(f"{name:18s} {sc.model} on {where}: {sc.description}")
         return 0
     try:
+        out = writable(args.out, "--out")  # before the work: a bad path costs a second
+        if args.plot:
+            writable(args.plot, "--plot")
         sc = scenario_of(args)
         t0 = time.perf_counter()
         print(f"simulate: {sc.name}: {sc.model} on {sc.gpus} "
@@ -181,11 +191,7 @@ def main(argv=None) -> int:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
     rep["seconds"] = time.perf_counter() - t0
-    out = os.path.abspath(args.out)
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(json_safe(rep), f, indent=1)
-    os.replace(tmp, out)
+    write_json(out, rep)
     print(format_report(rep))
     if "sweep" in rep:
         print(format_sweep(rep["sweep"]))

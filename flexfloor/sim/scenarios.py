@@ -182,6 +182,8 @@ class _Topology:
 
 def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
     """Simulate every step of `sc` in every mode; the report `tools/simulate.py` writes."""
+    if sc.gpus < 1:
+        raise ValueError(f"gpus={sc.gpus}: must be at least 1")
     if sc.replicas < 1 or sc.gpus % sc.replicas:
         raise ValueError(f"replicas={sc.replicas} must divide gpus={sc.gpus} (EP size per "
                          "replica = gpus / replicas)")

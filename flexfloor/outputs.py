@@ -1,0 +1,42 @@
+"""Result files the commands write: checked before the work that fills them, written whole.
+
+A benchmark or a simulation runs for minutes; a typo in `--out` must cost a second, not the
+run. `writable` checks the path before anything starts (its folder exists and may be written,
+it is not a folder itself) and names the flag; `write_json` writes strict JSON (NaN and inf
+as null) to a temporary file beside the target and renames it over the target, so a reader
+never sees half a report and a stale one is replaced in one step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from flexfloor.rollout.metrics import json_safe
+
+
+def writable(path: str, flag: str) -> str:
+    """`path` as an absolute path, once a file can be written there; ValueError naming `flag`
+    and the fix otherwise. Nothing is created."""
+    out = os.path.abspath(path)
+    if os.path.isdir(out):
+        raise ValueError(f"{flag} {path}: is a folder; give the file to write")
+    folder = os.path.dirname(out)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: folder {folder} does not exist; create it or give "
+                         "another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: folder {folder} is not writable; give another path")
+    return out
+
+
+def write_json(path: str, report) -> None:
+    """`report` as strict JSON (indented) at `path`, whole or not at all."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(json_safe(report), f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
