@@ -68,8 +68,7 @@ def parse(argv=None):
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     for flag, value in (("--batch", args.batch), ("--prompts", args.prompts),
-                        ("--new-tokens", args.new_tokens), ("--repeats", args.repeats),
-                        ("--threads", args.threads)):
+                        ("--repeats", args.repeats), ("--threads", args.threads)):
         if value < 1:
             p.error(f"{flag} {value}: must be at least 1")
     if args.new_tokens < 2:

@@ -31,6 +31,7 @@ from flexfloor.outputs import writable, write_json  # noqa: E402
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import MODES, SCENARIOS, run, sweep  # noqa: E402
 
+
 def switch(value: str) -> bool:
     """A 0/1 flag's value (1: on)."""
     if value not in ("0", "1"):
