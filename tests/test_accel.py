@@ -48,7 +48,6 @@ def test_released_ranks_hold_at_most_a_tenth_of_a_survivor(parts):
         assert s["resident_bytes_after_release"] <= 0.1 * survivor["survivor_bytes_at_end"]
         assert s["resident_bytes_after_release"] <= 0.1 * s["resident_bytes_before_release"]
         assert s["resident_bytes_after_resync"] == s["resident_bytes_before_release"]
-        assert s["restore_s"] >= 0
 
 
 def test_resync_restores_weights_grads_and_optimizer_bit_identically(parts):

@@ -20,7 +20,9 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
 
     seen = run_worker("ckpt_crash.py", 2, root, "resume", timeout=300).load("seen.json")
     assert seen["step"] == 1 and seen["marker"] == 1
-    assert seen["same_as_init"] is True  # step 1's weights, not a mix with step 2's
+    # the weights were moved before the load; the load brought back step 1's, not a mix with
+    # step 2's
+    assert seen["moved_before_load"] is True and seen["same_as_init"] is True
     assert seen["saved"] == "iter_0000002"
     assert "iter_0000002.tmp" not in seen["dirs"]  # the leftover was cleared by the next save
 

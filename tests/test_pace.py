@@ -93,8 +93,8 @@ def test_the_cost_model_prices_a_survivor_that_hosts_every_expert():
     work = [[(100.0, 1000)] * 8, []]
     t_before = pace.group_cost(before, (0,))(8, 8000.0)
     t_after = pace.group_cost(after, (0,))(8, 8000.0)
-    assert slows_replica(pace, before, after, work) == (t_after > t_before)
-    assert t_after != t_before
+    assert t_after > t_before  # one GPU reads every expert's weights each step
+    assert slows_replica(pace, before, after, work)
 
 
 def test_the_config_names_a_bad_pace_field():

@@ -39,7 +39,6 @@ def test_all_ranks_back_in_the_training_layout_after_every_resync(res):
         for r in rank:
             assert r["placement_restored"] and r["group_restored"] and r["own_experts_only"]
             assert r["survivor_groups_left"] == 0
-            assert (r["kv_cache_bytes"], r["running"], r["queued"]) == (0, 0, 0)
 
 
 def test_release_orders_varied(res):

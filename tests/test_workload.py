@@ -94,4 +94,6 @@ def test_bad_names_list_the_choices():
 
 def test_tail_stats():
     s = tail_stats(np.array([[1, 2, 3, 4, 100]]))
-    assert s["p50"] == 3 and s["max"] == 100 and s["p99_over_p50"] == pytest.approx(s["p99"] / 3)
+    # p99 interpolated between 4 and 100: 4 + 0.96 * 96
+    assert s["p50"] == 3 and s["max"] == 100 and s["p99"] == pytest.approx(96.16)
+    assert s["p99_over_p50"] == pytest.approx(96.16 / 3)

@@ -39,11 +39,16 @@ def main(root, mode):
         extra = {"marker": 2, "die": DieWhilePickled() if par.rank == 0 else None}
         save_checkpoint(root, 2, model=model, model_cfg=MODEL, extra_state=extra)
         raise SystemExit("unreachable: the save should have died")
-    fresh = forward_logits(model, probe)
+    fresh = forward_logits(model, probe)  # the same seed as the crash run: step 1's weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.25)  # a load that leaves a weight as it finds it shows in the logits
+    moved = not torch.equal(fresh, forward_logits(model, probe))
     step, extra = load_checkpoint(root, model=model, model_cfg=MODEL)
     loaded = forward_logits(model, probe)
     saved = save_checkpoint(root, 2, model=model, model_cfg=MODEL, extra_state={"marker": 2})
     write(root, "seen.json", {"step": step, "marker": extra["marker"],
+                              "moved_before_load": moved,
                               "same_as_init": bool(torch.equal(fresh, loaded)),
                               "saved": os.path.basename(saved), "dirs": sorted(os.listdir(root))})
 

@@ -120,7 +120,7 @@ def main(out, rollouts):
         model = build_model(ModelConfig(), par, params_dtype="float64")
         stack = RolloutStack.build(par, model,
                                    rollout=RolloutConfig(max_batch_size=4, progress=False))
-    layout, moe, engine = stack.layout, stack.moe, stack.engine
+    layout, moe = stack.layout, stack.moe
     start_placement = layout.placement.as_dict()
     groups_at_start = live_process_groups()
     own = [sorted(h) for h in moe.hosted]
@@ -161,8 +161,6 @@ def main(out, rollouts):
             "survivor_groups_left": live_process_groups() - groups_at_start - sum(
                 g is not None for g in [*layout.survivors.prebuilt.values(),
                                         *layout.survivors.late.values()]),
-            "kv_cache_bytes": sum(r.cache.nbytes for r in engine.running),
-            "running": len(engine.running), "queued": len(engine.queue),
             "tensor_bytes": sum(v[0] for v in storages.values()),
             "storages_added": [] if baseline is None else described(storages, added(baseline,
                                                                                      storages)),
