@@ -12,6 +12,6 @@ def test_stalled_peer_fails_the_others_with_rank_phase_and_step(tmp_path):
         path = os.path.join(tmp_path, f"rank{rank}.txt")
         assert os.path.exists(path), f"rank {rank} never reached the rollout:\n{run.proc.stderr[-4000:]}"
         with open(path) as f:
-            seconds, message = f.read().split("\n", 1)
+            stall_ended, message = f.read().split("\n", 1)
         assert f"rank {rank}, phase 'step boundary (release)', engine step 3" in message
-        assert float(seconds) < 12  # the 4 s timeout fired before the 15 s stall ended
+        assert stall_ended == "False"  # the 4 s timeout fired before the 15 s stall ended

@@ -232,13 +232,12 @@ def test_ray_stage_stops_when_the_ray_nodes_srun_ends(fake_srun):
     stops waiting for the head and ends with one line, exit 1, long before --head-timeout-s."""
     env, log = fake_srun
     env = dict(env, **slurm_env("localhost", 1, "localhost", 0))
-    t0 = time.monotonic()
+    # timeout 120 < --head-timeout-s 300: a stage that waited for the head would be killed
     proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.slurm", "ray",
                            f"--port={free_port()}", "--head-timeout-s=300", "--config", CONFIG],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode == 1, proc.stderr
-    assert time.monotonic() - t0 < 60
     (line,) = proc.stderr.strip().splitlines()
     assert re.fullmatch(r"\[flexfloor.launch.slurm\] error: the Ray nodes' srun ended \(exit "
                         r"status 0\) before the head answered at 127\.0\.0\.1:\d+; see its "
