@@ -2,6 +2,7 @@
 engine takes (per rank, per epoch, every mode, with 1 and 2 replicas, release order included) for
 the same lengths and policies; and the paper-like scenario must meet the paper's targets."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -180,10 +181,17 @@ def test_a_trace_file_is_replayed_as_given(tmp_path):
     assert proc.returncode == 0, proc.stderr
     with open(out) as f:
         rep = json.load(f)
+    digests = []
     for e, entry in enumerate(rep["per_epoch"]):
+        # responses_sha256: a digest of each prompt's response lengths, those of the file
+        rows = [(uid, sorted(int(n) for n in lengths[e, uid])) for uid in range(10)]
+        digests.append(hashlib.sha256(json.dumps(rows).encode()).hexdigest())
+        for mode in rep["modes"]:
+            assert entry[mode]["responses_sha256"] == digests[e], (e, mode)
         for mode in ("static", "elastic"):
             assert entry[mode]["total_response_tokens"] == int(lengths[e].sum())
     assert rep["elastic"]["total_response_tokens"] == int(lengths[1].sum())  # summary: epoch 2
+    assert rep["elastic"]["responses_sha256"] == hashlib.sha256(digests[1].encode()).hexdigest()
 
 
 # a small paper-like cluster (4 replicas x EP8 of H800, 128 requests): a second or two of CPU

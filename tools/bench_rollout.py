@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -50,7 +49,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from flexfloor.outputs import writable, write_json  # noqa: E402
-from flexfloor.rollout.metrics import cpu_seconds_warning  # noqa: E402
+from flexfloor.rollout.metrics import chained_sha256, cpu_seconds_warning  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
 from flexfloor.sim.cost import cost_model  # noqa: E402
 from flexfloor.rollout.workload import (  # noqa: E402
@@ -766,8 +765,7 @@ def summary(epochs: list[dict], kept: list[dict], args) -> dict:
         m.pop("released_ranks")  # per epoch only
         for key in ("rollout_wall_seconds", "rollout_wall_steps"):
             m[key] = sum(e[mode][key] for e in chosen)
-        m["responses_sha256"] = hashlib.sha256(
-            ",".join(e[mode]["responses_sha256"] for e in chosen).encode()).hexdigest()
+        m["responses_sha256"] = chained_sha256(e[mode]["responses_sha256"] for e in chosen)
         report[mode] = m
     report["modes"] = list(args.modes)
     add_ratios(report, args.modes)

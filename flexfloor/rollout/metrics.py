@@ -19,6 +19,19 @@ def responses_sha256(results: Iterable) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
+def lengths_sha256(lengths: dict) -> str:
+    """The simulator's `responses_sha256` (it has lengths, not tokens): a digest of each
+    prompt's response lengths (prompt uid -> lengths), independent of which rank or replica
+    ran which sample."""
+    rows = sorted((int(uid), sorted(map(int, ls))) for uid, ls in lengths.items())
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def chained_sha256(digests: Iterable[str]) -> str:
+    """One digest of several rollouts' `responses_sha256`, in order (a summary over steps)."""
+    return hashlib.sha256(",".join(digests).encode()).hexdigest()
+
+
 # the modelled figures: a cost model's seconds of the real steps (flexfloor.sim.cost); the
 # simulator's seconds are all modelled and carry the same names
 MODELLED_FIGURES = ("modelled_occupied_gpu_seconds", "modelled_rollout_seconds",
@@ -145,7 +158,7 @@ def summed_records(epochs: list[list[dict]]) -> list[dict]:
 
 
 def ratios(elastic: dict, static: dict) -> dict:
-    """FlexFloor / baseline for the figures the DESIGN contract names."""
+    """FlexFloor / baseline for the figures the tools report (their `ratios`)."""
 
     def ratio(key):
         return elastic[key] / static[key] if static[key] else float("nan")

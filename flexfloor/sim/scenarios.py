@@ -34,7 +34,8 @@ from flexfloor.config import MODEL_PRESETS, ElasticConfig, PlacementPolicy
 from flexfloor.rollout.consolidate import ConsolidationRules, MovePrices, remaining_estimate
 from flexfloor.rollout.release import RankLimits, ReleaseRules
 from flexfloor.rollout.metrics import (
-    MODELLED_FIGURES, metrics_from_counts, modelled_figures, ratios, summed_records,
+    MODELLED_FIGURES, chained_sha256, lengths_sha256, metrics_from_counts, modelled_figures, ratios,
+    summed_records,
 )
 from flexfloor.rollout.replicas import (  # noqa: F401  (Mode, MODES, ...: re-exported)
     BASELINES, HELD, MODES, Mode, route_least_outstanding,
@@ -283,7 +284,7 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
         for mode in Mode:
             out = simulate_mode(mode, assignments[mode], topo[mode], cost, sc,
                                 tails if mode == Mode.ELASTIC else None)
-            m = mode_metrics(out, sc)
+            m = mode_metrics(out, sc, lengths_sha256(out.lengths))
             m["timeline"] = out.timeline
             entry[mode.value], outs[mode.value] = m, out
         entry["ideal"] = ideal(outs["elastic"])
@@ -319,9 +320,9 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
             records=summed_records([o.records for o in outs]),
             total_tokens=sum(o.total_tokens for o in outs),
             num_responses=sum(o.num_responses for o in outs),
-            groups_created=sum(o.groups_created for o in outs)), sc)
+            groups_created=sum(o.groups_created for o in outs)), sc,
+            chained_sha256(e[mode]["responses_sha256"] for e in chosen))
         m.pop("released_ranks")
-        m.pop("responses_sha256")
         for key in ("rollout_wall_seconds", "rollout_wall_steps"):
             m[key] = sum(e[mode][key] for e in chosen)
         if sc.accelerator:
@@ -562,11 +563,12 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
                                  lengths=lengths, timeline=timeline, groups_created=created)
 
 
-def mode_metrics(out, sc: Scenario) -> dict:
-    """The benchmark's figures of one mode, with the modelled names of the command contract
-    (the simulator's seconds are modelled; None on UnitCost, whose seconds are steps)."""
+def mode_metrics(out, sc: Scenario, digest: str) -> dict:
+    """The benchmark's figures of one mode, with the bench's modelled names
+    (the simulator's seconds are modelled; None on UnitCost, whose seconds are steps);
+    `digest`: its `responses_sha256`."""
     m = metrics_from_counts(out.records, total_tokens=out.total_tokens,
-                            num_responses=out.num_responses)
+                            num_responses=out.num_responses, digest=digest)
     m["groups_created_during_rollout"] = out.groups_created
     m.update(dict.fromkeys(MODELLED_FIGURES) if sc.accelerator is None else modelled_figures(
         m["occupied_worker_seconds"], m["rollout_wall_seconds"], out.total_tokens))
