@@ -79,7 +79,7 @@ def plan_rollout(scheduler: Scheduler, groups: list[PromptGroup], *, policy: Rel
                  replicas, step_cost=None) -> RolloutPlan:
     """Where each request runs. Elastic: the scheduler's placement (`scheduler.placement`),
     across the replicas by modelled seconds with `step_cost` (`scheduler.plan_seconds`:
-    `elastic.plan_step_cost`), else by predicted steps.
+    `flexfloor.rollout.elastic.plan_step_cost`), else by predicted steps.
     Static (`elastic.release_policy=static`): the baseline users run, the benchmark's `static`
     mode: each sample to the replica, then the rank, with the fewest outstanding requests
     (`route_least_outstanding` over `replicas`, the rollout's EP groups), whatever
