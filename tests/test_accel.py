@@ -151,6 +151,35 @@ def test_gpu_check_compiles_and_refuses_without_a_gpu():
     assert "needs one NVIDIA GPU" in summary["error"]
 
 
+def test_gpu_check_runs_every_section_on_cpu():
+    """`check.py --cpu-dry-run`: every section of the GPU check on CPU with gloo, small, so a
+    broken script is caught here and not on borrowed device time (its speed figures mean
+    nothing on CPU; its identities do)."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import free_port
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.join(repo, "tests", "gpu", "check.py"),
+                           "--cpu-dry-run"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0 and summary["ok"] and summary["cpu_dry_run"], proc.stderr[-3000:]
+    sections = ("rollout", "grpo_bf16", "decode", "offload", "static_decode")
+    assert all(summary[s]["ok"] for s in sections), {s: summary[s].get("error") for s in sections}
+    assert summary["rollout"]["identical_static_elastic"]
+    assert summary["grpo_bf16"]["applied"] and summary["grpo_bf16"]["params_changed"] > 0
+    assert all(r["identical_responses"] == r["responses"] for r in summary["decode"]["runs"])
+    offload = summary["offload"]
+    assert offload["bit_identical_after_resync"] and offload["memory_allocated_after_release"] == 0
+    assert summary["static_decode"]["all_identical"]
+    assert summary["static_decode"]["one_op_sequence_per_bucket"]
+
+
 COLLECTIVES = {"all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce",
                "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "isend",
                "irecv", "batch_isend_irecv", "send", "recv", "reduce_scatter",
