@@ -4,7 +4,9 @@ and the end-of-run summary.
 metrics.jsonl is strict JSON, one object per step: a NaN or infinite value is written as null and
 its field is named under "non_finite" (a list of field names, present only on such lines). A
 resumed run keeps the lines of the steps its checkpoint holds, so the file, and the summary read
-from it, cover the whole run across restarts.
+from it, cover the whole run across restarts. Lines it drops (a crashed attempt's steps that no
+checkpoint holds, or an earlier run's in the same folder) are not lost: the old metrics.jsonl and
+config.json are copied to `superseded/N/` in the run folder first.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 from flexfloor.config import Config, config_to_dict
 
@@ -73,15 +76,35 @@ class RunLog:
 
     def _keep_steps_up_to(self, step: int) -> None:
         """metrics.jsonl describes this run: lines of steps after the one it starts from (a
-        crashed attempt's steps that no checkpoint holds, an earlier run's) are dropped, and so
-        are torn lines (the resumed run must not die on them)."""
+        crashed attempt's steps that no checkpoint holds, an earlier run's) are dropped, after
+        the old file and config.json are copied to `superseded/N/`, and so are torn lines (the
+        resumed run must not die on them)."""
         if not os.path.exists(self.metrics_path):
             return
-        keep = [m for m in read_metrics(self.metrics_path) if m["step"] <= step]
+        lines = read_metrics(self.metrics_path)
+        keep = [m for m in lines if m["step"] <= step]
+        if len(keep) < len(lines):
+            kept_in = self._set_aside()
+            self.say(f"{self.metrics_path} held {len(lines) - len(keep)} steps after step {step} "
+                     f"(an earlier run's or a crashed attempt's): the old file and its "
+                     f"config.json are kept in {kept_in}")
         tmp = self.metrics_path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(m, allow_nan=False) + "\n" for m in keep)
         os.replace(tmp, self.metrics_path)
+
+    def _set_aside(self) -> str:
+        """Copy metrics.jsonl and config.json to the first free `superseded/N/`; its path."""
+        n = 1
+        while os.path.exists(os.path.join(self.run_dir, "superseded", str(n))):
+            n += 1
+        folder = os.path.join(self.run_dir, "superseded", str(n))
+        os.makedirs(folder)
+        for name in ("metrics.jsonl", "config.json"):
+            path = os.path.join(self.run_dir, name)
+            if os.path.exists(path):
+                shutil.copy2(path, folder)
+        return folder
 
     def say(self, text: str) -> None:
         if self.rank == 0:

@@ -60,3 +60,23 @@ def test_summary_after_a_restart_covers_the_whole_run(tmp_path, capsys):
     assert "val reward 0.150 (step 2)" in out
     steps = [_strict(line)["step"] for line in open(restarted.metrics_path)]
     assert steps == [1, 2, 3]
+    # the crashed attempt's step 3 (reward 0.3) is kept aside, not lost
+    old = (tmp_path / "run" / "superseded" / "1" / "metrics.jsonl").read_text().splitlines()
+    assert [_strict(line)["reward/mean"] for line in old[:3]] == [0.1, 0.2, 0.3]
+
+
+def test_a_new_run_in_a_used_folder_keeps_the_earlier_runs_log(tmp_path, capsys):
+    first = _log(tmp_path)
+    first.write(_metrics(1, 0.1), [])
+    first.write(_metrics(2, 0.2), [])
+    for n in (1, 2):  # two later fresh runs in the same folder
+        again = _log(tmp_path)
+        assert open(again.metrics_path).read() == ""  # this run's log starts empty
+        again.write(_metrics(1, 0.5 + n), [])
+    assert "kept in" in capsys.readouterr().out
+    aside = tmp_path / "run" / "superseded"
+    assert [_strict(line)["reward/mean"] for line in
+            (aside / "1" / "metrics.jsonl").read_text().splitlines()] == [0.1, 0.2]
+    assert [_strict(line)["reward/mean"] for line in
+            (aside / "2" / "metrics.jsonl").read_text().splitlines()] == [1.5]
+    assert (aside / "1" / "config.json").exists() and (aside / "2" / "config.json").exists()
