@@ -150,6 +150,7 @@ def test_table_and_plot(run, tmp_path, capsys):
     (["--kv-budget-tokens", "50"], "cannot hold the longest request"),
     (["--accelerator", "TPU"], "--accelerator/--model-shape: accelerator 'TPU' unknown"),
     (["--replicas", "3"], "--replicas 3 must divide --nproc 4"),
+    (["--migrate-max-requests", "-3"], "--migrate-max-requests must be at least 0"),
     (["--correct"], "elastic.consolidate_correct: applies across replicas only"),
     (["--plan-estimates"], "elastic.plan_estimates: is read by the decisions across replicas"),
     (["--consolidate-across", "--taker-hedge", "0.5"],
@@ -168,3 +169,38 @@ def test_bad_options_fail_before_launching(tmp_path, flags, message, capsys):
         code = e.code
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists()
+
+
+def test_a_terminated_benchmark_leaves_no_worker_and_keeps_the_earlier_report(tmp_path):
+    """SIGTERM to the benchmark once its workers run: torchrun and every worker end with it,
+    the report an earlier run left at --out is untouched and no partial one is left beside it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from distributed import REPO
+
+    out = tmp_path / "b.json"
+    out.write_text('{"earlier": true}')
+    proc = subprocess.Popen([sys.executable, "tools/bench_rollout.py", "--nproc", "2",
+                             "--epochs", "3", "--out", str(out)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 120
+    workers = []
+    while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        workers = [p for p in parent.children(recursive=True)
+                   if "--worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+        time.sleep(0.2)
+    assert len(workers) == 2, "the workers never started"
+    launched = parent.children(recursive=True)  # torchrun and the workers
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    gone, alive = psutil.wait_procs(launched, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+    assert out.read_text() == '{"earlier": true}'
+    assert os.listdir(tmp_path) == ["b.json"]

@@ -38,6 +38,7 @@ import math
 import os
 import socket
 import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from flexfloor.launch.reaper import start_reaper  # noqa: E402
 from flexfloor.outputs import writable, write_json  # noqa: E402
 from flexfloor.rollout.metrics import chained_sha256, cpu_seconds_warning  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
@@ -178,6 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "num_experts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.migrate_max_requests < 0:
+        p.error("--migrate-max-requests must be at least 0 (0 = off)")
     if args.dataset_prompts is not None and args.dataset_prompts < args.num_prompts:
         p.error(f"--dataset-prompts {args.dataset_prompts} must be at least --num-prompts "
                 f"{args.num_prompts}")
@@ -274,9 +278,25 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"bench_rollout: {e}", file=sys.stderr)
         return 2
-    if os.path.exists(out):
-        os.remove(out)  # a stale file must not pass for this run's result
-    worker_argv = [*argv, f"--out={out}"]  # the last --out wins: an absolute path
+    # torchrun and its workers end with this process, however it ends (SIGKILL too): they carry
+    # the reaper's token (flexfloor/launch/reaper.py); SIGTERM ends it as an exception, so the
+    # partial report below is removed
+    start_reaper()
+    signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))
+    # the workers write the report beside --out, renamed over it when they succeed: an earlier
+    # report there stays until this run's replaces it, and a stale one never passes for it
+    partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.partial")
+    try:
+        return _launch(args, argv, lengths, out, partial)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def _launch(args, argv, lengths, out: str, partial: str) -> int:
+    """Run the workers (they write their report to `partial`), then print and keep it as
+    `out`."""
+    worker_argv = [*argv, f"--out={partial}"]  # the last --out wins: an absolute path
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
@@ -293,10 +313,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rc = subprocess.run(cmd, env=env).returncode
     seconds = time.perf_counter() - t0
-    if rc != 0 or not os.path.exists(out):
+    if rc != 0 or not os.path.exists(partial):
         print(f"bench_rollout: the workers failed (exit code {rc}) after {seconds:.0f} s; "
               "see their output above", file=sys.stderr)
         return rc or 1
+    os.replace(partial, out)
     with open(out) as f:
         report = json.load(f)
     print(format_report(report))
