@@ -30,6 +30,20 @@ def writable(path: str, flag: str) -> str:
     return out
 
 
+def writable_image(path: str, flag: str) -> str:
+    """`writable`, for a plot: also refused unless its extension is a format matplotlib writes
+    (found before the work, not after it)."""
+    out = writable(path, flag)
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    ext = os.path.splitext(out)[1].lstrip(".").lower()
+    if ext not in kinds:
+        raise ValueError(f"{flag} {path}: matplotlib writes no {'.' + ext if ext else 'extensionless'} "
+                         f"file; end the name in one of {', '.join('.' + k for k in sorted(kinds))}")
+    return out
+
+
 def write_json(path: str, report) -> None:
     """`report` as strict JSON (indented) at `path`, whole or not at all."""
     tmp = f"{path}.tmp"

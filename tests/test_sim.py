@@ -135,6 +135,25 @@ def test_list_and_bad_scenario():
     assert proc.returncode == 2 and "paper-like" in proc.stderr
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--sweep", "--sweep-gpus", "16,abc"], "--sweep-gpus '16,abc': write positive ints"),
+    (["--sweep", "--sweep-sigmas", "0.4,-1"], "--sweep-sigmas '0.4,-1': write positive floats"),
+    (["--sweep", "--sweep-gpus", "16,12"], "--sweep-gpus 12: replicas=8 must divide gpus=12"),
+    (["--plot", "PLOT.xyz"], "--plot PLOT.xyz: matplotlib writes no .xyz file"),
+])
+def test_bad_sweep_and_plot_fail_before_the_run(tmp_path, flags, message, capsys):
+    """Refused before the simulation (seconds to minutes), not after it; nothing written."""
+    from tools.simulate import main
+
+    flags = [str(tmp_path / f) if f.startswith("PLOT") else f for f in flags]
+    try:
+        code = main(["--scenario", "paper-like", "--out", str(tmp_path / "s.json"), *flags])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and message.replace("PLOT", str(tmp_path / "PLOT")) in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
+
+
 def test_cost_model_directions():
     """Shrinking moves the MoE exchange onto NVLink (cheaper), hosting more experts reads more
     weights (dearer), more cached context reads more KV (dearer)."""

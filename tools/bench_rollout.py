@@ -50,7 +50,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from flexfloor.launch.reaper import start_reaper  # noqa: E402
-from flexfloor.outputs import writable, write_json  # noqa: E402
+from flexfloor.outputs import writable, writable_image, write_json  # noqa: E402
 from flexfloor.rollout.metrics import chained_sha256, cpu_seconds_warning  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
 from flexfloor.sim.cost import cost_model  # noqa: E402
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     try:  # before the workers start: a bad path costs a second, not the run
         out = writable(args.out, "--out")
         if args.plot:
-            writable(args.plot, "--plot")
+            writable_image(args.plot, "--plot")
     except ValueError as e:
         print(f"bench_rollout: {e}", file=sys.stderr)
         return 2

@@ -27,9 +27,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.outputs import writable, write_json  # noqa: E402
+from flexfloor.outputs import writable, writable_image, write_json  # noqa: E402
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
-from flexfloor.sim.scenarios import MODES, SCENARIOS, run, sweep  # noqa: E402
+from flexfloor.sim.scenarios import (  # noqa: E402
+    MODES, SCENARIOS, check_scenario, run, sweep, sweep_scenarios,
+)
 
 
 def switch(value: str) -> bool:
@@ -96,7 +98,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--scenario NAME and --out FILE are required (or --list)")
     if args.scenario and args.scenario not in SCENARIOS:
         p.error(f"--scenario {args.scenario!r} unknown; choose one of {sorted(SCENARIOS)}")
+    args.sweep_gpus = _numbers(p, "--sweep-gpus", args.sweep_gpus, int)
+    args.sweep_sigmas = _numbers(p, "--sweep-sigmas", args.sweep_sigmas, float)
     return args
+
+
+def _numbers(p, flag: str, text: str, kind) -> list:
+    """A comma-separated list of positive numbers of `kind`, or the parser's error naming
+    `flag`."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        p.error(f"{flag} {text!r}: write positive {kind.__name__}s separated by commas, e.g. "
+                f"{'16,64' if kind is int else '0.4,0.8'}")
+    return values
 
 
 def scenario_of(args):
@@ -172,11 +189,18 @@ def main(argv=None) -> int:
             where = f"{sc.gpus} x {sc.accelerator}" if sc.accelerator else f"{sc.gpus} ranks, UnitCost"
             print(f"{name:18s} {sc.model} on {where}: {sc.description}")
         return 0
-    try:
-        out = writable(args.out, "--out")  # before the work: a bad path costs a second
+    try:  # before the work: a bad path or scenario costs a second, not the run
+        out = writable(args.out, "--out")
         if args.plot:
-            writable(args.plot, "--plot")
+            writable_image(args.plot, "--plot")
         sc = scenario_of(args)
+        check_scenario(sc)
+        if args.sweep:
+            for s in sweep_scenarios(sc, args.sweep_gpus, args.sweep_sigmas):
+                try:
+                    check_scenario(s)
+                except ValueError as e:
+                    raise ValueError(f"--sweep-gpus {s.gpus}: {e}") from None
         t0 = time.perf_counter()
         print(f"simulate: {sc.name}: {sc.model} on {sc.gpus} "
               f"{sc.accelerator or 'ranks (UnitCost)'}, {sc.num_prompts} prompts x "
@@ -184,10 +208,9 @@ def main(argv=None) -> int:
         params = params_of(args)
         rep = run(sc, params=params)
         if args.sweep:
-            gpus = [int(x) for x in args.sweep_gpus.split(",")]
-            sigmas = [float(x) for x in args.sweep_sigmas.split(",")]
-            print(f"sweep: {len(gpus)} GPU counts x {len(sigmas)} tails", flush=True)
-            rep["sweep"] = sweep(sc, gpus, sigmas, params=params)
+            print(f"sweep: {len(args.sweep_gpus)} GPU counts x {len(args.sweep_sigmas)} tails",
+                  flush=True)
+            rep["sweep"] = sweep(sc, args.sweep_gpus, args.sweep_sigmas, params=params)
     except (ValueError, OSError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2

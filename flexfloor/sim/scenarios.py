@@ -181,13 +181,18 @@ class _Topology:
     states: dict  # ranks -> (placement, holding)
 
 
-def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
-    """Simulate every step of `sc` in every mode; the report `tools/simulate.py` writes."""
+def check_scenario(sc: Scenario) -> None:
+    """ValueError naming the field where `sc` cannot run (`run` checks it too)."""
     if sc.gpus < 1:
         raise ValueError(f"gpus={sc.gpus}: must be at least 1")
     if sc.replicas < 1 or sc.gpus % sc.replicas:
         raise ValueError(f"replicas={sc.replicas} must divide gpus={sc.gpus} (EP size per "
                          "replica = gpus / replicas)")
+
+
+def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
+    """Simulate every step of `sc` in every mode; the report `tools/simulate.py` writes."""
+    check_scenario(sc)
     shape = ModelShape.from_preset(sc.model)
     dataset = sc.dataset_prompts or sc.num_prompts
     lengths = make_lengths(sc.length_dist, num_prompts=dataset,
@@ -622,21 +627,26 @@ def check_targets(report: dict, targets: dict) -> dict:
 def sweep(sc: Scenario, gpus: list[int], sigmas: list[float], *,
           params: CostParams = CostParams()) -> list[dict]:
     """The scenario over cluster sizes (prompts scaled with the GPUs: the same responses per GPU)
-    and tail heaviness (the lognormal sigma)."""
+    and tail heaviness (the lognormal sigma): `sweep_scenarios`, each run."""
     rows = []
-    per_gpu = sc.num_prompts / sc.gpus
-    for n in gpus:
-        for sigma in sigmas:
-            s = sc.with_overrides(gpus=n, num_prompts=max(1, math.ceil(per_gpu * n)),
-                                  length_params={**sc.length_params, "sigma": sigma}, targets={})
-            rep = run(s, params=params)
-            print(f"  {n} gpus, sigma {sigma}: x{rep['ratios']['tokens_per_occupied_worker_second']:.3f}"
-                  f" tokens per occupied GPU-second, wall x{rep['ratios']['rollout_wall_seconds']:.3f}",
-                  flush=True)
-            rows.append({"gpus": n, "sigma": sigma, "num_prompts": s.num_prompts,
-                         "p99_over_p50": rep["workload"]["p99_over_p50"],
-                         "static_tail_fraction": rep["static"]["tail_fraction"],
-                         **{k: rep["ratios"][k] for k in (
-                             "tokens_per_occupied_worker_second", "rollout_wall_seconds",
-                             "elastic_over_ideal")}})
+    for s in sweep_scenarios(sc, gpus, sigmas):
+        n, sigma = s.gpus, s.length_params["sigma"]
+        rep = run(s, params=params)
+        print(f"  {n} gpus, sigma {sigma}: x{rep['ratios']['tokens_per_occupied_worker_second']:.3f}"
+              f" tokens per occupied GPU-second, wall x{rep['ratios']['rollout_wall_seconds']:.3f}",
+              flush=True)
+        rows.append({"gpus": n, "sigma": sigma, "num_prompts": s.num_prompts,
+                     "p99_over_p50": rep["workload"]["p99_over_p50"],
+                     "static_tail_fraction": rep["static"]["tail_fraction"],
+                     **{k: rep["ratios"][k] for k in (
+                         "tokens_per_occupied_worker_second", "rollout_wall_seconds",
+                         "elastic_over_ideal")}})
     return rows
+
+
+def sweep_scenarios(sc: Scenario, gpus: list[int], sigmas: list[float]) -> list[Scenario]:
+    """`sc` at each GPU count (its prompts scaled with the GPUs) and lognormal sigma."""
+    per_gpu = sc.num_prompts / sc.gpus
+    return [sc.with_overrides(gpus=n, num_prompts=max(1, math.ceil(per_gpu * n)),
+                              length_params={**sc.length_params, "sigma": sigma}, targets={})
+            for n in gpus for sigma in sigmas]
