@@ -6,9 +6,15 @@
 # Exit codes: 0 done, 2 a bad config (checked once, before any worker starts), 75 preempted
 # (SIGTERM/SIGINT: the step in progress was saved; run the same command again), 1 a failure.
 set -euo pipefail
+positive() {  # NAME VALUE: a whole number >= 1, else one line naming NAME and exit 2
+  [[ "$2" =~ ^[1-9][0-9]*$ ]] || { echo "train_moe.sh: $1=$2: must be a whole number >= 1" \
+    "(e.g. $1=4)" >&2; exit 2; }
+}
+NPROC="${NPROC:-4}"
+positive NPROC "$NPROC"
+[ -z "${STEPS:-}" ] || positive STEPS "$STEPS"
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/tools/setup_env.sh"
 cd "$FLEXFLOOR_ROOT"
-NPROC="${NPROC:-4}"
 CONFIG="${CONFIG:?set CONFIG to a YAML file}"
 RUN_DIR="${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)_$(date +%Y%m%d_%H%M%S)}"
 args=(--config "$CONFIG" "parallel.world_size=$NPROC" "parallel.expert_parallel_size=$NPROC"

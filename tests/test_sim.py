@@ -154,6 +154,21 @@ def test_bad_sweep_and_plot_fail_before_the_run(tmp_path, flags, message, capsys
     assert not os.listdir(tmp_path)
 
 
+def test_sweep_runs_each_cluster_size_and_tail(tmp_path):
+    from tools.simulate import main
+
+    out = tmp_path / "s.json"
+    assert main(["--scenario", "tiny-cpu", "--epochs", "1", "--out", str(out), "--sweep",
+                 "--sweep-gpus", "4,8", "--sweep-sigmas", "0.4,0.8"]) == 0
+    with open(out) as f:
+        rows = json.load(f)["sweep"]
+    n = SCENARIOS["tiny-cpu"].num_prompts
+    assert [(r["gpus"], r["sigma"], r["num_prompts"]) for r in rows] == [
+        (4, 0.4, n), (4, 0.8, n), (8, 0.4, 2 * n), (8, 0.8, 2 * n)]  # prompts scale with GPUs
+    # a heavier tail at the same size: a longer p99 against the median
+    assert rows[1]["p99_over_p50"] > rows[0]["p99_over_p50"]
+
+
 def test_cost_model_directions():
     """Shrinking moves the MoE exchange onto NVLink (cheaper), hosting more experts reads more
     weights (dearer), more cached context reads more KV (dearer)."""

@@ -70,10 +70,15 @@ def main(argv=None) -> int:
                    help="after a rollout that proved the length history wrong, place the next as "
                         "static does (the default, 1) or pack by it anyway (0)")
     args = p.parse_args(argv)
-    names = args.only.split(",") if args.only else list(WORKLOADS)
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: must be at least 1 (seeds 0..N-1)")
+    names = list(WORKLOADS) if args.only is None else args.only.split(",")
+    if not all(names):
+        p.error(f"--only {args.only!r}: an empty workload name; give comma-separated names from "
+                f"{list(WORKLOADS)}, or leave --only out for all")
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
-        p.error(f"unknown workload {unknown}; choose from {list(WORKLOADS)}")
+        p.error(f"--only: unknown workload {unknown}; choose from {list(WORKLOADS)}")
     if args.out:
         try:  # before the work: a bad path costs a second
             writable(args.out, "--out")

@@ -1,11 +1,12 @@
 """Writes the synthetic running-sum task as a verl-format parquet file.
 
-    python tools/make_synthetic_data.py --num-prompts 1024 --seed 0 --out data/train.parquet
+    python tools/make_synthetic_data.py --num-prompts 1024 --seed 0 --out train.parquet
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -13,20 +14,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexfloor.data import make_synthetic_prompts, write_examples  # noqa: E402
+from flexfloor.outputs import writable  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True, help="FILE.parquet")
+    parser.add_argument("--out", required=True, help="FILE.parquet (its folder must exist)")
     parser.add_argument("--split", default="train", help="extra_info.split (default: train)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    try:
+        out = writable(args.out, "--out")
+    except ValueError as e:
+        parser.error(str(e))
     examples = make_synthetic_prompts(args.num_prompts, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_examples(examples, args.out, split=args.split)
+    tmp = f"{out}.tmp"  # written whole beside the target, then renamed over it
+    try:
+        write_examples(examples, tmp, split=args.split)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     lengths = [len(e.ground_truth) for e in examples]
     print(f"wrote {len(examples)} prompts ({examples[0].data_source}, seed {args.seed}, split "
           f"{args.split}) to {args.out}; list length median {statistics.median(lengths):g}, "

@@ -22,10 +22,10 @@ from flexfloor.rollout.timeline import plot_rank_timeline  # noqa: E402
 
 
 def plot_report(report: dict, path: str, epoch: int | None = None) -> str:
-    epochs = report.get("per_epoch") or []
-    if not epochs:
-        raise ValueError("the report has no per_epoch entries: not a simulate.py or "
-                         "bench_rollout.py report")
+    epochs = report.get("per_epoch") if isinstance(report, dict) else None
+    if not (isinstance(epochs, list) and epochs and all(isinstance(e, dict) for e in epochs)):
+        raise ValueError("no list of per_epoch entries: not a simulate.py or bench_rollout.py "
+                         "report")
     entry = epochs[-1] if epoch is None else next(
         (e for e in epochs if e["epoch"] == epoch), None)
     if entry is None:
@@ -46,6 +46,17 @@ def plot_report(report: dict, path: str, epoch: int | None = None) -> str:
     return plot_rank_timeline(modes, path, title=title, panel_titles=names, unit=unit)
 
 
+def image_format(path: str, flag: str) -> None:
+    """ValueError naming `flag` unless matplotlib can write `path`'s extension (none: PNG)."""
+    from matplotlib.figure import Figure
+
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    if ext and ext not in formats:
+        raise ValueError(f"{flag} {path}: cannot write a .{ext} image; end it in one of "
+                         f"{', '.join('.' + f for f in formats)}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("report", help="JSON from tools/simulate.py or tools/bench_rollout.py")
@@ -54,6 +65,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         writable(args.out, "--out")
+        image_format(args.out, "--out")
     except ValueError as e:
         print(f"plot_timeline: {e}", file=sys.stderr)
         return 2

@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import string
 import sys
 from pathlib import Path
 
+import sentencepiece
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexfloor.data.synthetic import make_synthetic_prompts, sft_response  # noqa: E402
-from flexfloor.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
+from flexfloor.outputs import writable  # noqa: E402
+from flexfloor.tokenizer import BUNDLED_TOKENIZER  # noqa: E402
 
 MAX_VOCAB_SIZE = 128  # the tiny model's vocab_size
 CORPUS_PROMPTS, CORPUS_SEED = 4096, 0
+SPECIAL_IDS = dict(pad_id=0, unk_id=1, bos_id=2, eos_id=3)
+USER_SYMBOLS = ["\n", "\t"]
 
 
 def corpus() -> list[str]:
@@ -33,9 +39,12 @@ def corpus() -> list[str]:
     return lines
 
 
-def train(max_vocab_size: int) -> bytes:
-    import sentencepiece
+def min_vocab_size(lines: list[str]) -> int:
+    """The smallest vocabulary with a piece for every character of `lines` and each special."""
+    return len(set("".join(lines)) | set(USER_SYMBOLS)) + len(SPECIAL_IDS)
 
+
+def train(max_vocab_size: int) -> bytes:
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus()), model_writer=model, model_type="char",
@@ -43,24 +52,37 @@ def train(max_vocab_size: int) -> bytes:
         vocab_size=max_vocab_size, hard_vocab_limit=False, character_coverage=1.0,
         # Exact round trips: no normalization, no dummy leading space, spaces kept as written.
         normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
-        pad_id=0, unk_id=1, bos_id=2, eos_id=3, user_defined_symbols=["\n", "\t"],
+        **SPECIAL_IDS, user_defined_symbols=USER_SYMBOLS,
         num_threads=1, minloglevel=2)
     return model.getvalue()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=BUNDLED_TOKENIZER)
+    parser.add_argument("--out", default=str(BUNDLED_TOKENIZER), help="FILE.model (its folder "
+                        "must exist)")
     parser.add_argument("--max-vocab-size", type=int, default=MAX_VOCAB_SIZE)
-    args = parser.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(train(args.max_vocab_size))
-    tokenizer = load_tokenizer(str(args.out))
-    if tokenizer.vocab_size > args.max_vocab_size:
-        raise SystemExit(f"trained vocab_size {tokenizer.vocab_size} > --max-vocab-size "
-                         f"{args.max_vocab_size}")
-    print(f"wrote {args.out} ({args.out.stat().st_size} bytes): vocab_size {tokenizer.vocab_size}, "
-          f"pad {tokenizer.pad_id}, bos {tokenizer.bos_id}, eos {tokenizer.eos_id}")
+    args = parser.parse_args(argv)
+    least = min_vocab_size(corpus())
+    if args.max_vocab_size < least:
+        parser.error(f"--max-vocab-size {args.max_vocab_size}: too small for the corpus's "
+                     f"characters and special tokens; give at least {least}")
+    try:
+        out = writable(args.out, "--out")
+    except ValueError as e:
+        parser.error(str(e))
+    model = train(args.max_vocab_size)
+    tmp = f"{out}.tmp"  # written whole beside the target, then renamed over it
+    try:
+        with open(tmp, "wb") as f:
+            f.write(model)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model)
+    print(f"wrote {args.out} ({len(model)} bytes): vocab_size {sp.get_piece_size()}, "
+          f"pad {sp.pad_id()}, bos {sp.bos_id()}, eos {sp.eos_id()}")
 
 
 if __name__ == "__main__":
