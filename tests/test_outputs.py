@@ -35,6 +35,23 @@ def _exit_code(main, argv) -> int:
         return e.code
 
 
+def test_bench_vs_hf_names_a_folder_it_cannot_read(tmp_path, capsys):
+    from tools.bench_vs_hf import main
+
+    (tmp_path / "config.json").write_text('{"model_type": "olmoe"}')
+    (tmp_path / "model.safetensors").write_text("not safetensors")
+    assert _exit_code(main, ["--hf", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--hf {tmp_path}: {tmp_path}/model.safetensors is not a readable safetensors" in err
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert _exit_code(main, ["--hf", str(tmp_path)]) == 2
+    assert "model_type 'llama' is not supported" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command, argv, message", [
     ("simulate", ["--scenario", "tiny-cpu", "--out", "{missing}/s.json"],
      "--out {missing}/s.json: folder {missing} does not exist"),
@@ -49,6 +66,10 @@ def _exit_code(main, argv) -> int:
     ("bench_vs_hf", ["--out", "{missing}/b.json"], "--out {missing}/b.json"),
     ("bench_vs_hf", ["--batch", "0"], "--batch 0: must be at least 1"),
     ("bench_vs_hf", ["--new-tokens", "1"], "--new-tokens 1: must be at least 2"),
+    # a local folder only: a missing one is not looked up on the Hub
+    ("bench_vs_hf", ["--hf", "{missing}"],
+     "--hf {missing}: {missing} is not a Hugging Face model folder (no config.json)"),
+    ("bench_vs_hf", ["--hf", "{missing}", "--family", "olmoe"], "with --hf the folder's config"),
     ("bench_rollout", ["--out", "{missing}/b.json"], "--out {missing}/b.json: folder"),
     ("bench_rollout", ["--out", "{tmp}/b.json", "--plot", "{tmp}"], "--plot {tmp}: is a folder"),
     ("plot_timeline", ["{tmp}/r.json", "--out", "{missing}/t.png"], "--out {missing}/t.png"),

@@ -81,6 +81,16 @@ def parse(argv=None):
             writable(args.out, "--out")
         except ValueError as e:
             p.error(str(e))
+    if args.hf:
+        if args.family:
+            p.error("--family picks the random models' families; with --hf the folder's config "
+                    "says the family: give one of them")
+        from flexfloor.convert import ConversionError, read_hf
+
+        try:  # a local folder of a supported family, every tensor's shape checked: no Hub
+            read_hf(args.hf)
+        except (ConversionError, OSError, ValueError) as e:
+            p.error(f"--hf {args.hf}: {e}")
     return args
 
 
@@ -192,7 +202,8 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
     from flexfloor.convert import model_from_hf
     from flexfloor.rollout.stack import RolloutStack
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager",
+                                              local_files_only=True).eval()
     model, cfg = model_from_hf(hf_dir, par)  # in memory: a real --hf model is not saved again
     model.eval()
     stack = RolloutStack.build(par, model, rollout=RolloutConfig(

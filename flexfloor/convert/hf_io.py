@@ -50,7 +50,12 @@ class HFCheckpoint:
         from safetensors import safe_open
 
         if name not in self._open:
-            self._open[name] = safe_open(os.path.join(self.path, name), framework="pt")
+            path = os.path.join(self.path, name)
+            try:
+                self._open[name] = safe_open(path, framework="pt")
+            except Exception as e:  # safetensors' own error type (Rust), or an OSError
+                raise ConversionError(f"{path} is not a readable safetensors file ({e}); "
+                                      "re-save the model with save_pretrained") from None
         return self._open[name]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
