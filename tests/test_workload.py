@@ -82,6 +82,26 @@ def test_text_file_gives_prompt_bases(tmp_path):
                      seed=0, max_len=200)
 
 
+@pytest.mark.parametrize("name, text, message", [
+    ("zero.json", '{"lengths": [[3, 0], [1, 2]]}', "whole numbers of at least 1"),
+    ("half.json", '{"lengths": [[3.5, 1], [1, 2]]}', "whole numbers of at least 1"),
+    ("ragged.json", '{"lengths": [[3], [1, 2]]}', "every prompt with as many samples"),
+    ("torn.json", '{"lengths": [[3, 1], [1, 2]', "not valid JSON"),
+    ("word.txt", "5\nabc\n", "line 2: 'abc' is not a positive length"),
+    ("zero.txt", "5\n0  # none\n", "line 2: '0' is not a positive length"),
+    ("absent.txt", None, "No such file or directory (--length-file)"),
+])
+def test_a_bad_length_file_is_refused_naming_it(tmp_path, name, text, message):
+    """Not raised to length 1 or read as something else: an error naming the file."""
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        make_lengths("file", path=str(path), num_prompts=2, samples_per_prompt=2, epochs=1,
+                     seed=0, max_len=50)
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
 def test_bad_names_list_the_choices():
     with pytest.raises(ValueError) as e:
         make_lengths("pareto", seed=0, **SIZES)

@@ -211,15 +211,28 @@ def _stratified(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def _read_file(path: str, shape: Sequence[int]):
-    """JSON: (exact lengths [epochs, prompts, samples], None); text: (None, bases [prompts])."""
+    """JSON: (exact lengths [epochs, prompts, samples], None); text: (None, bases [prompts]).
+    Every error names the file (`--length-file` of the tools) and what to fix."""
     epochs, prompts, samples = shape
-    with open(path) as f:
-        text = f.read()
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"length file {path}: {e.strerror} (--length-file)") from None
     if text.lstrip().startswith("{"):
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"length file {path}: not valid JSON ({e})") from None
         if "lengths" not in data:
             raise ValueError(f"{path}: a JSON length file needs a 'lengths' key")
-        arr = np.asarray(data["lengths"])
+        try:
+            arr = np.asarray(data["lengths"])
+        except ValueError:  # ragged lists
+            arr = np.asarray(None)
+        if arr.dtype.kind not in "iu" or (arr.size and arr.min() < 1):
+            raise ValueError(f"length file {path}: 'lengths' must be nested lists of whole "
+                             "numbers of at least 1, every prompt with as many samples")
         if arr.ndim == 2:
             arr = np.broadcast_to(arr, (epochs, *arr.shape))
         if arr.ndim != 3 or any(have < need for have, need in zip(arr.shape, shape)):
@@ -228,7 +241,18 @@ def _read_file(path: str, shape: Sequence[int]):
                 f"[epochs={epochs}][prompts={prompts}][samples={samples}] (or [prompts][samples])"
             )
         return np.array(arr[:epochs, :prompts, :samples], dtype=np.int64), None
-    bases = [float(line.split("#")[0]) for line in text.splitlines() if line.split("#")[0].strip()]
+    bases = []
+    for number, line in enumerate(text.splitlines(), 1):
+        value = line.split("#")[0].strip()
+        if not value:
+            continue
+        try:
+            bases.append(float(value))
+        except ValueError:
+            bases.append(float("nan"))
+        if not bases[-1] > 0:  # NaN too
+            raise ValueError(f"length file {path}, line {number}: {value!r} is not a positive "
+                             "length (one base length per line; # starts a comment)")
     if len(bases) < prompts:
         raise ValueError(f"{path}: {len(bases)} lengths (one per line, one per prompt), "
                          f"need at least num_prompts={prompts}")
