@@ -178,7 +178,7 @@ def test_ep1_tokens_identical_with_static_decode_on_and_off(one_rank, dtype, tol
     # CPU GEMMs split rows by the batch's row count: the padded rows may move a log-prob's
     # last bits, never a token here
     for rid, (_, logprobs) in got.items():
-        assert max(abs(a - b) for a, b in zip(logprobs, want[rid][1])) <= tol, rid
+        assert max(abs(a - b) for a, b in zip(logprobs, want[rid][1], strict=True)) <= tol, rid
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -221,7 +221,7 @@ def test_ep2_tokens_identical_with_static_decode_on_and_off(ep2, case):
     assert _tokens(on) == _tokens(off)
     lp_on, lp_off = _tokens(on, "logprobs"), _tokens(off, "logprobs")
     tol = 1e-12 if case == "float64" else 1e-5
-    assert max(abs(a - b) for r in lp_on for a, b in zip(lp_on[r], lp_off[r])) <= tol
+    assert max(abs(a - b) for r in lp_on for a, b in zip(lp_on[r], lp_off[r], strict=True)) <= tol
     assert any(s["bucket"] for p in on for s in p["steps"])
     if case in ("elastic", "migrate"):  # rank 1 was released (after handing over, or done)
         assert all(p["record"]["shrinks"] == 1 for p in on)

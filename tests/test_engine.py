@@ -53,7 +53,8 @@ def test_greedy_equals_no_cache_recompute_and_logprobs_match(out, dtype, tol):
     assert sorted(refs) == sorted(tokens)
     for rid, ref in refs.items():
         assert ref["argmax"] == tokens[rid], rid
-        assert max(abs(a - b) for a, b in zip(ref["logprobs_t1"], logprobs[rid])) <= tol
+        pairs = zip(ref["logprobs_t1"], logprobs[rid], strict=True)
+        assert max(abs(a - b) for a, b in pairs) <= tol
 
 
 @pytest.mark.parametrize("kind", ["sampled", "tempered"])
@@ -63,10 +64,11 @@ def test_sampled_logprobs_are_the_tempered_unfiltered_logprobs_of_a_full_recompu
     refs = {k: v for part in out("reference_float32") for k, v in part[kind].items()}
     assert len(refs) == 16
     for rid, ref in refs.items():
-        assert max(abs(a - b) for a, b in zip(ref["logprobs_t"], ref["logprobs"])) <= 1e-5, rid
+        pairs = zip(ref["logprobs_t"], ref["logprobs"], strict=True)
+        assert max(abs(a - b) for a, b in pairs) <= 1e-5, rid
     if kind == "tempered":  # temperature 0.7 really differs from temperature 1
         assert any(abs(a - b) > 1e-3 for ref in refs.values()
-                   for a, b in zip(ref["logprobs_t"], ref["logprobs_t1"]))
+                   for a, b in zip(ref["logprobs_t"], ref["logprobs_t1"], strict=True))
 
 
 def test_preempted_requests_keep_their_tokens_and_the_pool_its_budget(out):

@@ -53,7 +53,7 @@ def test_unit_cost_simulation_equals_the_real_engine_step_for_step(engine_and_si
     case, bench, sim = engine_and_sim
     # every mode the benchmark ran, under the same name (the same placement and hold rule)
     assert len(bench["modes"]) >= 4
-    for real, simulated in zip(bench["per_epoch"], sim["per_epoch"]):
+    for real, simulated in zip(bench["per_epoch"], sim["per_epoch"], strict=True):
         for mode in bench["modes"]:
             sim_mode = mode
             got = [{k: r.get(k) for k in PER_RANK} for r in simulated[sim_mode]["per_rank"]]
