@@ -36,9 +36,9 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import socket
 import statistics
-import signal
 import subprocess
 import sys
 import time
