@@ -31,26 +31,36 @@ def writable(path: str, flag: str) -> str:
 
 
 def writable_image(path: str, flag: str) -> str:
-    """`writable`, for a plot: also refused unless its extension is a format matplotlib writes
-    (found before the work, not after it)."""
+    """`writable`, for a plot: also refused unless matplotlib writes its extension's format (no
+    extension: PNG), found before the work, not after it."""
     out = writable(path, flag)
     from matplotlib.figure import Figure
 
-    kinds = Figure().canvas.get_supported_filetypes()
+    formats = sorted(Figure().canvas.get_supported_filetypes())
     ext = os.path.splitext(out)[1].lstrip(".").lower()
-    if ext not in kinds:
-        raise ValueError(f"{flag} {path}: matplotlib writes no {'.' + ext if ext else 'extensionless'} "
-                         f"file; end the name in one of {', '.join('.' + k for k in sorted(kinds))}")
+    if ext and ext not in formats:
+        raise ValueError(f"{flag} {path}: cannot write a .{ext} image; end it in one of "
+                         f"{', '.join('.' + f for f in formats)}")
     return out
 
 
-def write_json(path: str, report) -> None:
-    """`report` as strict JSON (indented) at `path`, whole or not at all."""
+def write_whole(path: str, write) -> None:
+    """`write(tmp)` writes the file at a temporary path beside `path`, then it is renamed over
+    `path`: the file is there whole or not at all (an earlier one stays until then)."""
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(json_safe(report), f, indent=1)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_json(path: str, report) -> None:
+    """`report` as strict JSON (indented) at `path`, whole or not at all."""
+
+    def dump(tmp):
+        with open(tmp, "w") as f:
+            json.dump(json_safe(report), f, indent=1)
+
+    write_whole(path, dump)

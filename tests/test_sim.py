@@ -139,7 +139,7 @@ def test_list_and_bad_scenario():
     (["--sweep", "--sweep-gpus", "16,abc"], "--sweep-gpus '16,abc': write positive ints"),
     (["--sweep", "--sweep-sigmas", "0.4,-1"], "--sweep-sigmas '0.4,-1': write positive floats"),
     (["--sweep", "--sweep-gpus", "16,12"], "--sweep-gpus 12: replicas=8 must divide gpus=12"),
-    (["--plot", "PLOT.xyz"], "--plot PLOT.xyz: matplotlib writes no .xyz file"),
+    (["--plot", "PLOT.xyz"], "--plot PLOT.xyz: cannot write a .xyz image"),
 ])
 def test_bad_sweep_and_plot_fail_before_the_run(tmp_path, flags, message, capsys):
     """Refused before the simulation (seconds to minutes), not after it; nothing written."""

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -31,13 +30,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         parser.error(str(e))
     examples = make_synthetic_prompts(args.num_prompts, args.seed)
-    tmp = f"{out}.tmp"  # written whole beside the target, then renamed over it
-    try:
-        write_examples(examples, tmp, split=args.split)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_examples(examples, out, split=args.split)  # whole or not at all
     lengths = [len(e.ground_truth) for e in examples]
     print(f"wrote {len(examples)} prompts ({examples[0].data_source}, seed {args.seed}, split "
           f"{args.split}) to {args.out}; list length median {statistics.median(lengths):g}, "

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.outputs import writable  # noqa: E402
+from flexfloor.outputs import writable_image  # noqa: E402
 from flexfloor.rollout.timeline import plot_rank_timeline  # noqa: E402
 
 
@@ -46,17 +46,6 @@ def plot_report(report: dict, path: str, epoch: int | None = None) -> str:
     return plot_rank_timeline(modes, path, title=title, panel_titles=names, unit=unit)
 
 
-def image_format(path: str, flag: str) -> None:
-    """ValueError naming `flag` unless matplotlib can write `path`'s extension (none: PNG)."""
-    from matplotlib.figure import Figure
-
-    ext = os.path.splitext(path)[1].lstrip(".").lower()
-    formats = sorted(Figure().canvas.get_supported_filetypes())
-    if ext and ext not in formats:
-        raise ValueError(f"{flag} {path}: cannot write a .{ext} image; end it in one of "
-                         f"{', '.join('.' + f for f in formats)}")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("report", help="JSON from tools/simulate.py or tools/bench_rollout.py")
@@ -64,8 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--epoch", type=int, default=None, help="which epoch (default: the last)")
     args = p.parse_args(argv)
     try:
-        writable(args.out, "--out")
-        image_format(args.out, "--out")
+        writable_image(args.out, "--out")
     except ValueError as e:
         print(f"plot_timeline: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import string
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import sentencepiece
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexfloor.data.synthetic import make_synthetic_prompts, sft_response  # noqa: E402
-from flexfloor.outputs import writable  # noqa: E402
+from flexfloor.outputs import writable, write_whole  # noqa: E402
 from flexfloor.tokenizer import BUNDLED_TOKENIZER  # noqa: E402
 
 MAX_VOCAB_SIZE = 128  # the tiny model's vocab_size
@@ -72,14 +71,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         parser.error(str(e))
     model = train(args.max_vocab_size)
-    tmp = f"{out}.tmp"  # written whole beside the target, then renamed over it
-    try:
-        with open(tmp, "wb") as f:
-            f.write(model)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_whole(out, lambda tmp: Path(tmp).write_bytes(model))
     sp = sentencepiece.SentencePieceProcessor(model_proto=model)
     print(f"wrote {args.out} ({len(model)} bytes): vocab_size {sp.get_piece_size()}, "
           f"pad {sp.pad_id()}, bos {sp.bos_id()}, eos {sp.eos_id()}")

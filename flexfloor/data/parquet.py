@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flexfloor.data.synthetic import Example
+from flexfloor.outputs import write_whole
 from flexfloor.tokenizer import render_chat
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model", "extra_info")
@@ -45,7 +46,8 @@ def write_examples(examples: list[Example], path: str | Path, *, ability: str = 
         "extra_info": {"index": e.uid, "split": split},
     } for e in examples]
     _check_unique_uids([e.uid for e in examples], str(path))
-    pq.write_table(pa.Table.from_pylist(rows, schema=_SCHEMA), str(path))
+    table = pa.Table.from_pylist(rows, schema=_SCHEMA)
+    write_whole(str(path), lambda tmp: pq.write_table(table, tmp))  # whole or not at all
 
 
 def read_examples(path: str | Path) -> list[Example]:
