@@ -8,8 +8,10 @@ bit (reloaded by transformers). The pure family rules are checked without proces
 """
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -137,6 +139,100 @@ def test_cli_ep2_refusals_exit_2_with_one_line_and_no_traceback(launch):
                          "--config", os.path.join(ckpt, "model.yaml"), "--family", "mixtral",
                          "model.vocab_size=256"), "model.vocab_size: checkpoint 128 vs config 256")
     assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A tiny Mixtral HF folder (8 experts), saved by transformers."""
+    from flexfloor.convert.hf_reference import tiny_hf_model
+
+    path = str(tmp_path_factory.mktemp("tiny") / "hf")
+    tiny_hf_model("mixtral").save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_cli_bad_arguments_exit_2_naming_the_flag_before_any_work(tmp_path):
+    (tmp_path / "file").write_text("x")
+    hf, ckpt, file = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "file")
+    cases = [  # refused by the argument parser: nothing is read, so the inputs need not exist
+        (["hf-to-flexfloor", "--hf", hf, "--out", ckpt, "--ep", "0"], "--ep 0 must be at least 1"),
+        (["flexfloor-to-hf", "--ckpt", ckpt, "--out", hf, "--ep", "-2"],
+         "--ep -2 must be at least 1"),
+        (["hf-to-flexfloor", "--hf", hf, "--out", ckpt, "--step", "-1"],
+         "--step -1 must be at least 0"),
+        (["flexfloor-to-hf", "--ckpt", ckpt, "--out", hf, "model.vocab_size=256"],
+         "overrides model.vocab_size=256 change --config, which is not given; pass --config"),
+        (["hf-to-flexfloor", "--hf", hf, "--out", str(tmp_path / "no" / "ckpt")],
+         f"--out {tmp_path / 'no' / 'ckpt'}: folder {tmp_path / 'no'} does not exist"),
+        (["flexfloor-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "no" / "hf")],
+         f"--out {tmp_path / 'no' / 'hf'}: folder {tmp_path / 'no'} does not exist"),
+        (["hf-to-flexfloor", "--hf", hf, "--out", os.path.join(file, "ckpt")],
+         f"--out {file}/ckpt: {file} is not a folder"),
+        (["flexfloor-to-hf", "--ckpt", ckpt, "--out", os.path.join(file, "hf")],
+         f"--out {file}/hf: {file} is not a folder"),
+        (["flexfloor-to-hf", "--ckpt", ckpt, "--out", file], f"--out {file}: is a file"),
+    ]
+    for argv, reason in cases:
+        proc = _cli(*argv)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert "error: " + reason in last, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # nothing created
+
+
+def test_cli_ep_that_does_not_divide_the_experts_is_refused_before_workers(tiny_hf, tmp_path):
+    out = str(tmp_path / "ckpt")
+    _assert_refused(_cli("hf-to-flexfloor", "--hf", tiny_hf, "--out", out, "--ep", "3"),
+                    "--ep 3 does not divide the model's 8 experts (each worker holds the same "
+                    "number); use one of [1, 2, 4, 8]")
+    assert not os.path.exists(out)
+
+
+def test_cli_missing_checkpoint_names_the_ckpt_flag(tmp_path):
+    proc = _cli("flexfloor-to-hf", "--ckpt", str(tmp_path / "missing"),
+                "--out", str(tmp_path / "hf"))
+    _assert_refused(proc, f"checkpoint path {tmp_path / 'missing'} does not exist (--ckpt)")
+    assert "checkpoint.load" not in proc.stderr
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of the live processes (this one aside) whose arguments contain `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        if int(pid) != os.getpid() and text in cmd:
+            found.append(cmd)
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig):
+    """A signal to the launching process mid-conversion (iter_0000000.tmp being written by the
+    2 workers) stops torchrun and the workers, and removes the output and the temporary files."""
+    out, tmp = str(tmp_path / "ckpt"), tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), "hf-to-flexfloor",
+         "--hf", tiny_hf, "--out", out, "--ep", "2"], stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp)})
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None and os.path.exists(out), "the workers never started writing"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert f"[convert] stopped by {sig.name}" in err
+    assert _processes_naming(out) == []  # torchrun and both workers have ended
+    assert not os.path.exists(out) and os.listdir(tmp) == []
 
 
 def test_bfloat16_round_trip_keeps_dtype_and_bits(errors):

@@ -9,7 +9,8 @@ Families: Mixtral, Qwen3-MoE, OLMoE (read from config.json's model_type).
 --ep N runs N gloo workers (the tool starts them with torchrun), each holding 1/N of the experts:
 it reads only its own experts, and on the way back writes them as its own safetensors shard.
 Under torchrun the EP size defaults to the world size. FlexFloor checkpoints load at any EP size,
-so the EP size of a conversion only decides the memory each worker needs.
+so the EP size of a conversion only decides the memory each worker needs. N must divide the
+model's experts. SIGTERM or SIGINT to the tool stops the workers and removes the partial output.
 
 hf-to-flexfloor also writes CKPT_ROOT/model.yaml, the model section to train the checkpoint
 with (`model.*` of a FlexFloor config). A checkpoint not made by this tool (a training run's)
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -46,7 +48,36 @@ def parse(argv):
     for s in (a, b):
         s.add_argument("--ep", type=int, default=None,
                        help="expert-parallel size (default: 1, or the torchrun world size)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    error = sub.choices[args.direction].error  # prints the usage and the message, exits 2
+    if args.ep is not None and args.ep < 1:
+        error(f"--ep {args.ep} must be at least 1 (the number of workers sharing the experts)")
+    if getattr(args, "step", 0) < 0:
+        error(f"--step {args.step} must be at least 0")
+    if getattr(args, "overrides", None) and not args.config:
+        error(f"overrides {' '.join(args.overrides)} change --config, which is not given; "
+              "pass --config FILE or drop them")
+    try:
+        out_folder(args.out)
+    except ValueError as e:
+        error(str(e))
+    return args
+
+
+def out_folder(path: str) -> None:
+    """ValueError naming --out unless a folder can be made at `path` (its parent is a writable
+    folder) or `path` is a writable folder already. Nothing is created."""
+    out = os.path.abspath(path)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {path}: is a file; give a folder")
+    where = out if os.path.isdir(out) else os.path.dirname(out)
+    if not os.path.exists(where):
+        raise ValueError(f"--out {path}: folder {where} does not exist; create it or give "
+                         "another path")
+    if not os.path.isdir(where):
+        raise ValueError(f"--out {path}: {where} is not a folder; give another path")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: folder {where} is not writable; give another path")
 
 
 STATUS_ENV = "FLEXFLOOR_CONVERT_STATUS"  # set by the launching parent: where workers report
@@ -69,6 +100,7 @@ def main(argv=None) -> int:
 
     par = Parallel.build(expert_parallel_size=args.ep, backend="gloo")
     try:
+        check(args, par.ep_size)
         if args.direction == "hf-to-flexfloor":
             directory, cfg, _ = hf_to_flexfloor(args.hf, args.out, par, step=args.step)
             if par.rank == 0:
@@ -87,14 +119,31 @@ def main(argv=None) -> int:
         status = os.environ.get(STATUS_ENV)
         if status:  # the launching parent reports it once; a clean exit keeps torchrun quiet
             with open(os.path.join(status, f"rank{par.rank}.txt"), "w") as f:
-                f.write(str(e))
+                f.write(_message(e))
             return 0
         if par.rank == 0:
-            print(f"[convert] error: {e}", file=sys.stderr)
+            print(f"[convert] error: {_message(e)}", file=sys.stderr)
         return 2
     finally:
         par.destroy()
     return 0
+
+
+def check(args, ep: int) -> None:
+    """The checks that need no workers: the pipeline's (inputs, output not there yet) and `ep`
+    against the model's experts (every worker holds the same number). Raises a refusal."""
+    from flexfloor.convert import ConversionError, check_flexfloor_to_hf, check_hf_to_flexfloor
+
+    if args.direction == "hf-to-flexfloor":
+        _, _, cfg = check_hf_to_flexfloor(args.hf, args.out, step=args.step)
+    else:
+        cfg, _, _ = check_flexfloor_to_hf(args.ckpt, args.out, model_cfg=_model_cfg(args),
+                                          family=args.family)
+    n = cfg.num_experts
+    if n % ep:
+        raise ConversionError(f"--ep {ep} does not divide the model's {n} experts (each worker "
+                              f"holds the same number); use one of "
+                              f"{[d for d in range(1, n + 1) if n % d == 0]}")
 
 
 def _refusals() -> tuple:
@@ -105,6 +154,16 @@ def _refusals() -> tuple:
     return ConversionError, CheckpointError, ConfigError
 
 
+def _message(e: Exception) -> str:
+    """A refusal's text, with the checkpoint library's config keys named by this tool's flags."""
+    from flexfloor.checkpoint import CheckpointError
+
+    text = str(e)
+    if isinstance(e, CheckpointError):
+        text = text.replace("checkpoint.load", "--ckpt").replace("checkpoint.dir", "--out")
+    return text
+
+
 def _model_cfg(args):
     from flexfloor.config import load_config
 
@@ -113,30 +172,81 @@ def _model_cfg(args):
 
 def _launch(args, argv) -> int:
     """--ep N without torchrun: check what needs no workers, then start N of them. A refusal
-    (here or in a worker) prints one `[convert] error:` line and returns 2."""
+    (here or in a worker) prints one `[convert] error:` line and returns 2. SIGTERM or SIGINT
+    stops torchrun and its workers, removes what the run wrote and returns 128 + the signal."""
+    import shutil
     import tempfile
 
-    from flexfloor.convert import check_flexfloor_to_hf, check_hf_to_flexfloor
-
     try:
-        if args.direction == "hf-to-flexfloor":
-            check_hf_to_flexfloor(args.hf, args.out, step=args.step)
-        else:
-            check_flexfloor_to_hf(args.ckpt, args.out, model_cfg=_model_cfg(args),
-                                  family=args.family)
+        check(args, args.ep)
     except _refusals() as e:
-        print(f"[convert] error: {e}", file=sys.stderr)
+        print(f"[convert] error: {_message(e)}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="convert_status_") as status:
+    partial = _partial(args)
+    with tempfile.TemporaryDirectory(prefix="convert_") as tmp:
+        status = os.path.join(tmp, "status")
+        os.mkdir(status)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ep}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}",
                os.path.abspath(__file__), "--", *argv]
-        rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", STATUS_ENV: status})
+        # TMPDIR: torchrun's torchelastic_* log folders land in `tmp` too, and go with it
+        env = {**os.environ, "OMP_NUM_THREADS": "1", STATUS_ENV: status, "TMPDIR": tmp}
+        rc, stopped = _run(cmd, env)
+        if stopped:
+            for path in partial:
+                shutil.rmtree(path, ignore_errors=True)
+            print(f"[convert] stopped by {signal.Signals(stopped).name}: the workers are stopped "
+                  "and the partial output removed", file=sys.stderr)
+            return 128 + stopped
         reports = sorted(os.listdir(status))  # rank0.txt first
         if reports:
             with open(os.path.join(status, reports[0])) as f:
                 print(f"[convert] error: {f.read()}", file=sys.stderr)
     return 2 if reports and rc == 0 else rc  # rc != 0: a worker crashed (torchrun said how)
+
+
+def _partial(args) -> list[str]:
+    """What a stopped run may leave behind: the output folder where this run makes it, else
+    (a checkpoint root that exists) its unfinished iter_N.tmp."""
+    from flexfloor.checkpoint import iter_name
+
+    out = args.out.rstrip("/")
+    if args.direction == "hf-to-flexfloor":
+        return [os.path.join(out, iter_name(args.step) + ".tmp")] if os.path.exists(out) else [out]
+    return [out, out + ".tmp"]  # OUT.tmp: write_hf's folder before the rename
+
+
+def _run(cmd, env) -> tuple[int, int]:
+    """Run `cmd` in a session of its own; SIGTERM and SIGINT here are passed to its process
+    group (torchrun then stops its workers). Returns (exit status, the signal passed on or 0).
+    The group is stopped whatever ends this function: it never outlives it."""
+    got, proc = [], None
+
+    def stop(signum, _frame):
+        got.append(signum)
+        if proc is not None:
+            _signal_group(proc, signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        if got:  # a signal came before `proc` was set
+            _signal_group(proc, got[0])
+        rc = proc.wait()
+    finally:
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            proc.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return rc, (got[0] if got else 0)
+
+
+def _signal_group(proc, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:  # the group has ended already
+        pass
 
 
 def free_port() -> int:
