@@ -63,6 +63,24 @@ def root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _interrupt(exc: BaseException) -> Optional[BaseException]:
+    """The KeyboardInterrupt or SystemExit inside a failure, if any: torch's
+    `CheckpointException` catches a rank's interrupt with everything else and wraps it."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(w[0] if isinstance(w, tuple) else w for w in failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    return None
+
+
 _SAVE_FIX = ("free space or fix the permissions of checkpoint.dir (the last complete checkpoint "
              "is kept)")
 _LOAD_FIX = "check the files or load an earlier checkpoint"
@@ -77,6 +95,9 @@ def _io(what: str, path: str, fix: str):
     except (CheckpointError, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        interrupt = _interrupt(e)
+        if interrupt is not None:  # a Ctrl-C or SIGTERM during the save, not a disk's failure
+            raise interrupt
         try:  # a full disk often surfaces as a torch serializer error, not as Errno 28
             free = f" ({shutil.disk_usage(os.path.dirname(path)).free / 2**20:.0f} MiB free there)"
         except OSError:

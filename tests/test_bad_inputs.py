@@ -545,3 +545,25 @@ def test_checkpoint_write_failure_is_one_error_naming_rank_phase_step(job_errors
     # nothing half-written is loadable: no `latest`, only the unfinished .tmp and the lock
     assert res["checkpoints"] == ["flexfloor.lock", "iter_0000001.tmp"]
 
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(143)],
+                         ids=["keyboard_interrupt", "system_exit"])
+def test_an_interrupt_during_a_save_stays_an_interrupt(interrupt, tmp_path):
+    """torch's CheckpointException catches a rank's Ctrl-C or SIGTERM exit with every other
+    failure: the save must leave with the interrupt, not as a disk's failure to fix."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from flexfloor.checkpoint import CheckpointError, _io
+
+    path = str(tmp_path / "iter_0000001.tmp")
+    wrapped = CheckpointException("save", {0: (interrupt, traceback.StackSummary())})
+    with pytest.raises(type(interrupt)) as got, _io("saving", path, "fix"):
+        raise wrapped
+    assert got.value is interrupt
+    with pytest.raises(CheckpointError, match=r"saving .* failed .*: rank 0: OSError: \[Errno 28\]"):
+        with _io("saving", path, "fix"):
+            raise CheckpointException("save", {0: (OSError(28, "No space left on device"),
+                                                   traceback.StackSummary())})
