@@ -210,15 +210,17 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.parametrize("ep", ["1", "2"], ids=["one_process", "ep2"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig):
-    """A signal to the launching process mid-conversion (iter_0000000.tmp being written by the
-    2 workers) stops torchrun and the workers, and removes the output and the temporary files."""
+def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig, ep):
+    """A signal to the tool mid-conversion (iter_0000000.tmp being written: by the 2 workers at
+    --ep 2, by the tool's own process at --ep 1) stops torchrun and the workers, and removes the
+    output and the temporary files."""
     out, tmp = str(tmp_path / "ckpt"), tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), "hf-to-flexfloor",
-         "--hf", tiny_hf, "--out", out, "--ep", "2"], stderr=subprocess.PIPE, text=True,
+         "--hf", tiny_hf, "--out", out, "--ep", ep], stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp)})
     try:
         deadline = time.monotonic() + 120

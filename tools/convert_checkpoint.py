@@ -91,7 +91,41 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ:  # one process: its own one-rank gloo world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+        return _alone(args)
+    return _convert(args)
 
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT to a one-process conversion (args[0]: the signal). An interrupt, so
+    that a checkpoint save it cuts short raises it, not a disk's failure."""
+
+
+def _alone(args) -> int:
+    """A conversion with no launcher to clean up after it: SIGTERM or SIGINT removes what this
+    run wrote (as `_launch` does for its workers) and returns 128 + the signal."""
+    partial = _partial(args)  # before the work: whether this run makes the output folder
+
+    def stop(signum, _frame):
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _convert(args)
+    except _Stopped as e:
+        signum = e.args[0]
+        for s in previous:  # a second signal now would interrupt the clean-up
+            signal.signal(s, signal.SIG_IGN)
+        _remove(partial)
+        print(f"[convert] stopped by {signal.Signals(signum).name}: the partial output removed",
+              file=sys.stderr)
+        return 128 + signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _convert(args) -> int:
+    """The conversion in this process (one rank of the world): 0, or 2 on a refusal."""
     import yaml
 
     from flexfloor.convert import flexfloor_to_hf, hf_to_flexfloor
@@ -174,7 +208,6 @@ def _launch(args, argv) -> int:
     """--ep N without torchrun: check what needs no workers, then start N of them. A refusal
     (here or in a worker) prints one `[convert] error:` line and returns 2. SIGTERM or SIGINT
     stops torchrun and its workers, removes what the run wrote and returns 128 + the signal."""
-    import shutil
     import tempfile
 
     try:
@@ -193,8 +226,7 @@ def _launch(args, argv) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "1", STATUS_ENV: status, "TMPDIR": tmp}
         rc, stopped = _run(cmd, env)
         if stopped:
-            for path in partial:
-                shutil.rmtree(path, ignore_errors=True)
+            _remove(partial)
             print(f"[convert] stopped by {signal.Signals(stopped).name}: the workers are stopped "
                   "and the partial output removed", file=sys.stderr)
             return 128 + stopped
@@ -207,13 +239,27 @@ def _launch(args, argv) -> int:
 
 def _partial(args) -> list[str]:
     """What a stopped run may leave behind: the output folder where this run makes it, else
-    (a checkpoint root that exists) its unfinished iter_N.tmp."""
+    (a checkpoint root that exists) its unfinished iter_N.tmp and model.yaml.tmp."""
     from flexfloor.checkpoint import iter_name
 
     out = args.out.rstrip("/")
     if args.direction == "hf-to-flexfloor":
-        return [os.path.join(out, iter_name(args.step) + ".tmp")] if os.path.exists(out) else [out]
+        if not os.path.exists(out):
+            return [out]
+        return [os.path.join(out, iter_name(args.step) + ".tmp"),
+                os.path.join(out, "model.yaml.tmp")]
     return [out, out + ".tmp"]  # OUT.tmp: write_hf's folder before the rename
+
+
+def _remove(paths: list[str]) -> None:
+    """Remove each of `paths` that is there, folder or file."""
+    import shutil
+
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.remove(path)
 
 
 def _run(cmd, env) -> tuple[int, int]:
