@@ -21,13 +21,28 @@ def writable(path: str, flag: str) -> str:
     out = os.path.abspath(path)
     if os.path.isdir(out):
         raise ValueError(f"{flag} {path}: is a folder; give the file to write")
-    folder = os.path.dirname(out)
+    _writable_folder(path, flag, os.path.dirname(out))
+    return out
+
+
+def writable_folder(path: str, flag: str) -> str:
+    """`path` as an absolute path, once a folder there may be written: it is one already, or
+    its parent is one; ValueError naming `flag` and the fix otherwise. Nothing is created."""
+    out = os.path.abspath(path)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{flag} {path}: is a file; give a folder")
+    _writable_folder(path, flag, out if os.path.isdir(out) else os.path.dirname(out))
+    return out
+
+
+def _writable_folder(path: str, flag: str, folder: str) -> None:
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: {folder} is not a folder; give another path")
     if not os.path.isdir(folder):
         raise ValueError(f"{flag} {path}: folder {folder} does not exist; create it or give "
                          "another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: folder {folder} is not writable; give another path")
-    return out
 
 
 def writable_image(path: str, flag: str) -> str:

@@ -210,24 +210,49 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("ep", ["1", "2"], ids=["one_process", "ep2"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def _convert_proc(tmp_path, *argv):
+    """The tool started on `argv`, its temporary files in tmp_path/tmp."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return tmp, subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), *argv],
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp)})
+
+
+def _wait_for(what, proc, ok):
+    deadline = time.monotonic() + 120
+    while not ok() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert proc.poll() is None and ok(), f"{what}: never happened while the tool ran"
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler of its own for `sig` (/proc's SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("sig, ep", [(signal.SIGTERM, "1"), (signal.SIGINT, "1"),
+                                     (signal.SIGTERM, "2"), (signal.SIGINT, "2"),
+                                     (signal.SIGHUP, "2")],
+                         ids=["sigterm-one_process", "sigint-one_process", "sigterm-ep2",
+                              "sigint-ep2", "sighup-ep2"])
 def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig, ep):
     """A signal to the tool mid-conversion (iter_0000000.tmp being written: by the 2 workers at
     --ep 2, by the tool's own process at --ep 1) stops torchrun and the workers, and removes the
-    output and the temporary files."""
-    out, tmp = str(tmp_path / "ckpt"), tmp_path / "tmp"
-    tmp.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), "hf-to-flexfloor",
-         "--hf", tiny_hf, "--out", out, "--ep", ep], stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp)})
+    output and the temporary files. At --ep 1 the tool is paused the moment its output appears,
+    so the signal lands mid-write however loaded the machine is."""
+    out = str(tmp_path / "ckpt")
+    tmp, proc = _convert_proc(tmp_path, "hf-to-flexfloor", "--hf", tiny_hf, "--out", out,
+                              "--ep", ep)
     try:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(out) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert proc.poll() is None and os.path.exists(out), "the workers never started writing"
+        _wait_for("the output folder", proc, lambda: os.path.exists(out))
+        if ep == "1":
+            proc.send_signal(signal.SIGSTOP)
         proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -235,6 +260,54 @@ def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig,
     assert f"[convert] stopped by {sig.name}" in err
     assert _processes_naming(out) == []  # torchrun and both workers have ended
     assert not os.path.exists(out) and os.listdir(tmp) == []
+
+
+def test_cli_signal_keeps_an_output_folder_that_was_there(tmp_path):
+    """Stopped before its checks (here: as it imports), the tool removes only what it made:
+    an --out that was there stays with what it holds (its check would refuse it later)."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    _, proc = _convert_proc(tmp_path, "flexfloor-to-hf", "--ckpt", str(tmp_path / "ckpt"),
+                            "--out", str(out))
+    try:
+        _wait_for("the tool's SIGTERM handler", proc, lambda: _catches(proc.pid, signal.SIGTERM))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert os.listdir(out) == ["mine.txt"]
+
+
+def test_cli_sigkill_to_the_tool_still_ends_torchrun_and_the_workers(tiny_hf, tmp_path):
+    """SIGKILL cannot be forwarded: the reaper the tool starts ends torchrun and the workers.
+    They are paused first (SIGSTOP), so they can neither finish nor stop on their own: only
+    the reaper's SIGKILL ends them."""
+    import psutil
+
+    out = str(tmp_path / "ckpt")
+    _, proc = _convert_proc(tmp_path, "hf-to-flexfloor", "--hf", tiny_hf, "--out", out,
+                            "--ep", "2")
+    helpers = []
+    try:
+        _wait_for("the output folder", proc, lambda: os.path.exists(out))
+        helpers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if out in " ".join(p.cmdline())]  # not the reaper
+        for p in helpers:
+            p.suspend()
+        proc.kill()
+        proc.wait(timeout=120)  # not communicate(): the paused helpers hold its stderr open
+        _, alive = psutil.wait_procs(helpers, timeout=120)
+    finally:
+        proc.kill()
+        for p in helpers:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    assert len(helpers) >= 3  # torchrun and its two workers
+    assert alive == [] and _processes_naming(out) == []
 
 
 def test_bfloat16_round_trip_keeps_dtype_and_bits(errors):

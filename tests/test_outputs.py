@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from flexfloor.outputs import writable, write_json
+from flexfloor.outputs import writable, writable_folder, write_json
 
 
 def test_writable_names_the_flag_and_the_fix(tmp_path):
@@ -15,6 +15,19 @@ def test_writable_names_the_flag_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"--plot .*: is a folder; give the file to write"):
         writable(str(tmp_path), "--plot")
     assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_writable_folder_takes_a_folder_there_or_one_to_make(tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert writable_folder(str(tmp_path), "--out") == str(tmp_path)  # there already
+    assert writable_folder(str(tmp_path / "new"), "--out") == str(tmp_path / "new")
+    with pytest.raises(ValueError, match=r"--out .*file: is a file; give a folder"):
+        writable_folder(str(tmp_path / "file"), "--out")
+    with pytest.raises(ValueError, match=r"--out .*file/new: .*file is not a folder"):
+        writable_folder(str(tmp_path / "file" / "new"), "--out")
+    with pytest.raises(ValueError, match=r"--out .*: folder .*missing does not exist; create it"):
+        writable_folder(str(tmp_path / "missing" / "new"), "--out")
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # nothing created
 
 
 def test_write_json_is_strict_and_whole(tmp_path):

@@ -10,7 +10,8 @@ Families: Mixtral, Qwen3-MoE, OLMoE (read from config.json's model_type).
 it reads only its own experts, and on the way back writes them as its own safetensors shard.
 Under torchrun the EP size defaults to the world size. FlexFloor checkpoints load at any EP size,
 so the EP size of a conversion only decides the memory each worker needs. N must divide the
-model's experts. SIGTERM or SIGINT to the tool stops the workers and removes the partial output.
+model's experts. SIGTERM, SIGINT or SIGHUP to the tool stops the workers and removes the partial
+output.
 
 hf-to-flexfloor also writes CKPT_ROOT/model.yaml, the model section to train the checkpoint
 with (`model.*` of a FlexFloor config). A checkpoint not made by this tool (a training run's)
@@ -57,29 +58,17 @@ def parse(argv):
     if getattr(args, "overrides", None) and not args.config:
         error(f"overrides {' '.join(args.overrides)} change --config, which is not given; "
               "pass --config FILE or drop them")
+    from flexfloor.outputs import writable_folder
+
     try:
-        out_folder(args.out)
+        writable_folder(args.out, "--out")
     except ValueError as e:
         error(str(e))
     return args
 
 
-def out_folder(path: str) -> None:
-    """ValueError naming --out unless a folder can be made at `path` (its parent is a writable
-    folder) or `path` is a writable folder already. Nothing is created."""
-    out = os.path.abspath(path)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {path}: is a file; give a folder")
-    where = out if os.path.isdir(out) else os.path.dirname(out)
-    if not os.path.exists(where):
-        raise ValueError(f"--out {path}: folder {where} does not exist; create it or give "
-                         "another path")
-    if not os.path.isdir(where):
-        raise ValueError(f"--out {path}: {where} is not a folder; give another path")
-    if not os.access(where, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {path}: folder {where} is not writable; give another path")
-
-
+# a terminal or ssh session closing sends SIGHUP: it stops a conversion as SIGTERM does
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STATUS_ENV = "FLEXFLOOR_CONVERT_STATUS"  # set by the launching parent: where workers report
 
 
@@ -96,19 +85,19 @@ def main(argv=None) -> int:
 
 
 class _Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGINT to a one-process conversion (args[0]: the signal). An interrupt, so
+    """A stop signal to a one-process conversion (args[0]: the signal). An interrupt, so
     that a checkpoint save it cuts short raises it, not a disk's failure."""
 
 
 def _alone(args) -> int:
-    """A conversion with no launcher to clean up after it: SIGTERM or SIGINT removes what this
+    """A conversion with no launcher to clean up after it: a stop signal removes what this
     run wrote (as `_launch` does for its workers) and returns 128 + the signal."""
     partial = _partial(args)  # before the work: whether this run makes the output folder
 
     def stop(signum, _frame):
         raise _Stopped(signum)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         return _convert(args)
     except _Stopped as e:
@@ -206,9 +195,11 @@ def _model_cfg(args):
 
 def _launch(args, argv) -> int:
     """--ep N without torchrun: check what needs no workers, then start N of them. A refusal
-    (here or in a worker) prints one `[convert] error:` line and returns 2. SIGTERM or SIGINT
-    stops torchrun and its workers, removes what the run wrote and returns 128 + the signal."""
+    (here or in a worker) prints one `[convert] error:` line and returns 2. SIGTERM, SIGINT or
+    SIGHUP stops torchrun and its workers, removes what the run wrote and returns 128 + the signal."""
     import tempfile
+
+    from flexfloor.launch.reaper import start_reaper
 
     try:
         check(args, args.ep)
@@ -216,6 +207,7 @@ def _launch(args, argv) -> int:
         print(f"[convert] error: {_message(e)}", file=sys.stderr)
         return 2
     partial = _partial(args)
+    start_reaper()  # a SIGKILL here (nothing to forward) still ends torchrun and its workers
     with tempfile.TemporaryDirectory(prefix="convert_") as tmp:
         status = os.path.join(tmp, "status")
         os.mkdir(status)
@@ -238,8 +230,9 @@ def _launch(args, argv) -> int:
 
 
 def _partial(args) -> list[str]:
-    """What a stopped run may leave behind: the output folder where this run makes it, else
-    (a checkpoint root that exists) its unfinished iter_N.tmp and model.yaml.tmp."""
+    """What a stopped run may leave behind, found before the run starts: the output folder
+    where this run makes it (never one that is there already), else (a checkpoint root that
+    exists) its unfinished iter_N.tmp and model.yaml.tmp."""
     from flexfloor.checkpoint import iter_name
 
     out = args.out.rstrip("/")
@@ -248,7 +241,8 @@ def _partial(args) -> list[str]:
             return [out]
         return [os.path.join(out, iter_name(args.step) + ".tmp"),
                 os.path.join(out, "model.yaml.tmp")]
-    return [out, out + ".tmp"]  # OUT.tmp: write_hf's folder before the rename
+    # OUT.tmp: write_hf's folder before the rename (one left by a crash is dropped anyway)
+    return ([] if os.path.exists(out) else [out]) + [out + ".tmp"]
 
 
 def _remove(paths: list[str]) -> None:
@@ -263,7 +257,7 @@ def _remove(paths: list[str]) -> None:
 
 
 def _run(cmd, env) -> tuple[int, int]:
-    """Run `cmd` in a session of its own; SIGTERM and SIGINT here are passed to its process
+    """Run `cmd` in a session of its own; STOP_SIGNALS here are passed to its process
     group (torchrun then stops its workers). Returns (exit status, the signal passed on or 0).
     The group is stopped whatever ends this function: it never outlives it."""
     got, proc = [], None
@@ -273,7 +267,7 @@ def _run(cmd, env) -> tuple[int, int]:
         if proc is not None:
             _signal_group(proc, signum)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         if got:  # a signal came before `proc` was set
