@@ -138,6 +138,7 @@ def test_list_and_bad_scenario():
 @pytest.mark.parametrize("flags, message", [
     (["--sweep", "--sweep-gpus", "16,abc"], "--sweep-gpus '16,abc': write positive ints"),
     (["--sweep", "--sweep-sigmas", "0.4,-1"], "--sweep-sigmas '0.4,-1': write positive floats"),
+    (["--sweep", "--sweep-sigmas", "nan,inf"], "--sweep-sigmas 'nan,inf': write positive floats"),
     (["--sweep", "--sweep-gpus", "16,12"], "--sweep-gpus 12: replicas=8 must divide gpus=12"),
     (["--plot", "PLOT.xyz"], "--plot PLOT.xyz: cannot write a .xyz image"),
 ])

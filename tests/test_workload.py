@@ -85,6 +85,7 @@ def test_text_file_gives_prompt_bases(tmp_path):
 @pytest.mark.parametrize("name, text, message", [
     ("zero.json", '{"lengths": [[3, 0], [1, 2]]}', "whole numbers of at least 1"),
     ("half.json", '{"lengths": [[3.5, 1], [1, 2]]}', "whole numbers of at least 1"),
+    ("nan.json", '{"lengths": [[NaN, 1], [1, 2]]}', "whole numbers of at least 1"),
     ("ragged.json", '{"lengths": [[3], [1, 2]]}', "every prompt with as many samples"),
     ("torn.json", '{"lengths": [[3, 1], [1, 2]', "not valid JSON"),
     ("word.txt", "5\nabc\n", "line 2: 'abc' is not a positive length"),
@@ -100,6 +101,15 @@ def test_a_bad_length_file_is_refused_naming_it(tmp_path, name, text, message):
         make_lengths("file", path=str(path), num_prompts=2, samples_per_prompt=2, epochs=1,
                      seed=0, max_len=50)
     assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_a_json_length_file_of_whole_floats_reads_as_its_integers(tmp_path):
+    """[[3.0, 4.0]] (a tool that writes floats) is the same file as [[3, 4]]."""
+    path = tmp_path / "floats.json"
+    path.write_text('{"lengths": [[3.0, 4.0], [1.0, 2.0]]}')
+    got = make_lengths("file", path=str(path), num_prompts=2, samples_per_prompt=2, epochs=1,
+                       seed=0, max_len=50)
+    assert got.dtype == np.int64 and got.tolist() == [[[3, 4], [1, 2]]]
 
 
 def test_bad_names_list_the_choices():

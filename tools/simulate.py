@@ -19,6 +19,7 @@ per line).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -110,7 +111,7 @@ def _numbers(p, flag: str, text: str, kind) -> list:
         values = [kind(x) for x in text.split(",")]
     except ValueError:
         values = []
-    if not values or min(values) <= 0:
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
         p.error(f"{flag} {text!r}: write positive {kind.__name__}s separated by commas, e.g. "
                 f"{'16,64' if kind is int else '0.4,0.8'}")
     return values

@@ -230,7 +230,9 @@ def _read_file(path: str, shape: Sequence[int]):
             arr = np.asarray(data["lengths"])
         except ValueError:  # ragged lists
             arr = np.asarray(None)
-        if arr.dtype.kind not in "iu" or (arr.size and arr.min() < 1):
+        whole = arr.dtype.kind in "iu" or (
+            arr.dtype.kind == "f" and bool(np.isfinite(arr).all() and (arr == np.round(arr)).all()))
+        if not whole or (arr.size and arr.min() < 1):  # 3.0 is whole, 3.5 and nan are not
             raise ValueError(f"length file {path}: 'lengths' must be nested lists of whole "
                              "numbers of at least 1, every prompt with as many samples")
         if arr.ndim == 2:
