@@ -171,6 +171,17 @@ def test_bad_options_fail_before_launching(tmp_path, flags, message, capsys):
     assert not (tmp_path / "b.json").exists()
 
 
+def _is_worker(p) -> bool:
+    """Whether psutil process `p` is a benchmark worker (False once it has ended)."""
+    import psutil
+
+    try:
+        cmd = p.cmdline()
+    except psutil.Error:  # ended (or a zombie) between the listing and this read
+        return False
+    return "--worker" in cmd and "torch.distributed.run" not in cmd
+
+
 def test_a_terminated_benchmark_leaves_no_worker_and_keeps_the_earlier_report(tmp_path):
     """SIGTERM to the benchmark once its workers run: torchrun and every worker end with it,
     the report an earlier run left at --out is untouched and no partial one is left beside it."""
@@ -193,8 +204,7 @@ def test_a_terminated_benchmark_leaves_no_worker_and_keeps_the_earlier_report(tm
     deadline = time.monotonic() + 120
     workers = []
     while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        workers = [p for p in parent.children(recursive=True)
-                   if "--worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+        workers = [p for p in parent.children(recursive=True) if _is_worker(p)]
         time.sleep(0.2)
     assert len(workers) == 2, "the workers never started"
     launched = parent.children(recursive=True)  # torchrun and the workers

@@ -288,9 +288,10 @@ def main(argv=None) -> int:
     partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.partial")
     try:
         return _launch(args, argv, lengths, out, partial)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+    finally:  # the report, and the .tmp of a worker stopped inside its write
+        for leftover in (partial, partial + ".tmp"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
 
 
 def _launch(args, argv, lengths, out: str, partial: str) -> int:
