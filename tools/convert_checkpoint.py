@@ -32,6 +32,8 @@ if REPO not in sys.path:
 
 
 def parse(argv):
+    from flexfloor.outputs import writable_folder  # light: no torch before the flags are read
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-flexfloor", help="HF folder -> FlexFloor checkpoint root")
@@ -58,8 +60,6 @@ def parse(argv):
     if getattr(args, "overrides", None) and not args.config:
         error(f"overrides {' '.join(args.overrides)} change --config, which is not given; "
               "pass --config FILE or drop them")
-    from flexfloor.outputs import writable_folder
-
     try:
         writable_folder(args.out, "--out")
     except ValueError as e:
