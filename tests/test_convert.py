@@ -227,11 +227,24 @@ def _wait_for(what, proc, ok):
     assert proc.poll() is None and ok(), f"{what}: never happened while the tool ran"
 
 
+def _signal_mask(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith(field + ":"))
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether process `pid` has a handler of its own for `sig` (/proc's SigCgt mask)."""
-    with open(f"/proc/{pid}/status") as f:
-        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
-    return bool(mask >> (sig - 1) & 1)
+    return bool(_signal_mask(pid, "SigCgt") >> (sig - 1) & 1)
+
+
+def _stopping(pid: int, sigs) -> bool:
+    """Whether one of `sigs` was sent to process `pid` and waits to be delivered (it is
+    paused), or the process has ended."""
+    try:
+        mask = _signal_mask(pid, "ShdPnd")
+    except FileNotFoundError:
+        return True
+    return any(mask >> (s - 1) & 1 for s in sigs)
 
 
 @pytest.mark.parametrize("sig, ep", [(signal.SIGTERM, "1"), (signal.SIGINT, "1"),
@@ -242,17 +255,35 @@ def _catches(pid: int, sig: int) -> bool:
 def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig, ep):
     """A signal to the tool mid-conversion (iter_0000000.tmp being written: by the 2 workers at
     --ep 2, by the tool's own process at --ep 1) stops torchrun and the workers, and removes the
-    output and the temporary files. At --ep 1 the tool is paused the moment its output appears,
-    so the signal lands mid-write however loaded the machine is."""
+    output and the temporary files. The writers are paused the moment the output appears (the
+    tool at --ep 1; the workers at --ep 2 until the tool's signal reaches them), so the signal
+    lands mid-write however loaded the machine is."""
+    import psutil
+
     out = str(tmp_path / "ckpt")
     tmp, proc = _convert_proc(tmp_path, "hf-to-flexfloor", "--hf", tiny_hf, "--out", out,
                               "--ep", ep)
     try:
         _wait_for("the output folder", proc, lambda: os.path.exists(out))
         if ep == "1":
-            proc.send_signal(signal.SIGSTOP)
+            writers = [psutil.Process(proc.pid)]
+        else:
+            writers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if out in " ".join(p.cmdline())
+                       and "torch.distributed.run" not in p.cmdline()]
+            assert len(writers) == 2
+        for p in writers:
+            p.suspend()
         proc.send_signal(sig)
-        proc.send_signal(signal.SIGCONT)
+        # the tool passes `sig` to torchrun's group; a worker that ignores it (SIGINT) gets
+        # torchrun's SIGTERM
+        _wait_for(f"{sig.name} forwarded to the workers", proc, lambda: ep == "1" or all(
+            _stopping(p.pid, (sig, signal.SIGTERM)) for p in writers))
+        for p in writers:
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:  # ended meanwhile
+                pass
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
