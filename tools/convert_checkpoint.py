@@ -123,7 +123,6 @@ def _convert(args) -> int:
 
     par = Parallel.build(expert_parallel_size=args.ep, backend="gloo")
     try:
-        check(args, par.ep_size)
         if args.direction == "hf-to-flexfloor":
             directory, cfg, _ = hf_to_flexfloor(args.hf, args.out, par, step=args.step)
             if par.rank == 0:
@@ -150,23 +149,6 @@ def _convert(args) -> int:
     finally:
         par.destroy()
     return 0
-
-
-def check(args, ep: int) -> None:
-    """The checks that need no workers: the pipeline's (inputs, output not there yet) and `ep`
-    against the model's experts (every worker holds the same number). Raises a refusal."""
-    from flexfloor.convert import ConversionError, check_flexfloor_to_hf, check_hf_to_flexfloor
-
-    if args.direction == "hf-to-flexfloor":
-        _, _, cfg = check_hf_to_flexfloor(args.hf, args.out, step=args.step)
-    else:
-        cfg, _, _ = check_flexfloor_to_hf(args.ckpt, args.out, model_cfg=_model_cfg(args),
-                                          family=args.family)
-    n = cfg.num_experts
-    if n % ep:
-        raise ConversionError(f"--ep {ep} does not divide the model's {n} experts (each worker "
-                              f"holds the same number); use one of "
-                              f"{[d for d in range(1, n + 1) if n % d == 0]}")
 
 
 def _refusals() -> tuple:
@@ -199,10 +181,15 @@ def _launch(args, argv) -> int:
     SIGHUP stops torchrun and its workers, removes what the run wrote and returns 128 + the signal."""
     import tempfile
 
+    from flexfloor.convert import check_flexfloor_to_hf, check_hf_to_flexfloor
     from flexfloor.launch.reaper import start_reaper
 
     try:
-        check(args, args.ep)
+        if args.direction == "hf-to-flexfloor":
+            check_hf_to_flexfloor(args.hf, args.out, step=args.step, ep=args.ep)
+        else:
+            check_flexfloor_to_hf(args.ckpt, args.out, model_cfg=_model_cfg(args),
+                                  family=args.family, ep=args.ep)
     except _refusals() as e:
         print(f"[convert] error: {_message(e)}", file=sys.stderr)
         return 2

@@ -80,12 +80,23 @@ def read_hf(hf_dir: str, model_cfg: Optional[ModelConfig] = None):
     return hf, family, cfg
 
 
+def _check_ep(cfg: ModelConfig, ep: int) -> None:
+    """Every EP rank holds the same number of experts (`local_expert_ids`)."""
+    n = cfg.num_experts
+    if n % ep:
+        raise ConversionError(f"--ep {ep} does not divide the model's {n} experts (each worker "
+                              f"holds the same number); use one of "
+                              f"{[d for d in range(1, n + 1) if n % d == 0]}")
+
+
 def check_hf_to_flexfloor(hf_dir: str, out_root: str, *, step: int = 0,
-                          model_cfg: Optional[ModelConfig] = None):
+                          model_cfg: Optional[ModelConfig] = None, ep: int = 1):
     """The checks of `hf_to_flexfloor` that need no process group (the HF config, every tensor's
-    shape from the headers, the output not there yet); returns `read_hf`'s triple. A leftover
-    `iter_N.tmp` of a crashed conversion is no obstacle: `save_checkpoint` drops it."""
+    shape from the headers, `ep` against the experts, the output not there yet); returns
+    `read_hf`'s triple. A leftover `iter_N.tmp` of a crashed conversion is no obstacle:
+    `save_checkpoint` drops it."""
     hf, family, cfg = read_hf(hf_dir, model_cfg)
+    _check_ep(cfg, ep)
     final = os.path.join(out_root, iter_name(step))
     if os.path.exists(final):
         raise ConversionError(f"{final} exists already; checkpoints are never overwritten "
@@ -110,7 +121,8 @@ def model_from_hf(hf_dir: str, parallel, model_cfg: Optional[ModelConfig] = None
 def hf_to_flexfloor(hf_dir: str, out_root: str, parallel, *, step: int = 0,
                     model_cfg: Optional[ModelConfig] = None):
     """Convert; returns (checkpoint directory, model section, the model as loaded)."""
-    hf, family, cfg = check_hf_to_flexfloor(hf_dir, out_root, step=step, model_cfg=model_cfg)
+    hf, family, cfg = check_hf_to_flexfloor(hf_dir, out_root, step=step, model_cfg=model_cfg,
+                                            ep=parallel.ep_size)
     parallel.barrier()  # every rank has looked before rank 0 starts iter_N.tmp
     model = _model_from(hf, family, cfg, parallel)
     extra = {"model_config": model_config_dict(cfg), "hf_config": hf.config}
@@ -126,15 +138,16 @@ def checkpoint_model_config(ckpt: str) -> tuple[Optional[ModelConfig], Optional[
 
 
 def check_flexfloor_to_hf(ckpt: str, out_dir: str, *, model_cfg: Optional[ModelConfig] = None,
-                          family: Optional[str] = None):
+                          family: Optional[str] = None, ep: int = 1):
     """The checks of `flexfloor_to_hf` that need no process group (the checkpoint says or is told
-    its model, the family can express it, the output not there yet); returns (model section,
-    family, HF config to write)."""
+    its model, `ep` against its experts, the family can express it, the output not there yet);
+    returns (model section, family, HF config to write)."""
     stored_cfg, hf_base = checkpoint_model_config(ckpt)
     cfg = model_cfg or stored_cfg
     if cfg is None:
         raise ConversionError(f"{ckpt} does not say which model it holds (it was not made by "
                               "this converter); pass the training config (--config)")
+    _check_ep(cfg, ep)
     fam: Family = family_of(family or (hf_base or {}).get("model_type"))
     if os.path.exists(out_dir):
         raise ConversionError(f"{out_dir} exists already; choose a new output folder")
@@ -144,7 +157,8 @@ def check_flexfloor_to_hf(ckpt: str, out_dir: str, *, model_cfg: Optional[ModelC
 def flexfloor_to_hf(ckpt: str, out_dir: str, parallel, *, model_cfg: Optional[ModelConfig] = None,
                     family: Optional[str] = None) -> ModelConfig:
     """Convert a FlexFloor checkpoint (any step, saved at any EP size) to an HF folder."""
-    cfg, fam, config = check_flexfloor_to_hf(ckpt, out_dir, model_cfg=model_cfg, family=family)
+    cfg, fam, config = check_flexfloor_to_hf(ckpt, out_dir, model_cfg=model_cfg, family=family,
+                                             ep=parallel.ep_size)
     model = build_model(cfg, parallel)
     load_checkpoint(ckpt, model=model, model_cfg=cfg)
     ids = local_expert_ids(cfg, parallel)
