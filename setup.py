@@ -12,7 +12,7 @@ setup(
     description="Synchronous RL post-training of MoE LLMs on Megatron-Core with elastic expert "
     "parallelism: ranks whose responses are done leave the rollout early",
     packages=find_packages(include=["flexfloor", "flexfloor.*", "megatron_ext", "megatron_ext.*"]),
-    package_data={"flexfloor": ["data/assets/*"]},
+    package_data={"flexfloor": ["data/assets/*"], "megatron_ext": ["csrc/*.c"]},
     python_requires=">=3.10",
     install_requires=requirements(),
     extras_require={

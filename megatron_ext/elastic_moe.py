@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexfloor.rollout.collectives import exchange_counts, exchange_rows, exchange_rows_back
+from megatron_ext import cpu_kernels
 from megatron_ext.placement import Placement
 
 
@@ -137,6 +138,23 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
                 ok = False
         _GROUPED_MM[key] = ok
     return _GROUPED_MM[key]
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                after: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The experts' grouped GEMM (rows offs[e-1] .. offs[e]-1 of x through w[e] [in, out]):
+    in float32 on CPU the streaming kernel (`megatron_ext.cpu_kernels`; `after`, the weight the
+    next GEMM reads, is prefetched), else `torch._grouped_mm`."""
+    if cpu_kernels.handles(x, w):
+        return cpu_kernels.grouped_mm(x, w, offs, after=after)
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One expert's projection `F.linear(x, weight)`, through the same kernel as the grouped
+    GEMM where that runs (float32 CPU): an expert's rows are the same bits on every path."""
+    out = cpu_kernels.linear(x, weight)
+    return F.linear(x, weight) if out is None else out
 
 
 @dataclass
@@ -453,9 +471,10 @@ class PlacedMoE:
             if stack.count != counts.shape[0]:  # not every expert of the layer: its range
                 counts = counts[stack.first:stack.first + stack.count]
             offs = counts.cumsum(0, dtype=torch.int32)
-            h = torch._grouped_mm(rows, stack.operands["linear_fc1"], offs=offs)
+            h = _grouped_mm(rows, stack.operands["linear_fc1"], offs,
+                            after=stack.operands["linear_fc2"])
             h = self._activation(self._expert_config[layer], h, probs)  # [N, F]
-            out = torch._grouped_mm(h, stack.operands["linear_fc2"], offs=offs)
+            out = _grouped_mm(h, stack.operands["linear_fc2"], offs)
         else:
             per_expert = handle.per_expert
             if per_expert is None:  # a fixed-capacity handle: the fallback's host read
@@ -487,9 +506,10 @@ class PlacedMoE:
             else:
                 take = (i + start).clamp_(max=n - 1)
                 seg_rows, seg_probs = rows.index_select(0, take), probs.index_select(0, take)
-            h = torch._grouped_mm(seg_rows, operands["linear_fc1"], offs=offs)
+            h = _grouped_mm(seg_rows, operands["linear_fc1"], offs,
+                            after=operands["linear_fc2"])
             h = self._activation(self._expert_config[layer], h, seg_probs)  # [N, F]
-            o = torch._grouped_mm(h, operands["linear_fc2"], offs=offs)
+            o = _grouped_mm(h, operands["linear_fc2"], offs)
             if start is None:
                 out, start = o, offs[-1].long()
             else:  # later segments take the rows from their start on
@@ -627,19 +647,20 @@ class PlacedMoE:
         """One projection (`name`) of every expert's rows of x (sorted by expert): the stacked
         experts' rows in one grouped GEMM, the others one raw GEMM each, in expert order."""
         if stack is None:
-            return torch.cat([F.linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in groups])
+            return torch.cat([_expert_linear(x[s:s + n], getattr(m, name).weight)
+                              for _, m, s, n in groups])
         first, count = stack.first, stack.count
         inside = [g for g in groups if first <= g[0] < first + count]
         before = [g for g in groups if g[0] < first]
         after = [g for g in groups if g[0] >= first + count]
-        parts = [F.linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in before]
+        parts = [_expert_linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in before]
         if inside:
             lo = inside[0][2]
             hi = inside[-1][2] + inside[-1][3]
             counts = torch.tensor(per_expert[first:first + count], dtype=torch.int32)
             offs = counts.cumsum(0, dtype=torch.int32).to(x.device)
-            parts.append(torch._grouped_mm(x[lo:hi], stack.operands[name], offs=offs))
-        parts += [F.linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in after]
+            parts.append(_grouped_mm(x[lo:hi], stack.operands[name], offs))
+        parts += [_expert_linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in after]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _raw_experts(self, module) -> bool:

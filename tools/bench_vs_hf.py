@@ -31,7 +31,10 @@ run, on the same threads; the step's time is the larger of bytes / bandwidth and
 `--static-decode` pads FlexFloor's decode steps to batch buckets with fixed shapes
 (rollout.static_decode, docs/engine.md); each run says which it ran (`static_decode`).
 `grouped_expert_layers` says in how many layers the experts ran as grouped GEMMs
-(`torch._grouped_mm` over the stacked expert weights) rather than one GEMM per expert.
+(over the stacked expert weights) rather than one GEMM per expert; `expert_kernel` which kernel
+ran them and `attention_kernel` the decode steps' attention: `cpu_kernels`
+(megatron_ext/cpu_kernels.py, float32 on CPU) or `torch` (`torch._grouped_mm` / `F.linear`,
+SDPA; `FLEXFLOOR_CPU_KERNELS=0` forces it).
 """
 
 from __future__ import annotations
@@ -195,6 +198,15 @@ def roofline(model, moe, batch: int, mean_context: float, rates: dict) -> float:
     return batch / step_s
 
 
+def kernels(param) -> str:
+    """What ran the experts' GEMMs and the decode steps' attention for weights like `param`:
+    FlexFloor's CPU kernels (float32 on CPU, when built) or torch's."""
+    from megatron_ext import cpu_kernels
+
+    x = param.new_empty(1, 1)
+    return "cpu_kernels" if cpu_kernels.handles(x, param.new_empty(1, 1, 1)) else "torch"
+
+
 def bench_one(hf_dir: str, label: str, args, par) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -228,6 +240,8 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
         "hf_generate_s": hf_s, "flexfloor_generate_s": ff_s,
         "identical_responses": same, "responses": len(prompts),
         "grouped_expert_layers": moe.grouped_layers(next(model.parameters()).dtype),
+        "expert_kernel": kernels(next(model.parameters())),
+        "attention_kernel": kernels(next(model.parameters())),
         "roofline_tokens_per_s": bound, "roofline_fraction": ff_rate / bound, **rates,
     }
 
@@ -267,6 +281,8 @@ def main(argv=None) -> int:
               f"{r['flexfloor_decode_tokens_per_s']:16.1f} {r['ratio_flexfloor_over_hf']:7.2f} "
               f"{r['identical_responses']:>4d}/{r['responses']:<5d} "
               f"{r['roofline_tokens_per_s']:15.1f} {r['roofline_fraction']:9.3f}")
+    print("expert GEMMs and decode attention ran on: "
+          + ", ".join(sorted({r["expert_kernel"] for r in rows})))
     if args.out:
         from flexfloor.outputs import write_json
 

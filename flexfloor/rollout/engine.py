@@ -70,6 +70,7 @@ from flexfloor.rollout.types import (
     FinishReason, MoveTrace, RankRecord, Request, Result, RolloutError, ShrinkTrace, StepTrace,
     TracedLoad,
 )
+from megatron_ext import cpu_kernels
 
 __all__ = ["RolloutEngine", "RolloutError", "CollectiveError", "collective_phase",
            "StaticMembership", "StepReport", "kv_bytes_per_token"]
@@ -744,11 +745,17 @@ class RolloutEngine:
         `bucket` alone and nothing in it reads on the host (where the experts run grouped)."""
         # request rows: one per new token in a decode step, else the query rows' requests
         B = batch.tokens.shape[1] if batch.query_index is None else batch.query_index.shape[0]
-        Q, L = batch.mask.shape[2], batch.mask.shape[3]
+        L = batch.mask.shape[3]
         G, D, heads = self.groups, self.head_dim, self.heads
         blocks = pool.k.shape[1] // self.block_tokens
         x = self._embed(batch.tokens, batch.positions)  # [T, H]
         rope = self._rotary(batch.positions[0])  # cos, signed sin [T, 1, rot], every layer
+        # a decode-only step in float32 on CPU: FlexFloor's decode attention (each request reads
+        # its own positions 0 .. position, `megatron_ext.cpu_kernels`), else SDPA
+        lengths = None
+        if (batch.query_index is None and self.device.type == "cpu"
+                and self.dtype == torch.float32 and cpu_kernels.available()):
+            lengths = batch.positions[0] + 1
         stores = pool.k.unbind(0), pool.v.unbind(0)  # per layer [slots, G, D]
         if batch.lanes is not None:  # the lanes as views of the pool: [R, G, L, D] per layer
             lane_keys, lane_values = pool.lane_views(batch.lanes, L // self.block_tokens)
@@ -766,25 +773,37 @@ class RolloutEngine:
                 keys = keys_of[li].index_select(0, batch.tables).view(B, L, G, D)
                 values = values_of[li].index_select(0, batch.tables).view(B, L, G, D)
                 keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-            if batch.query_index is None:  # decode only: query b is token b, Q == 1
-                queries = q.view(B, heads, 1, D)
+            if lengths is not None and cpu_kernels.runs_attention(q, keys):
+                o = cpu_kernels.decode_attention(q.reshape(B, heads, D), keys, values, lengths,
+                                                 lp.scale if lp.scale is not None else D ** -0.5,
+                                                 rows=batch.lane_rows).view(B, heads * D)
             else:
-                queries = q[batch.query_index].view(B, Q, heads, D).transpose(1, 2)
-            if batch.lane_rows is not None:  # request b in row lane_rows[b]
-                queries = queries.new_zeros((batch.lanes,) + queries.shape[1:]).index_copy_(
-                    0, batch.lane_rows, queries)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
-                                               scale=lp.scale,
-                                               enable_gqa=True)  # [R, heads, Q, D]
-            if batch.lane_rows is not None:
-                o = o.index_select(0, batch.lane_rows)
-            o = o.transpose(1, 2).reshape(B * Q, heads * D)
-            if batch.out_index is not None:
-                o = o[batch.out_index]
+                o = self._sdpa(lp.scale, q, keys, values, batch)
             x = lp.proj(o, x)
             x = x + self.moe.forward(li, lp.pre_mlp_norm(x), batch.valid)
         h = plan.final_norm(x if batch.last is None else x[batch.last])
         return F.linear(h, plan.output_weight)  # [B or rows, V]
+
+    def _sdpa(self, scale: Optional[float], q: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """SDPA of the step's query rows (q [T, heads, D]) over keys and values [R, G, L, D]
+        with the step's mask: one call for every request, prefill chunks and decode tokens
+        together. Returns [T, heads * D], one row per new token."""
+        B = batch.tokens.shape[1] if batch.query_index is None else batch.query_index.shape[0]
+        Q, heads, D = batch.mask.shape[2], self.heads, self.head_dim
+        if batch.query_index is None:  # decode only: query b is token b, Q == 1
+            queries = q.view(B, heads, 1, D)
+        else:
+            queries = q[batch.query_index].view(B, Q, heads, D).transpose(1, 2)
+        if batch.lane_rows is not None:  # request b in row lane_rows[b]
+            queries = queries.new_zeros((batch.lanes,) + queries.shape[1:]).index_copy_(
+                0, batch.lane_rows, queries)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
+                                           scale=scale, enable_gqa=True)  # [R, heads, Q, D]
+        if batch.lane_rows is not None:
+            o = o.index_select(0, batch.lane_rows)
+        o = o.transpose(1, 2).reshape(B * Q, heads * D)
+        return o if batch.out_index is None else o[batch.out_index]
 
     def _qkv(self, lp: "_LayerPlan", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Megatron's `get_query_key_value_tensors` at TP=1 and RoPE as raw ops on `linear_qkv`'s
