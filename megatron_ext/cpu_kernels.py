@@ -8,7 +8,8 @@ not find in cache at about a third of this machine's streaming bandwidth at such
 kernel walks the weight in column panels with the rows in registers and prefetches the next
 expert's weight while it computes one (docs/engine.md has the figures). Used by `megatron_ext.elastic_moe.PlacedMoE` for every expert GEMM it runs in
 float32 on CPU (own stack, borrowed stack, or a lone expert's weight), so an expert's output
-is the same bits on every path; other dtypes and devices keep torch's kernels.
+is the same bits on every path; other dtypes and devices keep torch's kernels, and so does
+`rollout.cpu_kernels: false`.
 
 Each output element is one in-order sum over the inner dimension, one fused multiply-add per
 term, so a row's result does not depend on which other rows share the GEMM (MKL's may: it
@@ -23,10 +24,10 @@ request's result does not depend on the other requests. `flexfloor.rollout.engin
 decode-only steps in float32 on CPU.
 
 The kernels are compiled on first use with the machine's C compiler (`$CC`, else `cc`; tuned for
-this CPU with -march=native) into `$FLEXFLOOR_CACHE` (default ~/.cache/flexfloor)/kernels,
-named by a hash of the source, the flags and the CPU, and loaded with ctypes (tools/setup_env.sh
-builds them ahead). Without a compiler, or with `FLEXFLOOR_CPU_KERNELS=0`, every step runs on
-torch's kernels as before (one warning says why a build failed).
+this CPU with -march=native) into `$XDG_CACHE_HOME` (default ~/.cache)/flexfloor/kernels, named
+by a hash of the source, the flags and the CPU, and loaded with ctypes (tools/setup_env.sh
+builds them ahead). Without a compiler every step runs on torch's kernels as before, and one
+warning says why.
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
-ENV_SWITCH = "FLEXFLOOR_CPU_KERNELS"
-ENV_CACHE = "FLEXFLOOR_CACHE"
 
 
 def _cpu_signature() -> str:
@@ -64,7 +63,8 @@ def _cpu_signature() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "flexfloor") / "kernels"
+    """Where built kernels are kept: $XDG_CACHE_HOME (default ~/.cache)/flexfloor/kernels."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flexfloor" / "kernels"
 
 
 def build(quiet: bool = False) -> Optional[Path]:
@@ -102,17 +102,15 @@ def build(quiet: bool = False) -> Optional[Path]:
             detail = getattr(e, "stderr", None) or e
             warnings.warn(f"could not build the CPU kernels with {cc!r} into {folder} "
                           f"({str(detail).strip()[:300]}): the CPU decode step runs on torch's "
-                          f"kernels; fix the compiler or ${ENV_CACHE}, or set {ENV_SWITCH}=0 to "
-                          f"silence this", RuntimeWarning, stacklevel=2)
+                          f"kernels; fix the compiler or the folder ($XDG_CACHE_HOME), or set "
+                          f"rollout.cpu_kernels: false", RuntimeWarning, stacklevel=2)
         return None
     return lib
 
 
 @functools.lru_cache(maxsize=None)
 def _library():
-    """The loaded kernels (functions by name), or None: switched off or not built."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
+    """The loaded kernels (functions by name), or None: not built."""
     path = build()
     if path is None:
         return None
@@ -127,7 +125,7 @@ def _library():
 
 
 def available() -> bool:
-    """Whether the kernels are built and loaded (and not switched off)."""
+    """Whether the kernels are built and loaded."""
     return _library() is not None
 
 

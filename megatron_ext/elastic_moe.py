@@ -141,19 +141,19 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
-                after: Optional[torch.Tensor] = None) -> torch.Tensor:
+                after: Optional[torch.Tensor] = None, kernels: bool = True) -> torch.Tensor:
     """The experts' grouped GEMM (rows offs[e-1] .. offs[e]-1 of x through w[e] [in, out]):
-    in float32 on CPU the streaming kernel (`megatron_ext.cpu_kernels`; `after`, the weight the
-    next GEMM reads, is prefetched), else `torch._grouped_mm`."""
-    if cpu_kernels.handles(x, w):
+    with `kernels`, in float32 on CPU, FlexFloor's kernel (`megatron_ext.cpu_kernels`; `after`,
+    the weight the next GEMM reads, is prefetched), else `torch._grouped_mm`."""
+    if kernels and cpu_kernels.handles(x, w):
         return cpu_kernels.grouped_mm(x, w, offs, after=after)
     return torch._grouped_mm(x, w, offs=offs)
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One expert's projection `F.linear(x, weight)`, through the same kernel as the grouped
-    GEMM where that runs (float32 CPU): an expert's rows are the same bits on every path."""
-    out = cpu_kernels.linear(x, weight)
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, kernels: bool = True) -> torch.Tensor:
+    """One expert's projection `F.linear(x, weight)`, through the grouped GEMM's kernel where
+    that runs (`kernels`, float32 CPU): an expert's rows are the same bits on every path."""
+    out = cpu_kernels.linear(x, weight) if kernels else None
     return F.linear(x, weight) if out is None else out
 
 
@@ -220,6 +220,9 @@ class PlacedMoE:
         # fixed-capacity path of padded steps: set by an engine with `static_decode`; the eager
         # path runs borrowed experts one GEMM each and needs no restacking
         self.stack_borrowed = False
+        # float32 expert GEMMs on CPU through FlexFloor's kernel (`_grouped_mm`); set by the
+        # engine (rollout.cpu_kernels)
+        self.cpu_kernels = True
         self.rebind(group, placement)
 
     # ---------------------------------------------------------------- layout
@@ -472,9 +475,9 @@ class PlacedMoE:
                 counts = counts[stack.first:stack.first + stack.count]
             offs = counts.cumsum(0, dtype=torch.int32)
             h = _grouped_mm(rows, stack.operands["linear_fc1"], offs,
-                            after=stack.operands["linear_fc2"])
+                            after=stack.operands["linear_fc2"], kernels=self.cpu_kernels)
             h = self._activation(self._expert_config[layer], h, probs)  # [N, F]
-            out = _grouped_mm(h, stack.operands["linear_fc2"], offs)
+            out = _grouped_mm(h, stack.operands["linear_fc2"], offs, kernels=self.cpu_kernels)
         else:
             per_expert = handle.per_expert
             if per_expert is None:  # a fixed-capacity handle: the fallback's host read
@@ -507,9 +510,9 @@ class PlacedMoE:
                 take = (i + start).clamp_(max=n - 1)
                 seg_rows, seg_probs = rows.index_select(0, take), probs.index_select(0, take)
             h = _grouped_mm(seg_rows, operands["linear_fc1"], offs,
-                            after=operands["linear_fc2"])
+                            after=operands["linear_fc2"], kernels=self.cpu_kernels)
             h = self._activation(self._expert_config[layer], h, seg_probs)  # [N, F]
-            o = _grouped_mm(h, operands["linear_fc2"], offs)
+            o = _grouped_mm(h, operands["linear_fc2"], offs, kernels=self.cpu_kernels)
             if start is None:
                 out, start = o, offs[-1].long()
             else:  # later segments take the rows from their start on
@@ -539,9 +542,11 @@ class PlacedMoE:
             return torch.empty_like(rows)
         if self._raw_experts(groups[0][1]):
             stack = self._stack(layer, rows)
-            h = self._project(rows, groups, per_expert, stack, "linear_fc1")
+            h = self._project(rows, groups, per_expert, stack, "linear_fc1",
+                              kernels=self.cpu_kernels)
             h = self._activation(groups[0][1].config, h, probs)  # [N, F]
-            return self._project(h, groups, per_expert, stack, "linear_fc2")
+            return self._project(h, groups, per_expert, stack, "linear_fc2",
+                                 kernels=self.cpu_kernels)
         # biases or fused kernels: Megatron's own forward per expert
         return torch.cat([m(rows[s:s + n], probs[s:s + n])[0] for _, m, s, n in groups])
 
@@ -643,24 +648,27 @@ class PlacedMoE:
 
     @staticmethod
     def _project(x: torch.Tensor, groups, per_expert: list[int], stack: Optional["ExpertStack"],
-                 name: str) -> torch.Tensor:
+                 name: str, kernels: bool = True) -> torch.Tensor:
         """One projection (`name`) of every expert's rows of x (sorted by expert): the stacked
-        experts' rows in one grouped GEMM, the others one raw GEMM each, in expert order."""
+        experts' rows in one grouped GEMM, the others one raw GEMM each, in expert order;
+        `kernels`: FlexFloor's CPU kernel where it runs (`_grouped_mm`)."""
         if stack is None:
-            return torch.cat([_expert_linear(x[s:s + n], getattr(m, name).weight)
+            return torch.cat([_expert_linear(x[s:s + n], getattr(m, name).weight, kernels)
                               for _, m, s, n in groups])
         first, count = stack.first, stack.count
         inside = [g for g in groups if first <= g[0] < first + count]
         before = [g for g in groups if g[0] < first]
         after = [g for g in groups if g[0] >= first + count]
-        parts = [_expert_linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in before]
+        parts = [_expert_linear(x[s:s + n], getattr(m, name).weight, kernels)
+                 for _, m, s, n in before]
         if inside:
             lo = inside[0][2]
             hi = inside[-1][2] + inside[-1][3]
             counts = torch.tensor(per_expert[first:first + count], dtype=torch.int32)
             offs = counts.cumsum(0, dtype=torch.int32).to(x.device)
-            parts.append(_grouped_mm(x[lo:hi], stack.operands[name], offs))
-        parts += [_expert_linear(x[s:s + n], getattr(m, name).weight) for _, m, s, n in after]
+            parts.append(_grouped_mm(x[lo:hi], stack.operands[name], offs, kernels=kernels))
+        parts += [_expert_linear(x[s:s + n], getattr(m, name).weight, kernels)
+                  for _, m, s, n in after]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _raw_experts(self, module) -> bool:

@@ -4,7 +4,7 @@ Pool tests without Megatron; then one in-process engine (one gloo rank, the defa
 model) run twice over the same requests, with lanes and with every step's K/V gathered
 through the block tables: the tokens and log-probs must be the same bits, for greedy and
 sampled requests, with admissions into freed lanes out of order, and under a KV budget that
-forces preemption and requests outside lanes.
+forces preemption and requests outside lanes. Also the CPU kernels on and off: the same tokens.
 """
 
 import warnings
@@ -155,3 +155,29 @@ def test_an_engine_on_several_cpu_threads_warns_that_tokens_may_follow_the_batch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RolloutEngine(model, moe, rank=0)  # one thread: no warning
+
+
+def test_the_cpu_kernels_give_torchs_tokens(engine_parts, monkeypatch):
+    """rollout.cpu_kernels on (the default) and off over the same requests (greedy and
+    sampled, lanes and gathered blocks under a budget that preempts): the same tokens, log-probs
+    within float32 rounding; with them on, every decode-only step's attention ran the kernel."""
+    from megatron_ext import cpu_kernels
+
+    model, moe, engine = engine_parts
+    calls = {"attention": 0}
+    real = cpu_kernels.decode_attention
+
+    def counting(*args, **kwargs):
+        calls["attention"] += 1
+        return real(*args, **kwargs)
+
+    kw = dict(max_batch_size=10, kv_budget_bytes=14 * 4 * engine.kv_bytes_per_token)
+    want, _, _ = _decode(model, moe, engine, lanes=True, cpu_kernels=False, **kw)
+    assert calls["attention"] == 0
+    monkeypatch.setattr(cpu_kernels, "decode_attention", counting)
+    got, seen, record = _decode(model, moe, engine, lanes=True, **kw)
+    assert record.preempted > 0 and seen["gathered"] > 0 and seen["lanes"] > 0
+    assert calls["attention"] > 0
+    assert {k: t for k, (t, _) in got.items()} == {k: t for k, (t, _) in want.items()}
+    for k, (_, logprobs) in got.items():
+        torch.testing.assert_close(logprobs, want[k][1], rtol=0, atol=1e-5)

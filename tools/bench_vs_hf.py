@@ -34,7 +34,7 @@ run, on the same threads; the step's time is the larger of bytes / bandwidth and
 (over the stacked expert weights) rather than one GEMM per expert; `expert_kernel` which kernel
 ran them and `attention_kernel` the decode steps' attention: `cpu_kernels`
 (megatron_ext/cpu_kernels.py, float32 on CPU) or `torch` (`torch._grouped_mm` / `F.linear`,
-SDPA; `FLEXFLOOR_CPU_KERNELS=0` forces it).
+SDPA; `--cpu-kernels 0`, rollout.cpu_kernels false, forces it).
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ def parse(argv=None):
                         "other work shares: the figures then exclude time spent waiting for a core)")
     p.add_argument("--static-decode", action="store_true",
                    help="FlexFloor's decode steps padded to buckets (rollout.static_decode)")
+    p.add_argument("--cpu-kernels", type=int, choices=(0, 1), default=1,
+                   help="float32 CPU decode steps on FlexFloor's C kernels (1, the default) or "
+                        "on torch's (0) (rollout.cpu_kernels)")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     for flag, value in (("--batch", args.batch), ("--prompts", args.prompts),
@@ -198,13 +201,13 @@ def roofline(model, moe, batch: int, mean_context: float, rates: dict) -> float:
     return batch / step_s
 
 
-def kernels(param) -> str:
+def kernels(param, asked: bool) -> str:
     """What ran the experts' GEMMs and the decode steps' attention for weights like `param`:
-    FlexFloor's CPU kernels (float32 on CPU, when built) or torch's."""
+    FlexFloor's CPU kernels (`asked`, float32 on CPU, built) or torch's."""
     from megatron_ext import cpu_kernels
 
     x = param.new_empty(1, 1)
-    return "cpu_kernels" if cpu_kernels.handles(x, param.new_empty(1, 1, 1)) else "torch"
+    return "cpu_kernels" if asked and cpu_kernels.handles(x, param.new_empty(1, 1, 1)) else "torch"
 
 
 def bench_one(hf_dir: str, label: str, args, par) -> dict:
@@ -219,7 +222,8 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
     model, cfg = model_from_hf(hf_dir, par)  # in memory: a real --hf model is not saved again
     model.eval()
     stack = RolloutStack.build(par, model, rollout=RolloutConfig(
-        max_batch_size=args.batch, progress=False, static_decode=args.static_decode))
+        max_batch_size=args.batch, progress=False, static_decode=args.static_decode,
+        cpu_kernels=bool(args.cpu_kernels)))
     moe, engine = stack.moe, stack.engine
     prompts = make_prompts(args.prompts, cfg.vocab_size)
     rates = decode_rates({"hf": lambda p, n: hf_generate(hf, p, n, args.batch),
@@ -240,8 +244,8 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
         "hf_generate_s": hf_s, "flexfloor_generate_s": ff_s,
         "identical_responses": same, "responses": len(prompts),
         "grouped_expert_layers": moe.grouped_layers(next(model.parameters()).dtype),
-        "expert_kernel": kernels(next(model.parameters())),
-        "attention_kernel": kernels(next(model.parameters())),
+        "expert_kernel": kernels(next(model.parameters()), bool(args.cpu_kernels)),
+        "attention_kernel": kernels(next(model.parameters()), bool(args.cpu_kernels)),
         "roofline_tokens_per_s": bound, "roofline_fraction": ff_rate / bound, **rates,
     }
 

@@ -483,6 +483,7 @@ class RolloutEngine:
         valid_vocab: Optional[int] = None,
         kv_lanes: bool = True,
         static_decode: bool = False,
+        cpu_kernels: bool = True,
     ):
         self.model = model
         self.moe = moe  # megatron_ext.elastic_moe.PlacedMoE over the current EP group
@@ -502,6 +503,10 @@ class RolloutEngine:
         self.static_decode = static_decode
         if static_decode:  # a shrunk rank's borrowed experts stacked at rebind, off the step
             moe.stack_borrowed = True
+        # float32 CPU steps on FlexFloor's C kernels (`megatron_ext.cpu_kernels`): the decode
+        # attention here, the expert GEMMs in the MoE layers (rollout.cpu_kernels)
+        self.cpu_kernels = cpu_kernels
+        moe.cpu_kernels = cpu_kernels
         self.max_seq_len = model.max_sequence_length
         cfg = self.config
         self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -753,7 +758,7 @@ class RolloutEngine:
         # a decode-only step in float32 on CPU: FlexFloor's decode attention (each request reads
         # its own positions 0 .. position, `megatron_ext.cpu_kernels`), else SDPA
         lengths = None
-        if (batch.query_index is None and self.device.type == "cpu"
+        if (self.cpu_kernels and batch.query_index is None and self.device.type == "cpu"
                 and self.dtype == torch.float32 and cpu_kernels.available()):
             lengths = batch.positions[0] + 1
         stores = pool.k.unbind(0), pool.v.unbind(0)  # per layer [slots, G, D]

@@ -68,7 +68,7 @@ class RolloutStack:
               scheduler: Optional[SchedulerConfig] = None,
               valid_vocab: Optional[int] = None) -> "RolloutStack":
         """The stack of `model` on this rank, from the job's `rollout` section (replicas, batch,
-        KV budget and blocks, progress, static_decode), `elastic` (release policy, floor,
+        KV budget and blocks, progress, static_decode, cpu_kernels), `elastic` (release policy, floor,
         consolidation, ...; None: `membership_for`'s defaults) and `scheduler` (migration)
         sections; `valid_vocab`:
         the tokenizer's vocabulary when the model's embedding is padded beyond it. Collective
@@ -81,7 +81,8 @@ class RolloutStack:
                                max_batch_size=rollout.max_batch_size,
                                kv_budget_bytes=memory.kv_budget_bytes,
                                block_tokens=memory.block_tokens, progress=rollout.progress,
-                               valid_vocab=valid_vocab, static_decode=rollout.static_decode)
+                               valid_vocab=valid_vocab, static_decode=rollout.static_decode,
+                               cpu_kernels=rollout.cpu_kernels)
         return cls(parallel=parallel, model=model, layout=layout, moe=moe, engine=engine,
                    memory=memory, elastic=elastic,
                    scheduler=scheduler if scheduler is not None else SchedulerConfig())
