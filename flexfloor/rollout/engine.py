@@ -13,13 +13,17 @@ requests reading K/V from the rank's block pool (`flexfloor.rollout.kv`): as one
 pool's lanes when every request sits in its lane, else gathered through the block tables (SDPA
 with grouped-query attention: no copy of the cache per head), and the MoE layer as
 route -> dispatch -> compute -> combine (`megatron_ext.elastic_moe`); then one batched sampling
-call (`flexfloor.rollout.sampling`) and one device-to-host copy of the new tokens.
+call (`flexfloor.rollout.sampling`) and one device-to-host copy of the new tokens. In float32 on
+CPU (rollout.cpu_kernels, the default) a decode-only step's attention and every expert GEMM run
+FlexFloor's C kernels (`megatron_ext.cpu_kernels`: each request reads only its own positions,
+each expert weight streams once with the next one prefetched); prefill and mixed steps, other
+dtypes and CUDA take SDPA and torch's GEMMs.
 
 Per-request determinism: positions are per request (padding only masks, never shifts a
 position), and each draw comes from a counter-based stream keyed by the request and the position,
-so tokens do not depend on the rank, batch, placement, preemption or migration. CPU kernels may
-still sum in another order for another batch shape (the last bit of a logit); tests that compare
-batch compositions run in float64.
+so tokens do not depend on the rank, batch, placement, preemption or migration. torch's CPU
+kernels (the dense GEMMs, SDPA) may still sum in another order for another batch shape (the last
+bit of a logit); tests that compare batch compositions run in float64.
 
 Capture-ready decode (`static_decode`, rollout.static_decode; docs/engine.md): a decode-only step
 (on every rank of the EP group) is padded to a bucket: rows to a power of two up to
