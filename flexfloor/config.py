@@ -274,9 +274,10 @@ class RolloutConfig:
     # read inside the layer stack (the MoE layers' fixed-capacity dispatch): capture-ready for
     # CUDA graphs; the same tokens (docs/engine.md). Off: every step eager, sized to its batch
     static_decode: bool = False
-    # float32 decode steps on CPU run FlexFloor's C kernels (megatron_ext/cpu_kernels.py: the
-    # expert GEMMs and the decode attention; built on first use with the machine's C compiler);
-    # false: torch's (MKL GEMMs, SDPA). The same tokens; log-probs differ in the last bits
+    # float32 rollouts on CPU run FlexFloor's C kernels (megatron_ext/cpu_kernels.py: every
+    # expert GEMM, and the attention of decode-only steps; built on first use with the machine's
+    # C compiler); false: torch's (MKL GEMMs, SDPA). The same tokens; log-probs differ in the
+    # last bits
     cpu_kernels: bool = True
 
     def validate(self) -> None:

@@ -36,6 +36,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -67,12 +68,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flexfloor" / "kernels"
 
 
+def _compiler_version(cc: list[str]) -> bytes:
+    """`cc --version`'s first line: an upgraded compiler builds anew."""
+    try:
+        out = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
+        return (out.stdout.splitlines() or [""])[0].encode()
+    except (OSError, subprocess.SubprocessError):
+        return b""
+
+
 def build(quiet: bool = False) -> Optional[Path]:
-    """The compiled kernels' path, compiling them if this source, flags and CPU have none yet
-    (atomically: concurrent ranks each write their own file and rename it). None, with a
+    """The compiled kernels' path, compiling them if this source, flags, compiler and CPU have
+    none yet (atomically: concurrent ranks each write their own file and rename it). None, with a
     warning unless `quiet`, when they cannot be built."""
     cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
+    command = shlex.split(cc)  # e.g. CC="ccache gcc"
+    if not command or shutil.which(command[0]) is None:
         if not quiet:
             warnings.warn(f"no C compiler ({cc!r}, from $CC or the default 'cc') on PATH: the CPU "
                           f"decode step runs on torch's kernels (slower at decode batch sizes); "
@@ -80,7 +91,8 @@ def build(quiet: bool = False) -> Optional[Path]:
                           RuntimeWarning, stacklevel=2)
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), _compiler_version(command),
+                                     " ".join(FLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     folder = cache_dir()
     lib = folder / f"cpu_kernels-{key}.so"
@@ -91,8 +103,9 @@ def build(quiet: bool = False) -> Optional[Path]:
         fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=folder)
         os.close(fd)
         try:
-            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], check=True,
+            subprocess.run([*command, *FLAGS, str(SOURCE), "-o", tmp], check=True,
                            capture_output=True, text=True, timeout=120)
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
             os.replace(tmp, lib)
         finally:
             if os.path.exists(tmp):
@@ -110,11 +123,18 @@ def build(quiet: bool = False) -> Optional[Path]:
 
 @functools.lru_cache(maxsize=None)
 def _library():
-    """The loaded kernels (functions by name), or None: not built."""
+    """The loaded kernels (functions by name), or None: not built, or not loadable (one warning
+    says why)."""
     path = build()
     if path is None:
         return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:  # e.g. a cache on a noexec mount, or a damaged file
+        warnings.warn(f"could not load the CPU kernels {path} ({e}): the CPU decode step runs on "
+                      f"torch's kernels; remove the file to rebuild it, or point $XDG_CACHE_HOME "
+                      f"elsewhere", RuntimeWarning, stacklevel=2)
+        return None
     P, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     gemm, attention = lib.ff_grouped_gemm, lib.ff_decode_attention
     gemm.restype = attention.restype = ctypes.c_int
@@ -129,12 +149,15 @@ def available() -> bool:
     return _library() is not None
 
 
+def _float32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
 def handles(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `grouped_mm(x, w, offs)` runs the kernel: float32 CPU tensors x [R, K] and w
     [E, K, N], and the kernel built."""
-    return (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == torch.float32
-            and w.dtype == torch.float32 and x.dim() == 2 and w.dim() == 3
-            and w.shape[1] == x.shape[1] and available())
+    return (_float32_cpu(x, w) and x.dim() == 2 and w.dim() == 3 and w.shape[1] == x.shape[1]
+            and available())
 
 
 def _row_major(w: torch.Tensor) -> bool:
@@ -150,6 +173,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
     the next GEMM reads (its first expert is prefetched during the last expert). A w whose
     [K, N] are not row-major runs on a row-major copy made for this call (the same bits; the
     trainer's stacks are row-major: `flexfloor.model.stack_experts`)."""
+    if not handles(x, w):
+        raise ValueError(f"grouped_mm: x {tuple(x.shape)} {x.dtype} {x.device} and w "
+                         f"{tuple(w.shape)} {w.dtype} {w.device}: float32 CPU tensors [R, K] and "
+                         f"[E, K, N], and the kernels built (`available()`), are what it runs")
     E, K, N = w.shape
     x = x if x.is_contiguous() else x.contiguous()
     w = w if _row_major(w) else w.contiguous()
@@ -162,7 +189,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
     if after is not None and after.device.type == "cpu" and after.dim() == 3:
         pf, pf_bytes = after.data_ptr(), after[0].numel() * after.element_size()
     if _library()["gemm"](E, x.shape[0], K, N, x.data_ptr(), w.data_ptr(), w.stride(0),
-                 offs.data_ptr(), out.data_ptr(), pf, pf_bytes):
+                          offs.data_ptr(), out.data_ptr(), pf, pf_bytes):
         raise ValueError(f"grouped_mm: offsets {offs.tolist()} must not decrease and must not "
                          f"pass the {x.shape[0]} rows")
     return out
@@ -171,7 +198,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
 def linear(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
     """`F.linear(x, weight)` (weight [N, K], any strides) through the kernel, the same bits as
     the weight's rows in a stack; None where the kernel does not run (float32 CPU only)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    if not _float32_cpu(x, weight):
         return None
     w = weight.detach().t().unsqueeze(0)  # [1, K, N]; a row-major weight is copied by grouped_mm
     if not handles(x, w):
@@ -183,8 +210,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
 def runs_attention(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether `decode_attention(q, keys, ...)` runs the kernel: float32 CPU tensors, the head
     dimension contiguous, and the kernels built."""
-    return (q.device.type == "cpu" and keys.device.type == "cpu" and q.dtype == torch.float32
-            and keys.dtype == torch.float32 and q.stride(-1) == 1 and keys.stride(-1) == 1
+    return (_float32_cpu(q, keys) and q.stride(-1) == 1 and keys.stride(-1) == 1
             and available())
 
 
@@ -197,19 +223,27 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     b) at positions 0 .. lengths[b]-1. Returns [B, heads, D] (contiguous), what
     `F.scaled_dot_product_attention` gives with the mask `position < lengths[b]` and
     `enable_gqa`, to ~1e-6."""
+    if q.dim() != 3 or keys.dim() != 4:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} and keys {tuple(keys.shape)}: "
+                         f"[B, heads, D] and [R, G, L, D]")
     B, H, D = q.shape
-    R, G, L, _ = keys.shape
+    R, G, L, KD = keys.shape
+    if not (_float32_cpu(q, keys, values) and q.stride(-1) == 1 and keys.stride(-1) == 1
+            and available()):
+        raise ValueError(f"decode_attention: q {q.dtype} {q.device} strides {q.stride()}, keys "
+                         f"{keys.dtype} {keys.device} strides {keys.stride()}: float32 CPU "
+                         f"tensors with the head dimension contiguous, and the kernels built "
+                         f"(`runs_attention`), are what it runs")
     if values.shape != keys.shape or values.stride() != keys.stride():
         raise ValueError(f"decode_attention: values {tuple(values.shape)} strides "
                          f"{values.stride()} must match keys {tuple(keys.shape)} {keys.stride()}")
-    if H % G or D != q.shape[2] or lengths.shape != (B,):
+    if G < 1 or H % G or KD != D or lengths.shape != (B,):
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
-                         f"lengths {tuple(lengths.shape)}: heads must be a multiple of the groups "
-                         f"and there must be one length per request")
-    lengths = lengths if lengths.dtype == torch.int64 else lengths.to(torch.int64)
-    lengths = lengths.contiguous()
+                         f"lengths {tuple(lengths.shape)}: heads must be a multiple of the groups, "
+                         f"the head sizes equal, and one length per request")
+    lengths = lengths.to(device="cpu", dtype=torch.int64).contiguous()
     if rows is not None:
-        rows = (rows if rows.dtype == torch.int64 else rows.to(torch.int64)).contiguous()
+        rows = rows.to(device="cpu", dtype=torch.int64).contiguous()
         if rows.shape != (B,):
             raise ValueError(f"decode_attention: rows {tuple(rows.shape)}: one per request ({B})")
     out = q.new_empty(B, H, D)

@@ -181,3 +181,42 @@ def test_decode_attention_refuses_bad_lengths_and_rows():
         cpu_kernels.decode_attention(q, k, k, torch.tensor([1, 1]), 0.25, rows=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="multiple of the groups"):
         cpu_kernels.decode_attention(torch.randn(2, 3, 16), k, k, torch.tensor([1, 1]), 0.25)
+
+
+def test_the_wrappers_refuse_what_the_kernels_cannot_read():
+    """Called directly (not through `handles` / `runs_attention`), bad tensors are refused
+    before the C code sees a pointer: no read past a tensor, no garbage."""
+    x, w, offs = torch.randn(5, 8), torch.randn(2, 8, 16), torch.tensor([2, 5], dtype=torch.int32)
+    for bad_x, bad_w in ((x.double(), w.double()), (torch.randn(5, 9), w), (x, w[0])):
+        with pytest.raises(ValueError, match="float32 CPU tensors"):
+            cpu_kernels.grouped_mm(bad_x, bad_w, offs)
+    q, k, lengths = torch.randn(2, 4, 16), torch.randn(3, 2, 8, 16), torch.tensor([1, 2])
+    for args in ((q.double(), k.double(), k.double()), (q, k.transpose(2, 3), k.transpose(2, 3)),
+                 (torch.randn(2, 4, 32)[..., ::2], k, k)):
+        with pytest.raises(ValueError, match="float32 CPU tensors"):
+            cpu_kernels.decode_attention(*args, lengths, 0.25)
+    with pytest.raises(ValueError, match="head sizes"):
+        cpu_kernels.decode_attention(torch.randn(2, 4, 32), k, k, lengths, 0.25)
+    with pytest.raises(ValueError, match="must match keys"):
+        cpu_kernels.decode_attention(q, k, k.clone().transpose(0, 1).contiguous().transpose(0, 1),
+                                     lengths, 0.25)
+
+
+def test_a_library_that_does_not_load_falls_back_with_a_warning(tmp_path, monkeypatch):
+    """A damaged file in the cache (or a cache on a noexec mount): a warning, torch's kernels."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lib = cpu_kernels.build()
+    lib.write_bytes(b"")  # damaged
+    cpu_kernels._library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not load the CPU kernels"):
+            assert not cpu_kernels.available()
+        from megatron_ext.elastic_moe import _grouped_mm
+
+        x, w = torch.randn(5, 8), torch.randn(2, 8, 16)
+        offs = torch.tensor([2, 5], dtype=torch.int32)
+        assert torch.equal(_grouped_mm(x, w, offs), torch._grouped_mm(x, w, offs=offs))
+    finally:
+        monkeypatch.undo()
+        cpu_kernels._library.cache_clear()
+    assert cpu_kernels.available()

@@ -164,20 +164,24 @@ def test_the_cpu_kernels_give_torchs_tokens(engine_parts, monkeypatch):
     from megatron_ext import cpu_kernels
 
     model, moe, engine = engine_parts
-    calls = {"attention": 0}
-    real = cpu_kernels.decode_attention
+    calls = {"decode_attention": 0, "grouped_mm": 0}
 
-    def counting(*args, **kwargs):
-        calls["attention"] += 1
-        return real(*args, **kwargs)
+    def counting(name):
+        real = getattr(cpu_kernels, name)
 
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    for name in calls:  # each kernel's calls counted, in both runs
+        monkeypatch.setattr(cpu_kernels, name, counting(name))
     kw = dict(max_batch_size=10, kv_budget_bytes=14 * 4 * engine.kv_bytes_per_token)
     want, _, _ = _decode(model, moe, engine, lanes=True, cpu_kernels=False, **kw)
-    assert calls["attention"] == 0
-    monkeypatch.setattr(cpu_kernels, "decode_attention", counting)
+    assert calls == {"decode_attention": 0, "grouped_mm": 0}
     got, seen, record = _decode(model, moe, engine, lanes=True, **kw)
     assert record.preempted > 0 and seen["gathered"] > 0 and seen["lanes"] > 0
-    assert calls["attention"] > 0
+    assert calls["decode_attention"] > 0 and calls["grouped_mm"] > 0
     assert {k: t for k, (t, _) in got.items()} == {k: t for k, (t, _) in want.items()}
     for k, (_, logprobs) in got.items():
         torch.testing.assert_close(logprobs, want[k][1], rtol=0, atol=1e-5)

@@ -21,6 +21,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 export PATH="$FLEXFLOOR_ROOT/.venv/bin:$PATH"
-# the CPU kernels (megatron_ext/csrc): built once per source and CPU; a warning if they cannot be
+# the CPU kernels (megatron_ext/csrc): built once per source, compiler and CPU; a warning if they
+# cannot be built (the rollout then runs on torch's kernels)
 .venv/bin/python -c "from megatron_ext import cpu_kernels; cpu_kernels.build()" || true
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"

@@ -14,10 +14,11 @@ pool's lanes when every request sits in its lane, else gathered through the bloc
 with grouped-query attention: no copy of the cache per head), and the MoE layer as
 route -> dispatch -> compute -> combine (`megatron_ext.elastic_moe`); then one batched sampling
 call (`flexfloor.rollout.sampling`) and one device-to-host copy of the new tokens. In float32 on
-CPU (rollout.cpu_kernels, the default) a decode-only step's attention and every expert GEMM run
-FlexFloor's C kernels (`megatron_ext.cpu_kernels`: each request reads only its own positions,
-each expert weight streams once with the next one prefetched); prefill and mixed steps, other
-dtypes and CUDA take SDPA and torch's GEMMs.
+CPU (rollout.cpu_kernels, the default) every expert GEMM (prefill's too: an expert's rows are the
+same bits on every path) and a decode-only step's attention run FlexFloor's C kernels
+(`megatron_ext.cpu_kernels`: each expert weight streams once with the next one prefetched, each
+request reads only its own positions); the attention of prefill and mixed steps, the dense
+GEMMs, other dtypes and CUDA take SDPA and torch's GEMMs.
 
 Per-request determinism: positions are per request (padding only masks, never shifts a
 position), and each draw comes from a counter-based stream keyed by the request and the position,
