@@ -6,9 +6,10 @@ rows (batch 32, top-2 of 8 experts: about 8), so its GEMM is one trip of its wei
 memory. MKL's sgemm (what `torch._grouped_mm` and `F.linear` run on CPU) reads a weight it does
 not find in cache at about a third of this machine's streaming bandwidth at such shapes; the
 kernel walks the weight in column panels with the rows in registers and prefetches the next
-expert's weight while it computes one (docs/engine.md has the figures). Used by `megatron_ext.elastic_moe.PlacedMoE` for every expert GEMM it runs in
-float32 on CPU (own stack, borrowed stack, or a lone expert's weight), so an expert's output
-is the same bits on every path; other dtypes and devices keep torch's kernels, and so does
+expert's weight while it computes one (docs/engine.md has the figures). Used by
+`megatron_ext.elastic_moe.PlacedMoE` for every expert GEMM it runs in float32 on CPU (own
+stack, borrowed stack, or a lone expert's weight), so an expert's output is the same bits on
+every path; other dtypes and devices keep torch's kernels, and so does
 `rollout.cpu_kernels: false`.
 
 Each output element is one in-order sum over the inner dimension, one fused multiply-add per
@@ -25,9 +26,9 @@ decode-only steps in float32 on CPU.
 
 The kernels are compiled on first use with the machine's C compiler (`$CC`, else `cc`; tuned for
 this CPU with -march=native) into `$XDG_CACHE_HOME` (default ~/.cache)/flexfloor/kernels, named
-by a hash of the source, the flags and the CPU, and loaded with ctypes (tools/setup_env.sh
-builds them ahead). Without a compiler every step runs on torch's kernels as before, and one
-warning says why.
+by a hash of the source, the flags, the compiler and the CPU, and loaded with ctypes
+(tools/setup_env.sh builds them ahead). Without a compiler every step runs on torch's kernels as
+before, and one warning says why.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _cpu_signature() -> str:
 
 def cache_dir() -> Path:
     """Where built kernels are kept: $XDG_CACHE_HOME (default ~/.cache)/flexfloor/kernels."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flexfloor" / "kernels"
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "flexfloor" / "kernels"
 
 
 def _compiler_version(cc: list[str]) -> bytes:
