@@ -204,10 +204,13 @@ def roofline(model, moe, batch: int, mean_context: float, rates: dict) -> float:
 def kernels(param, asked: bool) -> str:
     """What ran the experts' GEMMs and the decode steps' attention for weights like `param`:
     FlexFloor's CPU kernels (`asked`, float32 on CPU, built) or torch's."""
+    import torch
+
     from megatron_ext import cpu_kernels
 
-    x = param.new_empty(1, 1)
-    return "cpu_kernels" if asked and cpu_kernels.handles(x, param.new_empty(1, 1, 1)) else "torch"
+    runs = (asked and param.device.type == "cpu" and param.dtype == torch.float32
+            and cpu_kernels.available())
+    return "cpu_kernels" if runs else "torch"
 
 
 def bench_one(hf_dir: str, label: str, args, par) -> dict:
@@ -230,6 +233,7 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
                           "flexfloor": lambda p, n: flexfloor_generate(engine, p, n)},
                          prompts, args.new_tokens, args.repeats)
     (hf_tokens, hf_rate, hf_s), (ff_tokens, ff_rate, ff_s) = rates["hf"], rates["flexfloor"]
+    ran = kernels(next(model.parameters()), bool(args.cpu_kernels))
     same = sum(a == b for a, b in zip(hf_tokens, ff_tokens))
     rates = machine_rates(next(model.parameters()).dtype)
     mean_context = sum(map(len, prompts)) / len(prompts) + args.new_tokens / 2
@@ -244,8 +248,7 @@ def bench_one(hf_dir: str, label: str, args, par) -> dict:
         "hf_generate_s": hf_s, "flexfloor_generate_s": ff_s,
         "identical_responses": same, "responses": len(prompts),
         "grouped_expert_layers": moe.grouped_layers(next(model.parameters()).dtype),
-        "expert_kernel": kernels(next(model.parameters()), bool(args.cpu_kernels)),
-        "attention_kernel": kernels(next(model.parameters()), bool(args.cpu_kernels)),
+        "expert_kernel": ran, "attention_kernel": ran,
         "roofline_tokens_per_s": bound, "roofline_fraction": ff_rate / bound, **rates,
     }
 
