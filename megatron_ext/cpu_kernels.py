@@ -28,7 +28,8 @@ The kernels are compiled on first use with the machine's C compiler (`$CC`, else
 this CPU with -march=native) into `$XDG_CACHE_HOME` (default ~/.cache)/flexfloor/kernels, named
 by a hash of the source, the flags, the compiler and the CPU, and loaded with ctypes
 (tools/setup_env.sh builds them ahead). Without a compiler every step runs on torch's kernels as
-before, and one warning says why.
+before, one warning says why, and `unavailable_reason()` keeps it (the engine prints it on
+stderr, where a run that ignores warnings still shows it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
+
+_reason: Optional[str] = None  # why the kernels last failed to build or load (None: they did not)
+
+
+def _unavailable(message: str, quiet: bool = False) -> None:
+    """Keep why the kernels are not there (`unavailable_reason`), and warn unless `quiet`."""
+    global _reason
+    _reason = message
+    if not quiet:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _cpu_signature() -> str:
@@ -86,11 +97,9 @@ def build(quiet: bool = False) -> Optional[Path]:
     cc = os.environ.get("CC") or "cc"
     command = shlex.split(cc)  # e.g. CC="ccache gcc"
     if not command or shutil.which(command[0]) is None:
-        if not quiet:
-            warnings.warn(f"no C compiler ({cc!r}, from $CC or the default 'cc') on PATH: the CPU "
-                          f"decode step runs on torch's kernels (slower at decode batch sizes); "
-                          f"install gcc or set CC to build megatron_ext/csrc/cpu_kernels.c",
-                          RuntimeWarning, stacklevel=2)
+        _unavailable(f"no C compiler ({cc!r}, from $CC or the default 'cc') on PATH: the CPU "
+                     f"decode step runs on torch's kernels (slower at decode batch sizes); "
+                     f"install gcc or set CC to build megatron_ext/csrc/cpu_kernels.c", quiet)
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, cc.encode(), _compiler_version(command),
@@ -113,12 +122,11 @@ def build(quiet: bool = False) -> Optional[Path]:
             if os.path.exists(tmp):
                 os.remove(tmp)
     except (OSError, subprocess.SubprocessError) as e:
-        if not quiet:
-            detail = getattr(e, "stderr", None) or e
-            warnings.warn(f"could not build the CPU kernels with {cc!r} into {folder} "
-                          f"({str(detail).strip()[:300]}): the CPU decode step runs on torch's "
-                          f"kernels; fix the compiler or the folder ($XDG_CACHE_HOME), or set "
-                          f"rollout.cpu_kernels: false", RuntimeWarning, stacklevel=2)
+        detail = getattr(e, "stderr", None) or e
+        _unavailable(f"could not build the CPU kernels with {cc!r} into {folder} "
+                     f"({str(detail).strip()[:300]}): the CPU decode step runs on torch's "
+                     f"kernels; fix the compiler or the folder ($XDG_CACHE_HOME), or set "
+                     f"rollout.cpu_kernels: false", quiet)
         return None
     return lib
 
@@ -133,9 +141,9 @@ def _library():
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:  # e.g. a cache on a noexec mount, or a damaged file
-        warnings.warn(f"could not load the CPU kernels {path} ({e}): the CPU decode step runs on "
-                      f"torch's kernels; remove the file to rebuild it, or point $XDG_CACHE_HOME "
-                      f"elsewhere", RuntimeWarning, stacklevel=2)
+        _unavailable(f"could not load the CPU kernels {path} ({e}): the CPU decode step runs on "
+                     f"torch's kernels; remove the file to rebuild it, or point $XDG_CACHE_HOME "
+                     f"elsewhere")
         return None
     P, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     gemm, attention = lib.ff_grouped_gemm, lib.ff_decode_attention
@@ -149,6 +157,11 @@ def _library():
 def available() -> bool:
     """Whether the kernels are built and loaded."""
     return _library() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the kernels are not available (what the warning said), or None when they are."""
+    return None if available() else _reason
 
 
 def _float32_cpu(*tensors: torch.Tensor) -> bool:

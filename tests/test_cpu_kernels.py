@@ -202,8 +202,10 @@ def test_the_wrappers_refuse_what_the_kernels_cannot_read():
                                      lengths, 0.25)
 
 
-def test_a_library_that_does_not_load_falls_back_with_a_warning(tmp_path, monkeypatch):
+def test_a_library_that_does_not_load_falls_back_with_a_warning(tmp_path, monkeypatch, capsys):
     """A damaged file in the cache (or a cache on a noexec mount): a warning, torch's kernels."""
+    from flexfloor.rollout import engine
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     lib = cpu_kernels.build()
     lib.write_bytes(b"")  # damaged
@@ -211,6 +213,14 @@ def test_a_library_that_does_not_load_falls_back_with_a_warning(tmp_path, monkey
     try:
         with pytest.warns(RuntimeWarning, match="could not load the CPU kernels"):
             assert not cpu_kernels.available()
+        assert "could not load the CPU kernels" in cpu_kernels.unavailable_reason()
+        # the engine says so on stderr (its runs ignore Python warnings): rank 0, once
+        engine._say_if_kernels_missing.cache_clear()
+        for rank in (1, 0, 0):
+            engine._say_if_kernels_missing(rank)
+        said = capsys.readouterr().err.splitlines()
+        assert len(said) == 1 and said[0].startswith(
+            "[flexfloor] warning: rollout.cpu_kernels: could not load the CPU kernels")
         from megatron_ext.elastic_moe import _grouped_mm
 
         x, w = torch.randn(5, 8), torch.randn(2, 8, 16)
@@ -219,4 +229,5 @@ def test_a_library_that_does_not_load_falls_back_with_a_warning(tmp_path, monkey
     finally:
         monkeypatch.undo()
         cpu_kernels._library.cache_clear()
-    assert cpu_kernels.available()
+        engine._say_if_kernels_missing.cache_clear()
+    assert cpu_kernels.available() and cpu_kernels.unavailable_reason() is None

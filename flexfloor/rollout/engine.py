@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import time
 import warnings
 from collections import deque
@@ -468,6 +469,16 @@ CPU_THREADS_WARNING = (
     "placement-independent tokens")
 
 
+@functools.lru_cache(maxsize=None)
+def _say_if_kernels_missing(rank: int) -> None:
+    """One line on stderr (rank 0, once per process) when rollout.cpu_kernels asks for the C
+    kernels and they cannot be built or loaded: the runs' examples ignore Python warnings, and
+    decoding on torch's kernels is about a third slower."""
+    why = cpu_kernels.unavailable_reason()
+    if why is not None and rank == 0:
+        print(f"[flexfloor] warning: rollout.cpu_kernels: {why}", file=sys.stderr, flush=True)
+
+
 class RolloutEngine:
     """Token-only generation on a Megatron-Core `GPTModel` (the trainer's own weights).
 
@@ -522,6 +533,8 @@ class RolloutEngine:
             warnings.warn(CPU_THREADS_WARNING.format(threads=torch.get_num_threads()),
                           RuntimeWarning, stacklevel=2)
         self.dtype = cfg.params_dtype
+        if cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
+            _say_if_kernels_missing(rank)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg)
         self.block_bytes = self.kv_bytes_per_token * block_tokens
         # blocks of the budget (rounded down: the pool never exceeds it); None: unbounded
