@@ -1,7 +1,8 @@
 """The pace rule of a shrink (elastic.pace_model, flexfloor/rollout/release.py `Pace`): a shrink
 is refused when its survivors, at their post-shrink step cost, would end the replica later than
-it ends without the shrink; with a step that costs the same whatever the group it never is.
-Hand-built step reports, no process group."""
+it ends without the shrink (or, given the end to keep, later than that or at no saving of
+occupied seconds); with a step that costs the same whatever the group it never is. Hand-built
+step reports, no process group."""
 
 import random
 
@@ -133,3 +134,30 @@ def test_a_shrink_whose_expert_transfers_outlast_what_it_saves_is_refused():
     assert stall > 20 * step
     assert decide(ReleaseRules(pace=pace_of(cost, 8)), two, report([[(5.0, 8)], []]), LIMITS, 1,
                   [[(5.0, 8)], []]).paced
+
+
+def test_within_the_end_to_keep_a_slower_shrink_that_saves_occupancy_goes_ahead():
+    """`end_s` (the seconds the replica may take: the rollout's end to keep less its clock): a
+    shrink whose survivors end later is made when they still end within it and the leavers'
+    seconds held to the unshrunk end exceed what the survivors add; else it is refused."""
+    from flexfloor.rollout.scheduler import lockstep_end
+
+    pace = by_hosted(0.1)
+    rules = ReleaseRules(pace=pace)
+    p = placement()  # 4 ranks of 2 experts; ranks 2 and 3 done
+    before = lockstep_end(WORK, pace.group_cost(p, (0, 1)))
+    shrunk = decide(ReleaseRules(), p, report(WORK), LIMITS, 1)
+    after = lockstep_end(WORK[:2], pace.group_cost(shrunk.placement, (0, 1)))
+    assert after > before  # the survivors host 4 experts each: slower
+    assert decide(rules, p, report(WORK), LIMITS, 1, WORK).paced  # no end given: refused
+    ok = decide(rules, p, report(WORK), LIMITS, 1, WORK, end_s=after * 1.01)
+    assert ok.leaving == [2, 3] and not ok.paced
+    assert decide(rules, p, report(WORK), LIMITS, 1, WORK, end_s=after * 0.99).paced
+    # one leaver, three survivors that each slow by a third: the leaver's seconds (one
+    # replica's end) do not exceed the three survivors' extra, whatever the end to keep
+    three = [[(10.0, 8)], [(7.0, 9)], [(3.0, 2)], []]
+    slow = ReleaseRules(pace=by_hosted(1.0))
+    assert decide(slow, p, report(three), LIMITS, 1, three, end_s=1e9).paced
+    # the same shrink with the survivors slowed less: it saves, and goes ahead
+    assert decide(ReleaseRules(pace=by_hosted(0.1)), p, report(three), LIMITS, 1, three,
+                  end_s=1e9).leaving == [3]

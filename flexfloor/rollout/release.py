@@ -101,11 +101,15 @@ def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
 
 
 def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
-           boundary: int, work: Optional[Work] = None) -> ReleaseDecision:
+           boundary: int, work: Optional[Work] = None,
+           end_s: Optional[float] = None) -> ReleaseDecision:
     """The decision at the `boundary`-th step boundary (counted from 1) of a rollout, from the
     shared report alone: the same on every rank. `work` (every rank's running requests, the same
     on every rank): what the pace rule (`rules.pace`) predicts the survivors' end from; without
-    it, or without the rule, a shrink is never refused for its pace."""
+    it, or without the rule, a shrink is never refused for its pace. `end_s`: the seconds from
+    now the replica may still take (the rollout's end to keep less its clock): a shrink that
+    slows the replica is then made when its survivors still end within them and it saves
+    occupied seconds (`slows_replica`); None: a shrink never slows the replica."""
     if boundary % rules.check_interval_steps:
         return ReleaseDecision()
     ranks = list(placement.ranks)
@@ -126,19 +130,23 @@ def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
         return ReleaseDecision(migrate=migrate, floor_hit=True)
     if rules.pace is not None and work is not None and slows_replica(
             rules.pace, placement, new_placement, migrated_work(placement.ranks, work, migrate),
-            transfers):
+            transfers, end_s=end_s):
         return ReleaseDecision(migrate=migrate, paced=True)
     return ReleaseDecision(migrate=migrate, leaving=leaving, placement=new_placement,
                            transfers=transfers)
 
 
-def slows_replica(pace: Pace, placement, new_placement, work: Work, transfers=()) -> bool:
+def slows_replica(pace: Pace, placement, new_placement, work: Work, transfers=(),
+                  end_s: Optional[float] = None) -> bool:
     """Whether the survivors (`new_placement`) would end their running `work` later than the
     group of `placement` ends it unshrunk: each group in lockstep at its fullest rank's pace,
     each rank's context growing as it decodes (`scheduler.replica_finish`), every step priced
     at that group's step cost, the survivors first stalled for the shrink's expert `transfers`
     (`Pace.shrink_cost`). The leavers have no work (they are done, or handed theirs over:
-    `migrated_work`). Pure."""
+    `migrated_work`). With `end_s` (seconds from now the replica may take: the rollout's end to
+    keep), a later end is allowed when it is within `end_s` and the leavers' seconds held to the
+    unshrunk end exceed what the survivors add: a replica that does not end the rollout trades
+    a slower tail for ranks released now. Pure."""
     ranks = list(placement.ranks)
     survivors = [work[ranks.index(r)] for r in new_placement.ranks]
     before = lockstep_end(work, pace.group_cost(placement, _busy(placement.ranks, work)))
@@ -146,7 +154,12 @@ def slows_replica(pace: Pace, placement, new_placement, work: Work, transfers=()
                                                     _busy(new_placement.ranks, survivors)))
     if pace.shrink_cost is not None and any(survivors):  # idle survivors wait for nothing
         after += pace.shrink_cost(placement, list(transfers))
-    return after > before * (1 + 1e-9)
+    if after <= before * (1 + 1e-9):
+        return False
+    if end_s is None or after > end_s:
+        return True
+    leavers = len(ranks) - len(new_placement.ranks)
+    return leavers * before <= len(new_placement.ranks) * (after - before)
 
 
 def _busy(ranks, work: Work) -> tuple:
