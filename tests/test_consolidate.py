@@ -62,6 +62,20 @@ def test_a_short_tail_moves_across_replicas_and_its_replica_leaves():
     assert d.moves[0].seconds == pytest.approx(100 * 1e-5)
 
 
+def test_a_replica_that_has_shrunk_inside_gives_but_never_takes():
+    """The step-cost bound prices a taker as a full replica; a shrunk one's ranks host more
+    experts and step slower, so it takes nothing (`ConsolidationState.shrunk`)."""
+    import dataclasses
+
+    s = state(rank(0, 0, 1000), rank(1, 0, 1000, 900), rank(2, 1, 10), rank(3, 1))
+    assert decide(s, ConsolidationRules(), flat, CHEAP_KV).leaving_replicas == [1]
+    shrunk = dataclasses.replace(s, shrunk=frozenset({0}))
+    assert decide(shrunk, ConsolidationRules(), flat, CHEAP_KV).moves == []
+    # a shrunk replica may still give: replica 1 shrank, and its tail goes to replica 0
+    gives = dataclasses.replace(s, shrunk=frozenset({1}))
+    assert decide(gives, ConsolidationRules(), flat, CHEAP_KV).leaving_replicas == [1]
+
+
 def test_nothing_moves_when_it_does_not_fit():
     # the takers' batches are full
     s = state(rank(0, 0, 1000, 900), rank(1, 0, 1000, 900), rank(2, 1, 10, 5), max_batch=2)

@@ -26,6 +26,8 @@ The rules, in order:
   of its requests has at most `TAIL_SHARE` of the rollout's longest remaining tokens left
   (`ConsolidationRules.hedged`; off where the estimates are bounds on one clock: inside one
   replica the engine estimates each request up to its cap);
+- a replica that has shrunk inside (`ConsolidationState.shrunk`) never takes: the bound prices
+  a taker as a full replica;
 - takers from the replica planned to stay longest (latest predicted end): each takes the most
   of the giver's longest requests that keep its bound, each on its least loaded rank;
 - a taker's own work may run past its prediction too (`ConsolidationRules.taker_hedge`): its
@@ -106,6 +108,10 @@ class ConsolidationState:
     # anyway (the correction, module doc); None: no correction (the engine's)
     end_bound_s: Optional[float] = None
     correct: bool = True  # the correction is decided at this boundary (with an end to keep)
+    # replicas that have shrunk inside (fewer ranks than they started with): they may give but
+    # never take, since the step-cost bound prices every taker as a full replica and a shrunk
+    # one's ranks host more experts and step slower
+    shrunk: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -304,6 +310,7 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
                                 for r in by_replica[g] for q in r.running):
             continue
         staying = sorted((i for i in live if i != g and i not in giving
+                          and i not in state.shrunk
                           and not (rules.hedged and any(r.queued for r in by_replica[i]))),
                          key=lambda i: (-ends[i], i))
         trial = load.copy()
@@ -330,6 +337,7 @@ def decide(state: ConsolidationState, rules: ConsolidationRules, step_cost: Step
             if any(m.dst in {r.rank for r in by_replica[g]} for m in moves):
                 continue  # it takes requests in this decision
             takers = sorted((i for i in live if i != g and i not in giving and may_take(g, i)
+                             and i not in state.shrunk
                              and not any(r.queued for r in by_replica[i])),
                             key=lambda i: (-ends[i], i))
             got = hand(g, takers)
