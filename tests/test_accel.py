@@ -132,6 +132,17 @@ def test_nearest_prebuilt_group_is_the_smallest_superset_inside_the_active_ranks
     assert nearest_prebuilt((0, 1, 2, 3), (1, 3), built) is None
 
 
+def test_leavers_for_keeps_the_others_idle_in_the_nearest_prebuilt_group():
+    """The engine's `SurvivorGroups.leavers_for` and the simulator's `GroupSource.PLANNED` share
+    this pure rule."""
+    from flexfloor.rollout.survivors import leavers_for
+
+    built = {(0, 1, 2), (0, 1), (0,)}
+    assert leavers_for((0, 1, 2, 3), [3], built) == [3]  # the plan's order: prebuilt
+    assert leavers_for((0, 1, 2, 3), [1, 3], built) == [3]  # 1 waits idle in (0, 1, 2)
+    assert leavers_for((0, 1, 2, 3), [0, 2], built) == [0, 2]  # none near: a new group
+
+
 def test_gpu_check_compiles_and_refuses_without_a_gpu():
     import os
     import py_compile

@@ -247,6 +247,36 @@ def test_elastic_rollout_is_no_longer_than_static(seed):
     assert rep["ratios"]["tokens_per_occupied_worker_second"] >= 1.3
 
 
+def test_a_shrink_inside_a_replica_keeps_the_pace_rule_and_the_planned_groups():
+    """A floor below the replica's 4 ranks (`--min-active-ranks 1`), seed 2, step 2: every shrink
+    the floor allows leaves a survivor hosting more experts, and the rollout ends a third after
+    static's; under the pace rule (`Scenario.shrink_pace`, the default: a shrink only within
+    the end to keep, and only where it saves occupied seconds) it ends within static's. With
+    `GroupSource.PLANNED` (seed 3) the plan's survivor sets are built ahead, as the engine
+    does: fewer groups are created during the rollout than there are shrinks, and those that
+    are cost a new communicator each (`NEW`: every one)."""
+    from flexfloor.sim.cost import CostParams, GroupSource
+
+    sc = SCENARIOS["paper-like"].with_overrides(min_active_ranks=1, **SMALL)
+    spans = {}
+    for pace in (True, False):
+        rep = run(sc.with_overrides(seed=2, shrink_pace=pace))
+        assert rep["elastic"]["total_response_tokens"] == rep["static"]["total_response_tokens"]
+        step2 = rep["per_epoch"][1]
+        spans[pace] = (step2["elastic"]["rollout_wall_seconds"]
+                       / step2["static"]["rollout_wall_seconds"])
+    assert spans[True] <= 1.0 < 1.2 < spans[False]
+    got = {}
+    for source in (GroupSource.PLANNED, GroupSource.NEW):
+        step2 = run(sc.with_overrides(seed=3, shrink_pace=False),
+                    params=CostParams(group_source=source))["per_epoch"][1]["elastic"]
+        shrinks = len([t for t in step2["timeline"] if "leaving" in t])
+        got[source] = (shrinks, step2["groups_created_during_rollout"],
+                       step2["rollout_wall_seconds"])
+    (p_shrinks, p_made, p_end), (n_shrinks, n_made, n_end) = got.values()
+    assert 0 < p_made < p_shrinks and n_made == n_shrinks > 0 and p_end < n_end
+
+
 def test_where_history_proves_wrong_hand_overs_go_no_denser():
     """History correlation 0.8 (a fifth of the prompts' lengths redrawn), seed 6, step 2: the
     rollout ends after static's when leaving replicas hand their tails to the taker within the

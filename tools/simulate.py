@@ -66,6 +66,9 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     # 1: after a rollout that proved the length history wrong, place the next as static does
     # (`Scheduler.distrust_wrong_history`); 0: pack by it anyway
     "distrust": ("distrust", switch),
+    # 1: a shrink inside a replica (a floor below its size) obeys the pace rule, bounded by
+    # the end to keep (`release.slows_replica`); 0: every shrink the floor allows is made
+    "shrink_pace": ("shrink_pace", switch),
 }
 
 
@@ -89,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--length-sigma", type=float, help="lognormal sigma")
     c = p.add_argument_group("cost model (CostParams)")
     c.add_argument("--group-source", choices=[g.value for g in GroupSource], default=None,
-                   help="survivors' group at a shrink: new (NCCL init, group_create_s) or "
-                        "prebuilt (a switch)")
+                   help="survivors' group at a shrink: new (NCCL init, group_create_s), "
+                        "prebuilt (every set ready, a switch) or planned (the sets of the "
+                        "plan's finish order are ready, any other is created, as the engine does)")
     c.add_argument("--group-create-s", type=float, default=None)
     c.add_argument("--host-overhead-s", type=float, default=None, help="engine time per step")
     c.add_argument("--zipf-s", type=float, default=None, help="expert popularity exponent")

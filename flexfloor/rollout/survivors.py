@@ -60,6 +60,19 @@ def nearest_prebuilt(active: Ranks, survivors: Ranks, prebuilt: Sequence[Ranks])
     return min(fits, key=lambda g: (len(g), g)) if fits else None
 
 
+def leavers_for(active: Sequence[int], leaving: Sequence[int], prebuilt) -> list[int]:
+    """Who really leaves when `leaving` want to leave `active`, given the `prebuilt` survivor
+    sets (pure): everyone asked when the survivors' set is prebuilt (or none is near), else only
+    the ranks outside the nearest prebuilt superset (`nearest_prebuilt`); the others stay idle
+    in it."""
+    active = tuple(sorted(active))
+    survivors = tuple(r for r in active if r not in set(leaving))
+    if survivors in prebuilt:
+        return sorted(leaving)
+    near = nearest_prebuilt(active, survivors, list(prebuilt))
+    return sorted(leaving) if near is None else [r for r in active if r not in near]
+
+
 @dataclass(frozen=True)
 class Switch:
     """How one shrink is carried out: who really leaves, the survivors' ranks and their group
@@ -114,12 +127,7 @@ class SurvivorGroups:
         it reads only the prebuilt sets): everyone asked when the survivors' group is prebuilt
         (or none is near), else only the ranks outside the nearest prebuilt superset; the
         others stay idle in it."""
-        active = tuple(sorted(active))
-        survivors = tuple(r for r in active if r not in set(leaving))
-        if survivors in self.prebuilt:
-            return sorted(leaving)
-        near = nearest_prebuilt(active, survivors, list(self.prebuilt))
-        return sorted(leaving) if near is None else [r for r in active if r not in near]
+        return leavers_for(active, leaving, self.prebuilt)
 
     def switch(self, active: Sequence[int], leaving: Sequence[int]) -> Switch:
         """The group the survivors of `active` minus `leaving` switch to (every rank of `active`

@@ -62,7 +62,12 @@ class GroupSource(enum.Enum):
     """Where the survivors' EP group comes from at a shrink."""
 
     PREBUILT = "prebuilt"  # built ahead (a split of the rollout's group): a switch
-    NEW = "new"  # a new communicator per shrink (the engine today): NCCL init
+    NEW = "new"  # a new communicator per shrink: NCCL init
+    # as the engine does (flexfloor/rollout/survivors.py): the survivor sets the plan implies
+    # built ahead (a switch); a shrink the plan did not foresee goes to the nearest prebuilt
+    # superset (the other leavers stay idle in it), else builds a new communicator (kept for
+    # later shrinks to the same set)
+    PLANNED = "planned"
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,12 @@ class CostParams:
     hbm_usable_fraction: float = 0.9  # of HBM, the rest for the allocator and the runtime
     activation_reserve_bytes: float = 4 * (1 << 30)  # activations, logits, CUDA graphs
 
-    def group_seconds(self) -> float:
-        """What the survivors' group costs at one shrink."""
-        return self.switch_s if self.group_source == GroupSource.PREBUILT else self.group_create_s
+    def group_seconds(self, prebuilt: Optional[bool] = None) -> float:
+        """What the survivors' group costs at one shrink: `prebuilt` says whether it was built
+        ahead (None: as `group_source` says; `PLANNED` without it: a new one)."""
+        if prebuilt is None:
+            prebuilt = self.group_source == GroupSource.PREBUILT
+        return self.switch_s if prebuilt else self.group_create_s
 
 
 def expert_popularity(num_experts: int, zipf_s: float, seed: int = 0) -> np.ndarray:
@@ -152,7 +160,8 @@ class UnitCost:
     def step_seconds(self, loads: Sequence[RankLoad], owner: Sequence[int]) -> float:
         return 1.0
 
-    def shrink_seconds(self, transfers, owner: Sequence[int]) -> float:
+    def shrink_seconds(self, transfers, owner: Sequence[int],
+                       prebuilt: Optional[bool] = None) -> float:
         return 0.0
 
     def measured_shrink_seconds(self, moved: Mapping[int, float], ranks: Sequence[int],
@@ -228,15 +237,17 @@ class RooflineCost:
             slowest = max(slowest, t)
         return slowest + p.host_overhead_s
 
-    def shrink_seconds(self, transfers, owner: Sequence[int]) -> float:
+    def shrink_seconds(self, transfers, owner: Sequence[int],
+                       prebuilt: Optional[bool] = None) -> float:
         """Experts of the leavers to the survivors, all transfers at once (each rank's link
-        carries what it sends and receives), then the survivors' group."""
+        carries what it sends and receives), then the survivors' group (`prebuilt`: whether it
+        was built ahead; None: as `CostParams.group_source` says)."""
         load: dict[int, float] = {}
         for t in transfers:
             secs = self._expert_link_seconds(self.node(t.src) == self.node(t.dst))
             load[t.src] = load.get(t.src, 0.0) + secs
             load[t.dst] = load.get(t.dst, 0.0) + secs
-        return max(load.values(), default=0.0) + self.params.group_seconds()
+        return max(load.values(), default=0.0) + self.params.group_seconds(prebuilt)
 
     def measured_shrink_seconds(self, moved: Mapping[int, float], ranks: Sequence[int],
                                 groups_created: int) -> float:

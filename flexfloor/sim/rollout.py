@@ -36,8 +36,11 @@ from typing import Optional, Sequence
 
 from flexfloor.rollout.engine import StepReport
 from flexfloor.rollout.kv import blocks_for, watermark_blocks
-from flexfloor.rollout.release import RankLimits, ReleaseRules, decide
+from flexfloor.rollout.release import (RankLimits, ReleaseDecision, ReleaseRules, capacity_now,
+                                       decide)
+from flexfloor.rollout.survivors import leavers_for
 from flexfloor.rollout.types import RankRecord
+from megatron_ext.placement import plan_shrink
 from flexfloor.sim.cost import RankLoad
 
 UNBOUNDED_KV = 1 << 62  # what an engine without a KV budget reports as free
@@ -170,13 +173,22 @@ class GroupView:
 
 def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[ReleaseRules],
                   cost, *, limits: RankLimits, placement, kv_block_tokens: Optional[int] = None,
-                  exact_blocks: bool = False, every_boundary: bool = False):
+                  exact_blocks: bool = False, every_boundary: bool = False,
+                  estimates=None, end_to_keep_s: Optional[float] = None,
+                  prebuilt_sets: Optional[set] = None):
     """`simulate_rollout` as a generator: it yields a `GroupView` at every step boundary with
     work (after the release decision) and is resumed with `send(changed)`: True when a driver
     moved requests out of or into it (the boundary is then decided again). Returns the
     `SimOutput`. Steps where no request finishes or is admitted are jumped over, unless
     `every_boundary` (a driver that may move requests at any boundary, as the engine's
-    consolidation inside a replica does)."""
+    consolidation inside a replica does). With the pace rule (`rules.pace`), `estimates`: () ->
+    (SimRequest, produced) -> its predicted remaining tokens, asked once per shrink decided (the
+    `work` the rule predicts the survivors' end from), and `end_to_keep_s` (seconds on this
+    group's clock, or None): the end a slower shrink must keep (`release.slows_replica`).
+    `prebuilt_sets`: the survivor sets built ahead (`GroupSource.PLANNED`, as the engine's
+    `survivors.SurvivorGroups`): a shrink the plan did not foresee goes to the nearest prebuilt
+    superset, else its new group is priced as created and added; None: every shrink priced as
+    `CostParams.group_source` says."""
     ranks = {r: _Rank(r, deque(reqs), RankRecord(rank=r, requests=len(reqs)))
              for r, reqs in sorted(assignment.items())}
     active = sorted(ranks)
@@ -338,6 +350,11 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             return True
         boundaries += 1
         decision = decide(rules, placement, rep, limits, boundaries)
+        if decision.leaving and rules.pace is not None and estimates is not None:
+            decision = decide(rules, placement, rep, limits, boundaries, work=work_now(),
+                              end_s=None if end_to_keep_s is None else end_to_keep_s - now)
+        if decision.leaving and prebuilt_sets is not None:
+            decision = fit_to_groups(decision, rep)
         floor_hit = decision.floor_hit
         if floor_hit:
             for r in active:
@@ -369,8 +386,12 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             g.running, g.ctx_base, g.pending, g.extra_pairs = [], 0, 0, 0.0
             timeline.append({"step": step, "migrated": {giver: taker}})
         if decision.leaving:
-            now += cost.shrink_seconds(decision.transfers, placement.owner)
-            groups_created += 1
+            built = None
+            if prebuilt_sets is not None:
+                built = tuple(sorted(decision.placement.ranks)) in prebuilt_sets
+                prebuilt_sets.add(tuple(sorted(decision.placement.ranks)))  # kept for later
+            now += cost.shrink_seconds(decision.transfers, placement.owner, prebuilt=built)
+            groups_created += built is not True
             if exact:  # the engine's `withhold`: each survivor's borrowed bytes in whole blocks
                 got = Counter(tr.dst for tr in decision.transfers)
                 for dst, n in got.items():
@@ -388,6 +409,35 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             timeline.append({"step": step, "time_s": now, "leaving": list(decision.leaving),
                              "active": list(active), "moved_experts": len(decision.transfers)})
         return True
+
+    def fit_to_groups(decision, rep) -> ReleaseDecision:
+        """The engine's `ElasticMembership._fit_to_groups`: only the ranks outside the nearest
+        prebuilt superset of the survivors leave when their set is not prebuilt."""
+        leaving = leavers_for(placement.ranks, decision.leaving, prebuilt_sets)
+        if leaving == sorted(decision.leaving):
+            return decision
+        try:
+            new_placement, transfers = plan_shrink(
+                placement, leaving, capacity=capacity_now(rules, placement, rep, limits),
+                holding=rules.holding)
+        except ValueError:  # fewer leavers always fit; if not, the decision as it was
+            return decision
+        return ReleaseDecision(migrate=decision.migrate, leaving=leaving,
+                               placement=new_placement, transfers=transfers)
+
+    def work_now() -> list:
+        """Each active rank's running and queued requests, in placement order: (predicted
+        remaining tokens, cached tokens) each (`release.Work`)."""
+        est = estimates()
+        out = []
+        for r in placement.ranks:
+            x = ranks[r]
+            w = [(est(run.req, step - run.start), run.cached(step)) for run in x.running]
+            for item in x.queue:
+                req, produced = (item.req, item.produced) if isinstance(item, _Preempted) else (item, 0)
+                w.append((est(req, produced), req.prompt_len + produced))
+            out.append(w)
+        return out
 
     def ranks_now() -> dict:
         return {r: ([(run.req, step - run.start) for run in ranks[r].running], len(ranks[r].queue),
@@ -632,10 +682,28 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
     replica as the only possible giver (the others' clocks are no earlier, so a moved request
     never resumes before it left). groups: dicts of `rollout_steps`' assignment, rules and
     placement. Returns each replica's `SimOutput`, in order."""
+    def estimates():
+        """(request, produced) -> its remaining tokens as the pace rule of a shrink counts them:
+        as the consolidation's takers count their own (`ConsolidationRules.taker_hedge` times
+        the estimate, or its worst where its prediction is known wrong), from the lengths
+        finished so far on every replica."""
+        finished: dict[int, list[int]] = {}
+        for got in [*(v.lengths for v in views.values()), *(o.lengths for o in outs.values())]:
+            for uid, ls in got.items():
+                finished.setdefault(uid, []).extend(ls)
+        tc, hedge = consolidation, consolidation.rules.taker_hedge
+
+        def est(req, produced: int) -> float:
+            worst = tc.worst(req, produced, finished) if tc.worst else None
+            return worst if worst is not None else hedge * tc.remaining(req, produced, finished)
+        return est
+
     gens = [rollout_steps(g["assignment"], g["rules"], cost, limits=limits,
                           placement=g["placement"], kv_block_tokens=kv_block_tokens,
                           exact_blocks=exact_blocks,
-                          every_boundary=consolidation.within is not None)
+                          every_boundary=consolidation.within is not None,
+                          estimates=estimates, end_to_keep_s=consolidation.end_bound_s,
+                          prebuilt_sets=g.get("prebuilt"))
             for g in groups]
     replica_of = {r: i for i, g in enumerate(groups) for r in g["assignment"]}
     views: dict[int, GroupView] = {}
@@ -758,9 +826,11 @@ def _consolidate(giver: int, views: dict, replica_of: dict, tc: TailConsolidatio
                                        tc.worst(req, produced, finished) if tc.worst else None))
             states.append(cons.RankState(rank, k, tuple(rs), queued,
                                          None if free >= UNBOUNDED_KV else free // block_bytes))
+    sizes = Counter(replica_of.values())
+    shrunk = frozenset(k for k, v in views.items() if len(v.ranks()) < sizes[k])
     state = cons.ConsolidationState(tuple(states), {k: v.now() for k, v in views.items()},
                                     limits.max_batch_size, tc.block_tokens, tc.end_bound_s,
-                                    correct=correct)
+                                    correct=correct, shrunk=shrunk)
     rules = tc.rules
     if tc.unproven is not None and not rules.no_denser and tc.unproven(finished):
         rules = dataclasses.replace(rules, no_denser=True)

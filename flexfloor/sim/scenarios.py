@@ -41,11 +41,12 @@ from flexfloor.rollout.replicas import (  # noqa: F401  (Mode, MODES, ...: re-ex
     BASELINES, HELD, MODES, Mode, route_least_outstanding,
 )
 from flexfloor.rollout.scheduler import (
-    LengthHistory, MemoryModel, Predictor, PromptGroup, Scheduler, evidence_accuracy,
+    LengthHistory, MemoryModel, PromptGroup, Scheduler, evidence_accuracy,
 )
 from flexfloor.rollout.types import Request
 from flexfloor.rollout.workload import dataset_batches, make_lengths, make_prompts, tail_stats
-from flexfloor.sim.cost import CostParams, RooflineCost, UnitCost, kv_budget_bytes
+from flexfloor.rollout.survivors import planned_survivor_sets
+from flexfloor.sim.cost import CostParams, GroupSource, RooflineCost, UnitCost, kv_budget_bytes
 from flexfloor.sim.hardware import ACCELERATORS, ModelShape
 from flexfloor.sim.rollout import (
     SimRequest, TailConsolidation, replica_state, simulate_replicas, simulate_rollout,
@@ -115,6 +116,11 @@ class Scenario:
     # does (`Scheduler.distrust_wrong_history`, its default; plans by modelled seconds only);
     # False: it packs anyway
     distrust: bool = True
+    # shrinking inside a replica (a floor below its size) on an accelerator: the pace rule
+    # refuses a shrink whose survivors, hosting more experts, would end their replica later,
+    # unless they still end within the end to keep and the shrink saves occupied seconds
+    # (`release.slows_replica`); False: every shrink the floor allows is made
+    shrink_pace: bool = True
     training_ep: Optional[int] = None  # None: gcd(ranks of a replica, experts)
     seed: int = 0
     # figures to reach, checked and printed: {"baseline": mode, metric thresholds}
@@ -288,7 +294,8 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
                                        flexfloor.predictor)
         for mode in Mode:
             out = simulate_mode(mode, assignments[mode], topo[mode], cost, sc,
-                                tails if mode == Mode.ELASTIC else None)
+                                tails if mode == Mode.ELASTIC else None,
+                                expected_finish=plan.expected_finish)
             m = mode_metrics(out, sc, lengths_sha256(out.lengths))
             m["timeline"] = out.timeline
             entry[mode.value], outs[mode.value] = m, out
@@ -523,8 +530,19 @@ def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
                              sc.kv_block_tokens or 16, within=within)
 
 
+def shrink_pace(cost, max_batch: int):
+    """The pace rule of a shrink inside a replica on the cost model: the engine's step cost of
+    a group (`elastic.pace_of`), a shrink's stall as this simulator prices it."""
+    from flexfloor.rollout.elastic import pace_of
+    from flexfloor.rollout.release import Pace
+
+    return Pace(pace_of(cost, max_batch).group_cost,
+                lambda placement, transfers: cost.shrink_seconds(transfers, placement.owner))
+
+
 def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scenario,
-                  tails: Optional[TailConsolidation] = None):
+                  tails: Optional[TailConsolidation] = None,
+                  expected_finish: Optional[dict] = None):
     """One rollout of `mode`: each EP group on its own (or, with `tails`, together: their tails
     consolidated), then the hold rule. A held rank stays to the end of the slowest group, its
     steps counted as that group's."""
@@ -535,11 +553,20 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
         placement, holding = topo.states[ranks]
         rules = None
         if mode == Mode.ELASTIC:
-            rules = ReleaseRules(min_active_ranks=min(sc.min_active_ranks, len(ranks)),
-                                 holding=holding, migrate_max_requests=sc.migrate_max_requests)
+            floor = min(sc.min_active_ranks, len(ranks))
+            rules = ReleaseRules(min_active_ranks=floor, holding=holding,
+                                 migrate_max_requests=sc.migrate_max_requests,
+                                 pace=(shrink_pace(cost, topo.limits.max_batch_size)
+                                       if sc.shrink_pace and sc.accelerator is not None
+                                       and floor < len(ranks) else None))
         sub = {r: [SimRequest(q.request_id, q.prompt_uid, len(q.prompt_ids), q.target_len)
                    for q in assignment.get(r, [])] for r in ranks}
         runs.append({"assignment": sub, "rules": rules, "placement": placement})
+        params = getattr(cost, "params", None)
+        if (rules is not None and expected_finish is not None and params is not None
+                and params.group_source == GroupSource.PLANNED):  # the engine's groups ahead
+            runs[-1]["prebuilt"] = set(planned_survivor_sets(
+                {r: expected_finish[r] for r in ranks}, floor=rules.min_active_ranks))
     if (tails is None and mode == Mode.ELASTIC and sc.accelerator is None
             and not sc.migrate_max_requests and ElasticConfig().consolidate):  # as the engine
         tails = engine_tails(sc, len(topo.groups))
