@@ -254,7 +254,7 @@ def test_a_shrink_inside_a_replica_keeps_the_pace_rule_and_the_planned_groups():
     the end to keep, and only where it saves occupied seconds) it ends within static's. With
     `GroupSource.PLANNED` (seed 3) the plan's survivor sets are built ahead, as the engine
     does: fewer groups are created during the rollout than there are shrinks, and those that
-    are cost a new communicator each (`NEW`: every one)."""
+    are cost a new communicator each (`NEW`: every one; `PREBUILT`: none)."""
     from flexfloor.sim.cost import CostParams, GroupSource
 
     sc = SCENARIOS["paper-like"].with_overrides(min_active_ranks=1, **SMALL)
@@ -267,14 +267,15 @@ def test_a_shrink_inside_a_replica_keeps_the_pace_rule_and_the_planned_groups():
                        / step2["static"]["rollout_wall_seconds"])
     assert spans[True] <= 1.0 < 1.2 < spans[False]
     got = {}
-    for source in (GroupSource.PLANNED, GroupSource.NEW):
+    for source in (GroupSource.PLANNED, GroupSource.NEW, GroupSource.PREBUILT):
         step2 = run(sc.with_overrides(seed=3, shrink_pace=False),
                     params=CostParams(group_source=source))["per_epoch"][1]["elastic"]
         shrinks = len([t for t in step2["timeline"] if "leaving" in t])
         got[source] = (shrinks, step2["groups_created_during_rollout"],
                        step2["rollout_wall_seconds"])
-    (p_shrinks, p_made, p_end), (n_shrinks, n_made, n_end) = got.values()
+    (p_shrinks, p_made, p_end), (n_shrinks, n_made, n_end), (_, all_made, _) = got.values()
     assert 0 < p_made < p_shrinks and n_made == n_shrinks > 0 and p_end < n_end
+    assert all_made == 0  # PREBUILT: every survivor set was built ahead
 
 
 def test_where_history_proves_wrong_hand_overs_go_no_denser():

@@ -41,7 +41,7 @@ from flexfloor.rollout.release import (RankLimits, ReleaseDecision, ReleaseRules
 from flexfloor.rollout.survivors import leavers_for
 from flexfloor.rollout.types import RankRecord
 from megatron_ext.placement import plan_shrink
-from flexfloor.sim.cost import RankLoad
+from flexfloor.sim.cost import GroupSource, RankLoad
 
 UNBOUNDED_KV = 1 << 62  # what an engine without a KV budget reports as free
 
@@ -391,7 +391,10 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
                 built = tuple(sorted(decision.placement.ranks)) in prebuilt_sets
                 prebuilt_sets.add(tuple(sorted(decision.placement.ranks)))  # kept for later
             now += cost.shrink_seconds(decision.transfers, placement.owner, prebuilt=built)
-            groups_created += built is not True
+            if built is None:  # every set built ahead (GroupSource.PREBUILT), else none
+                params = getattr(cost, "params", None)
+                built = params is not None and params.group_source == GroupSource.PREBUILT
+            groups_created += not built
             if exact:  # the engine's `withhold`: each survivor's borrowed bytes in whole blocks
                 got = Counter(tr.dst for tr in decision.transfers)
                 for dst, n in got.items():
