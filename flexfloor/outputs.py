@@ -9,10 +9,20 @@ never sees half a report and a stale one is replaced in one step.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import tempfile
 
 from flexfloor.rollout.metrics import json_safe
+
+
+def path_arg(text: str) -> str:
+    """An argparse `type` for a path flag: an empty or blank path is refused (argparse names
+    the flag), where `if args.out:` would take it as a flag not given and drop the output."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or folder name")
+    return text
 
 
 def writable(path: str, flag: str) -> str:
@@ -35,19 +45,43 @@ def writable_folder(path: str, flag: str) -> str:
     return out
 
 
+def creatable_folder(path: str, flag: str) -> str:
+    """`path` as an absolute path, once a folder there exists or can be made with its parents
+    (`os.makedirs`): nothing on the way is a file and the nearest folder that exists may be
+    written; ValueError naming `flag` and the fix otherwise. Nothing is created."""
+    out = os.path.abspath(path)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{flag} {path}: is a file; give a folder")
+    nearest = out
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        raise ValueError(f"{flag} {path}: {nearest} is a file, so the folder cannot be made; "
+                         "give another path")
+    _writable_folder(path, flag, nearest)
+    return out
+
+
 def _writable_folder(path: str, flag: str, folder: str) -> None:
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"{flag} {path}: {folder} is not a folder; give another path")
     if not os.path.isdir(folder):
         raise ValueError(f"{flag} {path}: folder {folder} does not exist; create it or give "
                          "another path")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: folder {folder} is not writable; give another path")
+    try:  # a real write: os.access says yes to root on a read-only mount
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".flexfloor-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: folder {folder} is not writable "
+                         f"({e.strerror or e}); give another path") from None
 
 
 def writable_image(path: str, flag: str) -> str:
-    """`writable`, for a plot: also refused unless matplotlib writes its extension's format (no
-    extension: PNG), found before the work, not after it."""
+    """`writable`, for a plot: also refused unless matplotlib writes its extension's format,
+    found before the work, not after it. A path without an extension gets `.png`, the name
+    matplotlib would write, so the path returned (and printed) is the file there."""
+    if not os.path.splitext(path)[1]:
+        path += ".png"
     out = writable(path, flag)
     from matplotlib.figure import Figure
 

@@ -12,7 +12,9 @@ import pytest
 import sentencepiece
 
 from flexfloor.data import read_examples
-from tools import heldout, make_synthetic_data, plot_timeline, train_tokenizer
+from tools import (
+    convert_checkpoint, heldout, make_synthetic_data, plot_timeline, simulate, train_tokenizer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,3 +137,109 @@ def test_a_refused_argument_prints_no_traceback():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("--seeds 0: must be at least 1 "
                                                          "(seeds 0..N-1)")
+
+
+@pytest.mark.parametrize("main, argv, flag", [
+    (make_synthetic_data.main, ["--num-prompts", "4", "--out", ""], "--out"),
+    (heldout.main, ["--out", " "], "--out"),
+    (plot_timeline.main, ["r.json", "--out", ""], "--out"),
+    (simulate.main, ["--scenario", "tiny-cpu", "--out", ""], "--out"),
+    (simulate.main, ["--scenario", "tiny-cpu", "--out", "s.json", "--plot", ""], "--plot"),
+    (simulate.main, ["--scenario", "tiny-cpu", "--out", "s.json", "--length-file", ""],
+     "--length-file"),
+    (convert_checkpoint.main, ["hf-to-flexfloor", "--hf", "h", "--out", ""], "--out"),
+    (convert_checkpoint.main, ["flexfloor-to-hf", "--ckpt", "", "--out", "o"], "--ckpt"),
+])
+def test_an_empty_path_is_refused_not_taken_as_not_given(tmp_path, monkeypatch, capsys, main,
+                                                         argv, flag):
+    """`--out ''` would otherwise read as no --out (no report written, a run thrown away) or as
+    the current folder; it is refused by argparse naming the flag, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    err = refused(main, argv, capsys)
+    assert f"argument {flag}: an empty path; give a file or folder name" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-batch-size", "-5"], "--max-batch-size -5: must be at least 1"),
+    (["--epochs", "0"], "--epochs 0: must be at least 1"),
+    (["--seed", "-1"], "--seed -1: must be at least 0"),
+    (["--pace-margin", "0"], "--pace-margin 0.0: must be a positive number"),
+    (["--load-cap", "nan"], "--load-cap nan: must be a positive number"),
+    (["--taker-hedge", "0.5"], "--taker-hedge 0.5: must be at least 1.0"),
+    (["--cap-fraction", "1.5"], "--cap-fraction 1.5: must be in [0, 1]"),
+    (["--zipf-s", "-2"], "--zipf-s -2.0: must be a number at least 0"),
+    (["--group-create-s", "inf"], "--group-create-s inf: must be a number at least 0"),
+])
+def test_simulate_refuses_out_of_range_values_naming_the_flag(tmp_path, capsys, argv, message):
+    """Checked with the scenario, before the simulation: one line, status 2, no report."""
+    out = tmp_path / "s.json"
+    err = refused(simulate.main, ["--scenario", "tiny-cpu", "--out", str(out), *argv], capsys)
+    assert err == f"simulate: {message}"
+    assert not out.exists()
+
+
+def test_a_plot_without_an_extension_is_written_and_named_as_png(tmp_path, capsys):
+    """matplotlib writes `t` as `t.png`: the path printed is the file that is there."""
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(REPORT))
+    assert plot_timeline.main([str(report), "--out", str(tmp_path / "t")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "t.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "t.png"]
+
+
+def test_plot_timeline_names_a_report_of_the_wrong_shape(tmp_path, capsys):
+    cases = ({"per_epoch": [{"epoch": 1, "static": {"per_rank": 3}}]},
+             {"per_epoch": [{"epoch": 1, "static": {"per_rank": [{"rank": 0}]}}]})
+    for case in cases:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(case))
+        err = refused(plot_timeline.main, [str(bad), "--out", str(tmp_path / "t.png")], capsys)
+        assert err.startswith(f"plot_timeline: {bad}: ") and "not a simulate.py or " in err, err
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_an_unwritable_folder_is_found_by_writing_not_by_permission_bits(tmp_path):
+    """`os.access` says yes to root where no file can be made (/proc, a read-only mount): the
+    check writes (and removes) a probe file, so such a folder is named before the work."""
+    from flexfloor.outputs import creatable_folder, writable
+
+    assert writable(str(tmp_path / "a.json"), "--out") == str(tmp_path / "a.json")
+    assert creatable_folder(str(tmp_path / "x" / "y"), "logging.run_dir") == str(
+        tmp_path / "x" / "y")
+    assert list(tmp_path.iterdir()) == []  # the probe is gone, nothing made
+    with pytest.raises(ValueError, match="--out /proc/a.json: folder /proc is not writable"):
+        writable("/proc/a.json", "--out")
+    with pytest.raises(ValueError, match="logging.run_dir /proc/x/y: folder /proc is not "
+                                         "writable"):
+        creatable_folder("/proc/x/y", "logging.run_dir")
+
+
+def test_bench_vs_hf_refuses_more_threads_than_cores(capsys):
+    from tools import bench_vs_hf
+
+    many = (os.cpu_count() or 1) + 1
+    err = refused(bench_vs_hf.parse, ["--threads", str(many)], capsys)
+    assert f"--threads {many}: this machine has {os.cpu_count()} CPUs" in err
+
+
+@pytest.mark.parametrize("config, index, says", [
+    ("{bad", None, "config.json is not readable JSON (Expecting property name"),
+    ("[1]", None, "config.json holds a JSON list, not an object"),
+    ("{}", "{\"metadata\": {}}", "model.safetensors.index.json has no weight_map object"),
+    ("{}", "\xff", "model.safetensors.index.json is not readable JSON"),
+])
+def test_a_malformed_hf_folder_is_named_not_a_traceback(tmp_path, capsys, config, index, says):
+    """`convert_checkpoint` (and `bench_vs_hf --hf`) on a folder whose JSON is broken: the file
+    and the fix in one line, status 1 for the converter, no output folder."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(config)
+    if index is not None:
+        (hf / "model.safetensors.index.json").write_bytes(index.encode("latin-1"))
+    code = convert_checkpoint.main(["hf-to-flexfloor", "--hf", str(hf),
+                                    "--out", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err
+    assert f"[convert] error: {hf}/{says}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

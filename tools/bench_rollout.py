@@ -50,7 +50,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from flexfloor.launch.reaper import start_reaper  # noqa: E402
-from flexfloor.outputs import writable, writable_image, write_json  # noqa: E402
+from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
 from flexfloor.rollout.metrics import chained_sha256, cpu_seconds_warning  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
 from flexfloor.sim.cost import cost_model  # noqa: E402
@@ -88,8 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas: EP groups of nproc / replicas ranks, each holding "
                         "every expert (single_group always runs one world-wide group)")
-    p.add_argument("--out", required=True, help="JSON file the results go to")
-    p.add_argument("--plot", default=None, help="PNG of the last epoch's per-rank timeline")
+    p.add_argument("--out", required=True, type=path_arg, help="JSON file the results go to")
+    p.add_argument("--plot", default=None, type=path_arg,
+                   help="PNG of the last epoch's per-rank timeline")
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=32)
     w.add_argument("--samples-per-prompt", type=int, default=8)
@@ -104,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     w.add_argument("--min-len", type=float, default=None, help="uniform (default 1)")
     w.add_argument("--max-len", type=int, default=200,
                    help="every response length is capped here (and uniform's upper bound)")
-    w.add_argument("--length-file", default=None,
+    w.add_argument("--length-file", default=None, type=path_arg,
                    help="file: JSON {\"lengths\": [...]} or one base length per line "
                         "(see flexfloor/rollout/workload.py)")
     w.add_argument("--dataset-prompts", type=int, default=None,
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
     try:  # before the workers start: a bad path costs a second, not the run
         out = writable(args.out, "--out")
         if args.plot:
-            writable_image(args.plot, "--plot")
+            args.plot = writable_image(args.plot, "--plot")
     except ValueError as e:
         print(f"bench_rollout: {e}", file=sys.stderr)
         return 2
@@ -325,7 +326,7 @@ def _launch(args, argv, lengths, out: str, partial: str) -> int:
     print(f"took {seconds:.0f} s; results in {out}")
     if args.plot:
         plot_timeline(report, args.plot)
-        print(f"timeline plot in {os.path.abspath(args.plot)}")
+        print(f"timeline plot in {args.plot}")
     if report.get("identical_responses") is False:
         bad = [e["epoch"] for e in report["per_epoch"] if not e.get("sha_match", True)]
         print(f"bench_rollout: the modes' responses DIFFER in epochs {bad}", file=sys.stderr)

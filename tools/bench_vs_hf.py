@@ -52,8 +52,11 @@ if REPO not in sys.path:
 
 
 def parse(argv=None):
+    from flexfloor.outputs import path_arg  # light: json and os
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf", help="HF model folder; default: tiny random models of --family")
+    p.add_argument("--hf", type=path_arg,
+                   help="HF model folder; default: tiny random models of --family")
     p.add_argument("--family", action="append", choices=["mixtral", "qwen3_moe", "olmoe"],
                    help="families for random models (repeatable; default all)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
@@ -71,12 +74,15 @@ def parse(argv=None):
     p.add_argument("--cpu-kernels", type=int, choices=(0, 1), default=1,
                    help="float32 CPU decode steps on FlexFloor's C kernels (1, the default) or "
                         "on torch's (0) (rollout.cpu_kernels)")
-    p.add_argument("--out", help="write the figures as JSON here")
+    p.add_argument("--out", type=path_arg, help="write the figures as JSON here")
     args = p.parse_args(argv)
     for flag, value in (("--batch", args.batch), ("--prompts", args.prompts),
                         ("--repeats", args.repeats), ("--threads", args.threads)):
         if value < 1:
             p.error(f"{flag} {value}: must be at least 1")
+    if args.threads > (os.cpu_count() or 1):
+        p.error(f"--threads {args.threads}: this machine has {os.cpu_count()} CPUs; more threads "
+                "than cores only measure contention: give at most that")
     if args.new_tokens < 2:
         p.error(f"--new-tokens {args.new_tokens}: must be at least 2 (the decode rate is the "
                 "long run's tokens less a 1-token run's)")

@@ -32,18 +32,23 @@ if REPO not in sys.path:
 
 
 def parse(argv):
-    from flexfloor.outputs import writable_folder  # light: no torch before the flags are read
+    from flexfloor.outputs import path_arg, writable_folder  # light: no torch
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-flexfloor", help="HF folder -> FlexFloor checkpoint root")
-    a.add_argument("--hf", required=True, help="HF model folder (config.json + *.safetensors)")
-    a.add_argument("--out", required=True, help="FlexFloor checkpoint root (created)")
+    a.add_argument("--hf", required=True, type=path_arg,
+                   help="HF model folder (config.json + *.safetensors)")
+    a.add_argument("--out", required=True, type=path_arg,
+                   help="FlexFloor checkpoint root (created)")
     a.add_argument("--step", type=int, default=0, help="step number of the saved checkpoint")
     b = sub.add_parser("flexfloor-to-hf", help="FlexFloor checkpoint -> HF folder")
-    b.add_argument("--ckpt", required=True, help="checkpoint root (follows latest) or iter_N")
-    b.add_argument("--out", required=True, help="HF model folder (created; must not exist)")
-    b.add_argument("--config", help="FlexFloor YAML whose model section the checkpoint holds "
+    b.add_argument("--ckpt", required=True, type=path_arg,
+                   help="checkpoint root (follows latest) or iter_N")
+    b.add_argument("--out", required=True, type=path_arg,
+                   help="HF model folder (created; must not exist)")
+    b.add_argument("--config", type=path_arg,
+                   help="FlexFloor YAML whose model section the checkpoint holds "
                    "(only for checkpoints this tool did not make)")
     b.add_argument("--family", help="HF model_type to write: mixtral, qwen3_moe, olmoe "
                    "(only for checkpoints this tool did not make)")

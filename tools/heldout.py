@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flexfloor.outputs import writable, write_json  # noqa: E402
+from flexfloor.outputs import path_arg, writable, write_json  # noqa: E402
 from flexfloor.sim.scenarios import SCENARIOS, run  # noqa: E402
 
 SMALL = dict(gpus=16, replicas=4, num_prompts=16, max_len=2048, epochs=4)
@@ -60,7 +60,8 @@ def summary(rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", help="JSON file for every rollout's figures and the summaries")
+    p.add_argument("--out", type=path_arg,
+                   help="JSON file for every rollout's figures and the summaries")
     p.add_argument("--only", help="comma-separated workload names (default: all)")
     p.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (default 10)")
     p.add_argument("--no-denser", type=int, choices=(0, 1), default=1,

@@ -13,14 +13,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexfloor.data import make_synthetic_prompts, write_examples  # noqa: E402
-from flexfloor.outputs import writable  # noqa: E402
+from flexfloor.outputs import path_arg, writable  # noqa: E402
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--out", required=True, help="FILE.parquet (its folder must exist)")
+    parser.add_argument("--out", required=True, type=path_arg,
+                        help="FILE.parquet (its folder must exist)")
     parser.add_argument("--split", default="train", help="extra_info.split (default: train)")
     args = parser.parse_args(argv)
     if args.num_prompts < 1:

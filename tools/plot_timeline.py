@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.outputs import writable_image  # noqa: E402
+from flexfloor.outputs import path_arg, writable_image  # noqa: E402
 from flexfloor.rollout.timeline import plot_rank_timeline  # noqa: E402
 
 
@@ -30,7 +30,11 @@ def plot_report(report: dict, path: str, epoch: int | None = None) -> str:
         (e for e in epochs if e["epoch"] == epoch), None)
     if entry is None:
         raise ValueError(f"no epoch {epoch} in the report; it has {[e['epoch'] for e in epochs]}")
-    modes = {m: entry[m]["per_rank"] for m in ("static", "elastic") if m in entry}
+    modes = {m: entry[m]["per_rank"] for m in ("static", "elastic")
+             if isinstance(entry.get(m), dict) and isinstance(entry[m].get("per_rank"), list)}
+    if not modes:
+        raise ValueError(f"epoch {entry.get('epoch')} has no static or elastic per_rank "
+                         "timeline: not a simulate.py or bench_rollout.py report")
     names = {"static": "static EP (baseline)", "elastic": "FlexFloor (elastic EP)"}
     for m in modes:
         s = entry[m]
@@ -49,11 +53,11 @@ def plot_report(report: dict, path: str, epoch: int | None = None) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("report", help="JSON from tools/simulate.py or tools/bench_rollout.py")
-    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--out", required=True, type=path_arg, help="PNG to write")
     p.add_argument("--epoch", type=int, default=None, help="which epoch (default: the last)")
     args = p.parse_args(argv)
     try:
-        writable_image(args.out, "--out")
+        args.out = writable_image(args.out, "--out")
     except ValueError as e:
         print(f"plot_timeline: {e}", file=sys.stderr)
         return 2
@@ -61,7 +65,11 @@ def main(argv=None) -> int:
         with open(args.report) as f:
             report = json.load(f)
         print(plot_report(report, args.out, args.epoch))
-    except (OSError, ValueError, KeyError) as e:
+    except KeyError as e:
+        print(f"plot_timeline: {args.report}: no field {e}: not a simulate.py or "
+              "bench_rollout.py report", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, TypeError) as e:  # TypeError: a field of another kind
         print(f"plot_timeline: {args.report}: {e}", file=sys.stderr)
         return 2
     return 0

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.outputs import writable, writable_image, write_json  # noqa: E402
+from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import (  # noqa: E402
     MODES, SCENARIOS, check_scenario, run, sweep, sweep_scenarios,
@@ -77,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--list", action="store_true", help="name and describe the scenarios")
     p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)}")
-    p.add_argument("--out", help="JSON file the report goes to")
-    p.add_argument("--plot", help="PNG of the last epoch's rank timeline (static and FlexFloor)")
+    p.add_argument("--out", type=path_arg, help="JSON file the report goes to")
+    p.add_argument("--plot", type=path_arg,
+                   help="PNG of the last epoch's rank timeline (static and FlexFloor)")
     p.add_argument("--sweep", action="store_true",
                    help="add a sweep over GPU counts and tail heaviness (lognormal sigma)")
     p.add_argument("--sweep-gpus", default="16,32,64,128,256")
@@ -87,7 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, (_, typ) in OVERRIDES.items():
         o.add_argument("--" + flag.replace("_", "-"), type=typ, default=None,
                        **({"metavar": "{0,1}"} if typ is switch else {}))
-    o.add_argument("--length-file", help="replay these lengths (workload file format)")
+    o.add_argument("--length-file", type=path_arg,
+                   help="replay these lengths (workload file format)")
     o.add_argument("--length-median", type=float, help="lognormal median")
     o.add_argument("--length-sigma", type=float, help="lognormal sigma")
     c = p.add_argument_group("cost model (CostParams)")
@@ -139,9 +141,22 @@ def scenario_of(args):
     return sc.with_overrides(**kw)
 
 
+def flag_named(message: str, args) -> str:
+    """`message` of a Scenario field given by a flag ("max_batch_size=-5: ..."), told with the
+    flag instead ("--max-batch-size -5: ..."); any other message as it is."""
+    name, sep, rest = message.partition("=")
+    for flag, (field_name, _) in OVERRIDES.items():
+        if sep and field_name == name and getattr(args, flag) is not None:
+            return f"--{flag.replace('_', '-')} {rest}"
+    return message
+
+
 def params_of(args) -> CostParams:
     kw = {k: getattr(args, k) for k in ("group_create_s", "host_overhead_s", "zipf_s")
           if getattr(args, k) is not None}
+    for k, value in kw.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{k.replace('_', '-')} {value}: must be a number at least 0")
     if args.group_source:
         kw["group_source"] = GroupSource(args.group_source)
     return CostParams(**kw)
@@ -197,9 +212,13 @@ def main(argv=None) -> int:
     try:  # before the work: a bad path or scenario costs a second, not the run
         out = writable(args.out, "--out")
         if args.plot:
-            writable_image(args.plot, "--plot")
+            args.plot = writable_image(args.plot, "--plot")
         sc = scenario_of(args)
-        check_scenario(sc)
+        try:
+            check_scenario(sc)
+        except ValueError as e:
+            raise ValueError(flag_named(str(e), args)) from None
+        params = params_of(args)
         if args.sweep:
             for s in sweep_scenarios(sc, args.sweep_gpus, args.sweep_sigmas):
                 try:
@@ -210,7 +229,6 @@ def main(argv=None) -> int:
         print(f"simulate: {sc.name}: {sc.model} on {sc.gpus} "
               f"{sc.accelerator or 'ranks (UnitCost)'}, {sc.num_prompts} prompts x "
               f"{sc.samples_per_prompt} samples, {sc.epochs} epochs", flush=True)
-        params = params_of(args)
         rep = run(sc, params=params)
         if args.sweep:
             print(f"sweep: {len(args.sweep_gpus)} GPU counts x {len(args.sweep_sigmas)} tails",

@@ -21,7 +21,7 @@ import sentencepiece
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexfloor.data.synthetic import make_synthetic_prompts, sft_response  # noqa: E402
-from flexfloor.outputs import writable, write_whole  # noqa: E402
+from flexfloor.outputs import path_arg, writable, write_whole  # noqa: E402
 from flexfloor.tokenizer import BUNDLED_TOKENIZER  # noqa: E402
 
 MAX_VOCAB_SIZE = 128  # the tiny model's vocab_size
@@ -58,8 +58,8 @@ def train(max_vocab_size: int) -> bytes:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(BUNDLED_TOKENIZER), help="FILE.model (its folder "
-                        "must exist)")
+    parser.add_argument("--out", default=str(BUNDLED_TOKENIZER), type=path_arg,
+                        help="FILE.model (its folder must exist)")
     parser.add_argument("--max-vocab-size", type=int, default=MAX_VOCAB_SIZE)
     args = parser.parse_args(argv)
     least = min_vocab_size(corpus())

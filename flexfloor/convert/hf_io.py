@@ -23,6 +23,20 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
 
+def _json_object(path: str) -> dict:
+    """The JSON object in `path`; ConversionError naming the file where it is not one."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path} is not readable JSON ({e}); re-save the model with "
+                              "save_pretrained") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path} holds a JSON {type(value).__name__}, not an object; "
+                              "re-save the model with save_pretrained")
+    return value
+
+
 class HFCheckpoint:
     """Read-only view of an HF model folder."""
 
@@ -30,12 +44,14 @@ class HFCheckpoint:
         if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
             raise ConversionError(f"{path} is not a Hugging Face model folder (no {CONFIG_FILE})")
         self.path = path
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            self.config = json.load(f)
+        self.config = _json_object(os.path.join(path, CONFIG_FILE))
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
-            with open(index) as f:
-                self.file_of = dict(json.load(f)["weight_map"])
+            weight_map = _json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index} has no weight_map object; re-save the model with "
+                                      "save_pretrained")
+            self.file_of = dict(weight_map)
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
             self.file_of = None  # filled from the file's own keys below
         else:

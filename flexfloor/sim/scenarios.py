@@ -187,10 +187,33 @@ class _Topology:
     states: dict  # ranks -> (placement, holding)
 
 
+# the fields' least values (None, where a field may be None, passes), and those whose values
+# lie in [0, 1]: a value out of range fails early, naming the field, not deep in a rollout
+_AT_LEAST = {"gpus": 1, "num_prompts": 1, "samples_per_prompt": 1, "epochs": 1, "max_len": 1,
+             "max_batch_size": 1, "kv_budget_tokens": 1, "kv_block_tokens": 1,
+             "dataset_prompts": 1, "min_active_ranks": 1, "migrate_max_requests": 0, "seed": 0,
+             "taker_hedge": 1.0}
+_POSITIVE = ("max_share", "load_cap", "pace_margin")
+_FRACTIONS = ("history_correlation", "cap_fraction")
+
+
 def check_scenario(sc: Scenario) -> None:
     """ValueError naming the field where `sc` cannot run (`run` checks it too)."""
-    if sc.gpus < 1:
-        raise ValueError(f"gpus={sc.gpus}: must be at least 1")
+    for name, least in _AT_LEAST.items():
+        value = getattr(sc, name)
+        if value is not None and not value >= least:
+            raise ValueError(f"{name}={value}: must be at least {least}")
+    for name in _POSITIVE:
+        value = getattr(sc, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value}: must be a positive number")
+    for name in _FRACTIONS:
+        value = getattr(sc, name)
+        if not 0 <= value <= 1:
+            raise ValueError(f"{name}={value}: must be in [0, 1]")
+    if sc.prompt_len[0] < 1 or sc.prompt_len[1] < sc.prompt_len[0]:
+        raise ValueError(f"prompt_len={sc.prompt_len}: must be (least, most) with 1 <= least "
+                         "<= most")
     if sc.replicas < 1 or sc.gpus % sc.replicas:
         raise ValueError(f"replicas={sc.replicas} must divide gpus={sc.gpus} (EP size per "
                          "replica = gpus / replicas)")
