@@ -183,6 +183,26 @@ def _non_negative(section: str, obj: Any, *names: str) -> None:
                  f"must be >= 0, got {v!r}; set {section}.{n} to 0 or more")
 
 
+MAX_SEED = 2**31 - 1  # seeds feed torch's and numpy's generators, and int64 RNG keys with offsets
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # beyond a week a timeout is a hang, and timedelta overflows
+
+
+def _at_most(section: str, obj: Any, limit: float, *names: str) -> None:
+    shown = int(limit) if float(limit).is_integer() else limit
+    for n in names:
+        v = getattr(obj, n)
+        _require(v is None or v <= limit, f"{section}.{n}",
+                 f"must be <= {shown}, got {v!r}; set {section}.{n} to at most {shown}")
+
+
+def _not_blank(section: str, obj: Any, *names: str) -> None:
+    """Each named optional path must be None (not set) or name something: '' is not 'off'."""
+    for n in names:
+        v = getattr(obj, n)
+        _require(v is None or bool(str(v).strip()), f"{section}.{n}",
+                 f"is empty; give a path, or null to leave {section}.{n} unset")
+
+
 def _in_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
     ok = (lo < value if lo_open else lo <= value) and value <= hi
     left = "(" if lo_open else "["
@@ -223,6 +243,7 @@ class ModelConfig:
                   "num_experts", "moe_router_topk", "shared_expert_ffn_hidden_size", "vocab_size",
                   "max_seq_len", "rotary_base", "norm_epsilon", "init_method_std")
         _non_negative("model", self, "moe_aux_loss_coeff", "seed")
+        _at_most("model", self, MAX_SEED, "seed")
         _require(self.params_dtype in PARAMS_DTYPES, "model.params_dtype",
                  f"{self.params_dtype!r} is not supported; use one of: {', '.join(PARAMS_DTYPES)}")
         _require(self.moe_router_topk <= self.num_experts, "model.moe_router_topk",
@@ -249,6 +270,7 @@ class ParallelConfig:
 
     def validate(self) -> None:
         _positive("parallel", self, "world_size", "expert_parallel_size", "timeout_s")
+        _at_most("parallel", self, MAX_TIMEOUT_S, "timeout_s")
         _require(self.expert_tensor_parallel_size == 1, "parallel.expert_tensor_parallel_size",
                  f"{self.expert_tensor_parallel_size} is not supported yet; set it to 1")
 
@@ -284,6 +306,7 @@ class RolloutConfig:
         _positive("rollout", self, "samples_per_prompt", "max_new_tokens", "max_batch_size",
                   "kv_budget_tokens", "kv_block_tokens", "replicas")
         _non_negative("rollout", self, "temperature", "top_k", "seed")
+        _at_most("rollout", self, MAX_SEED, "seed")
         _in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
         for i, t in enumerate(self.stop_token_ids):
             _require(t >= 0, f"rollout.stop_token_ids[{i}]",
@@ -534,6 +557,7 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         _non_negative("checkpoint", self, "save_interval")
+        _not_blank("checkpoint", self, "dir", "load", "init_from")
         _positive("checkpoint", self, "keep_last", "preempt_grace_s")
         _require(not (self.load and self.init_from), "checkpoint.init_from",
                  f"{self.init_from!r} and checkpoint.load={self.load!r} are both set; "

@@ -24,6 +24,11 @@ import torch.distributed as dist
 from megatron_ext import cpu_compat
 
 
+class LaunchSetupError(RuntimeError):
+    """The process was started in a way the run cannot use (no launcher environment, a
+    backend this machine lacks): its message says the fix, so no traceback goes with it."""
+
+
 @dataclass
 class Parallel:
     """Who this worker is and the process groups it talks over.
@@ -83,7 +88,7 @@ class Parallel:
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError(
+            raise LaunchSetupError(
                 "parallel.backend=nccl needs CUDA, and none is available; "
                 "set parallel.backend=gloo (or auto)"
             )
@@ -173,7 +178,7 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
 def _require_launcher_env() -> None:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise RuntimeError(
+        raise LaunchSetupError(
             f"torch.distributed is not initialised and {', '.join(missing)} are not set: start "
             "FlexFloor with torchrun (torchrun --nproc-per-node N -m flexfloor.train ...) or the "
             "Ray launcher"

@@ -42,6 +42,15 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from flexfloor.outputs import creatable_folder
+
+    try:  # before any worker builds a model: a bad folder costs a second, not the set-up
+        creatable_folder(cfg.logging.run_dir, "logging.run_dir")
+        if cfg.checkpoint.dir is not None:
+            creatable_folder(cfg.checkpoint.dir, "checkpoint.dir")
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     if args.check_config:
         return 0
     from flexfloor.launch.reaper import start_reaper
@@ -77,12 +86,13 @@ def _fail(e: BaseException) -> None:
 
     from flexfloor.checkpoint import CheckpointError
     from flexfloor.coordinator import TrainingError, error_origin
+    from flexfloor.parallel import LaunchSetupError
     from flexfloor.rollout.engine import RolloutError
 
     where = error_origin(e) or f"rank {os.environ.get('RANK', '0')}"
     # these messages say what is wrong and how to fix it; anything else also gets its traceback
     expected = (ValueError, FileNotFoundError, CheckpointError, TrainingError, RolloutError,
-                dist.DistError)
+                LaunchSetupError, dist.DistError)
     if not isinstance(e, expected):
         traceback.print_exception(e, file=sys.stderr)
     message = " ".join(str(e).split())  # one line

@@ -264,6 +264,53 @@ def test_entry_point_bad_config(tmp_path):
     assert not run.exists() and os.listdir(tmp_path) == []
 
 
+def test_entry_point_checks_the_run_and_checkpoint_folders_before_any_worker(tmp_path):
+    """A run folder or checkpoint folder that cannot be made is a config error (exit 2) from
+    `--check-config`, which the example scripts run before torchrun; nothing is created."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    one = ["parallel.world_size=1", "parallel.expert_parallel_size=1", "rollout.replicas=1"]
+    for override, says in (
+            (f"logging.run_dir={a_file}/run", f"logging.run_dir {a_file}/run: {a_file} is a file, "
+                                              "so the folder cannot be made"),
+            (f"checkpoint.dir={a_file}", f"checkpoint.dir {a_file}: is a file; give a folder"),
+            (f"logging.run_dir={tmp_path}/new/nested", None)):
+        proc = subprocess.run(
+            [sys.executable, "-m", "flexfloor.train", "--check-config", "--config",
+             os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml"), *one, override],
+            capture_output=True, text=True, cwd=tmp_path, timeout=120,
+            env=dict(os.environ, PYTHONPATH=REPO, WORLD_SIZE="1"))
+        if says is None:
+            assert proc.returncode == 0, proc.stderr
+        else:
+            assert proc.returncode == 2 and f"config error: {says}" in proc.stderr, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+@pytest.mark.parametrize("override, says", [
+    (None, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set: start FlexFloor with torchrun"),
+    ("parallel.backend=nccl", "parallel.backend=nccl needs CUDA, and none is available"),
+])
+def test_entry_point_started_wrong_says_the_fix_without_a_traceback(tmp_path, override, says):
+    """`python -m flexfloor.train` without torchrun, or asked for NCCL on a machine without
+    CUDA: exit 1 with one line that says the fix, no traceback, no run folder."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexfloor.train", "--config",
+         os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml"),
+         "parallel.world_size=1", "parallel.expert_parallel_size=1", "rollout.replicas=1",
+         f"logging.run_dir={run}", *([override] if override else [])],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env=dict(env, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("[flexfloor] error:")]
+    assert len(errors) == 1 and "LaunchSetupError: " in errors[0] and says in errors[0], errors
+    assert not run.exists()
+
+
 def test_entry_point_bad_data(tmp_path):
     """A start-up error under torchrun: the worker exits non-zero with one line that names the
     rank, the phase and the problem; no run folder, no checkpoint."""
@@ -408,6 +455,23 @@ def test_non_finite_numbers_refused_by_field(tmp_path):
     assert e.field == "parallel.timeout_s" and "must be a finite number, got inf" in str(e)
     e = config_file_error(_yaml(tmp_path, "trainer:\n  lr: .nan\n"))
     assert e.field == "trainer.lr" and "finite" in str(e)
+
+
+def test_out_of_range_seeds_timeouts_and_blank_paths_refused_by_field():
+    """Values no generator or timer takes fail in the config, naming the field, not as an
+    overflow deep in a worker; '' for an optional path is refused, not taken as unset (a run
+    asked to save would otherwise save nothing)."""
+    for override, field, says in (
+            ("model.seed=4294967296", "model.seed", "must be <= 2147483647, got 4294967296"),
+            ("rollout.seed=9223372036854775808", "rollout.seed", "must be <= "),
+            ("parallel.timeout_s=1e12", "parallel.timeout_s", "must be <= 604800"),
+            ("checkpoint.dir=''", "checkpoint.dir", "is empty; give a path, or null"),
+            ("checkpoint.init_from=' '", "checkpoint.init_from", "is empty")):
+        e = config_error(override)
+        assert e.field == field and says in str(e), (override, str(e))
+    cfg = load_config(None, [f"model.seed={2**31 - 1}", "rollout.seed=0",
+                             "parallel.timeout_s=604800", "checkpoint.dir=null"])
+    assert cfg.model.seed == 2**31 - 1 and cfg.checkpoint.dir is None
 
 
 def test_suggestions_can_be_followed():
