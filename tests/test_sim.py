@@ -352,6 +352,22 @@ def test_heldout_reports_every_rollout_and_refuses_an_unknown_workload(tmp_path)
     assert rep["summary"]["late"] == sum(s > 1.0 for s in spans)
     assert rep["summary"]["makespan_max"] == max(spans)
     assert "corr0.8" in proc.stdout
+    assert rep["min_active_ranks"] is None and rep["group_source"] == "new"
     proc = subprocess.run([sys.executable, "tools/heldout.py", "--only", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "corr0.5" in proc.stderr
+    # the shrink inside a replica: its floor and groups are recorded with the figures, which
+    # match one rollout of the simulator's own scenario with the same settings
+    from flexfloor.sim.cost import CostParams, GroupSource
+    from tools import heldout
+
+    proc = subprocess.run([sys.executable, "tools/heldout.py", "--only", "small", "--seeds", "1",
+                           "--min-active-ranks", "1", "--group-source", "planned", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(out.read_text())["small"]
+    assert rep["min_active_ranks"] == 1 and rep["group_source"] == "planned"
+    direct = heldout.one("small", 0, min_active_ranks=1,
+                         params=CostParams(group_source=GroupSource.PLANNED))
+    assert rep["rollouts"][0]["makespan"] == direct["makespan"]
+    assert direct["makespan"] != heldout.one("small", 0)["makespan"]

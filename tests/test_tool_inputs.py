@@ -83,6 +83,7 @@ def test_train_tokenizer_refuses_a_vocabulary_too_small_for_the_corpus(tmp_path,
     (["--only", ""], "--only '': an empty workload name"),
     (["--only", "small,"], "--only 'small,': an empty workload name"),
     (["--only", "nope"], "--only: unknown workload ['nope']; choose from ['corr0.8'"),
+    (["--min-active-ranks", "0"], "--min-active-ranks 0: must be 1 to 4"),
 ])
 def test_heldout_refuses_bad_arguments(capsys, argv, message):
     assert message in refused(heldout.main, argv, capsys)

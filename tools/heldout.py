@@ -4,6 +4,7 @@ result was looked at (the rule: no rollout longer than static's on workloads not
     python tools/heldout.py [--out heldout.json] [--only corr0.8,corr0.5] [--seeds 10]
                             [--no-denser 0]   # without ConsolidationRules.no_denser
                             [--distrust 0]    # pack by a history the last rollout proved wrong
+                            [--min-active-ranks 1 --group-source planned]  # shrink inside
 
 Each workload is `paper-like`'s GPU policy on a small cluster (16 H800 as 4 replicas x EP4, 16
 prompts x 8 samples, lognormal median 400, cap 2,048, 4 steps: steps 2-4 are the rollouts
@@ -24,6 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flexfloor.outputs import path_arg, writable, write_json  # noqa: E402
+from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import SCENARIOS, run  # noqa: E402
 
 SMALL = dict(gpus=16, replicas=4, num_prompts=16, max_len=2048, epochs=4)
@@ -39,10 +41,12 @@ WORKLOADS = {
 }
 
 
-def one(name: str, seed: int, no_denser: bool = True, distrust: bool = True) -> dict:
+def one(name: str, seed: int, no_denser: bool = True, distrust: bool = True,
+        min_active_ranks: int | None = None, params: CostParams = CostParams()) -> dict:
+    floor = {} if min_active_ranks is None else {"min_active_ranks": min_active_ranks}
     sc = SCENARIOS["paper-like"].with_overrides(seed=seed, no_denser=no_denser,
-                                                 distrust=distrust, **WORKLOADS[name])
-    rep = run(sc)
+                                                 distrust=distrust, **WORKLOADS[name], **floor)
+    rep = run(sc, params=params)
     spans = [e["elastic"]["rollout_wall_seconds"] / e["static"]["rollout_wall_seconds"]
              for e in rep["per_epoch"][1:]]
     return {"seed": seed, "makespan": spans,
@@ -70,7 +74,15 @@ def main(argv=None) -> int:
     p.add_argument("--distrust", type=int, choices=(0, 1), default=1,
                    help="after a rollout that proved the length history wrong, place the next as "
                         "static does (the default, 1) or pack by it anyway (0)")
+    p.add_argument("--min-active-ranks", type=int, default=None,
+                   help="the floor per replica (paper-like's: the replica's size, no shrink "
+                        "inside a replica); below it a replica shrinks under the pace rule")
+    p.add_argument("--group-source", choices=[g.value for g in GroupSource], default=None,
+                   help="survivors' groups at a shrink (tools/simulate.py --group-source)")
     args = p.parse_args(argv)
+    if args.min_active_ranks is not None and not 1 <= args.min_active_ranks <= 4:
+        p.error(f"--min-active-ranks {args.min_active_ranks}: must be 1 to 4 (the workloads' "
+                "replicas have 4 ranks)")
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds}: must be at least 1 (seeds 0..N-1)")
     names = list(WORKLOADS) if args.only is None else args.only.split(",")
@@ -85,15 +97,18 @@ def main(argv=None) -> int:
             writable(args.out, "--out")
         except ValueError as e:
             p.error(str(e))
+    params = (CostParams() if args.group_source is None
+              else CostParams(group_source=GroupSource(args.group_source)))
     t0 = time.process_time()
     out = {}
     print(f"{'workload':<10} {'makespan max':>12} {'median':>7} {'late':>7} "
           f"{'tok/GPU-s med':>13} {'min':>6}")
     for name in names:
-        rows = [one(name, s, bool(args.no_denser), bool(args.distrust))
-                for s in range(args.seeds)]
+        rows = [one(name, s, bool(args.no_denser), bool(args.distrust), args.min_active_ranks,
+                    params) for s in range(args.seeds)]
         s = summary(rows)
-        out[name] = {"overrides": WORKLOADS[name], "summary": s, "rollouts": rows}
+        out[name] = {"overrides": WORKLOADS[name], "min_active_ranks": args.min_active_ranks,
+                     "group_source": params.group_source.value, "summary": s, "rollouts": rows}
         print(f"{name:<10} {s['makespan_max']:>12.3f} {s['makespan_median']:>7.3f} "
               f"{s['late']:>3}/{s['rollouts']:<3} {s['tokens_median']:>13.3f} "
               f"{s['tokens_min']:>6.3f}", flush=True)
