@@ -80,6 +80,8 @@ def writable_image(path: str, flag: str) -> str:
     """`writable`, for a plot: also refused unless matplotlib writes its extension's format,
     found before the work, not after it. A path without an extension gets `.png`, the name
     matplotlib would write, so the path returned (and printed) is the file there."""
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        raise ValueError(f"{flag} {path}: is a folder; give the file to write")
     if not os.path.splitext(path)[1]:
         path += ".png"
     out = writable(path, flag)

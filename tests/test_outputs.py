@@ -74,7 +74,7 @@ def test_bench_vs_hf_names_a_folder_it_cannot_read(tmp_path, capsys):
     ("simulate", ["--scenario", "tiny-cpu", "--out", "{tmp}/s.json", "--gather", "2"],
      "argument --gather: expected 0 (off) or 1 (on), got '2'"),
     ("simulate", ["--scenario", "paper-like", "--out", "{tmp}/s.json", "--gpus", "0"],
-     "gpus=0: must be at least 1"),
+     "--gpus 0: must be at least 1"),
     ("heldout", ["--only", "small", "--out", "{missing}/h.json"], "--out {missing}/h.json"),
     ("bench_vs_hf", ["--out", "{missing}/b.json"], "--out {missing}/b.json"),
     ("bench_vs_hf", ["--batch", "0"], "--batch 0: must be at least 1"),

@@ -187,6 +187,10 @@ def test_a_plot_without_an_extension_is_written_and_named_as_png(tmp_path, capsy
     assert plot_timeline.main([str(report), "--out", str(tmp_path / "t")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "t.png")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "t.png"]
+    for folder in (str(tmp_path), f"{tmp_path}/sub/"):  # a folder is not given a .png
+        err = refused(plot_timeline.main, [str(report), "--out", folder], capsys)
+        assert err == f"plot_timeline: --out {folder}: is a folder; give the file to write"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "t.png"]
 
 
 def test_plot_timeline_names_a_report_of_the_wrong_shape(tmp_path, capsys):
