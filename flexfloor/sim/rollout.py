@@ -134,7 +134,8 @@ class SimOutput:
 def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], rules: Optional[ReleaseRules],
                      cost, *,
                      limits: RankLimits, placement, kv_block_tokens: Optional[int] = None,
-                     exact_blocks: bool = False) -> SimOutput:
+                     exact_blocks: bool = False, prebuilt_sets: Optional[set] = None
+                     ) -> SimOutput:
     """Run one rollout of one EP group. `rules`: None for static EP, or the elastic policy,
     decided at every boundary by `flexfloor.rollout.release.decide` as the engine does; `placement`: the starting expert placement over
     the group's ranks; `limits`: batch slots, KV budget, bytes per KV token and per expert, as the
@@ -142,9 +143,12 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], rules: Optiona
     size of a pool that allocates as tokens are produced; `exact_blocks`: count every request's
     blocks as the engine's pool does (flexfloor/rollout/kv.py: admission by free blocks over the
     watermark, the youngest preempted, borrowed experts withheld in whole blocks), a pass over
-    the running requests per step; else half a block per request on average."""
+    the running requests per step; else half a block per request on average. `prebuilt_sets`:
+    as `rollout_steps`'. The pace rule (`rules.pace`) needs the estimates of a replica driver
+    (`simulate_replicas`): a group simulated alone makes every shrink its floor allows."""
     gen = rollout_steps(assignment, rules, cost, limits=limits, placement=placement,
-                        kv_block_tokens=kv_block_tokens, exact_blocks=exact_blocks)
+                        kv_block_tokens=kv_block_tokens, exact_blocks=exact_blocks,
+                        prebuilt_sets=prebuilt_sets)
     try:
         next(gen)
         while True:
@@ -429,18 +433,11 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
                                placement=new_placement, transfers=transfers)
 
     def work_now() -> list:
-        """Each active rank's running and queued requests, in placement order: (predicted
-        remaining tokens, cached tokens) each (`release.Work`)."""
+        """Each active rank's running requests, in placement order: (predicted remaining
+        tokens, cached tokens) each (`release.Work`, as the engine's pace rule counts them)."""
         est = estimates()
-        out = []
-        for r in placement.ranks:
-            x = ranks[r]
-            w = [(est(run.req, step - run.start), run.cached(step)) for run in x.running]
-            for item in x.queue:
-                req, produced = (item.req, item.produced) if isinstance(item, _Preempted) else (item, 0)
-                w.append((est(req, produced), req.prompt_len + produced))
-            out.append(w)
-        return out
+        return [[(est(run.req, step - run.start), run.cached(step)) for run in ranks[r].running]
+                for r in placement.ranks]
 
     def ranks_now() -> dict:
         return {r: ([(run.req, step - run.start) for run in ranks[r].running], len(ranks[r].queue),

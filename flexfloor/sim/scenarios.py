@@ -555,12 +555,17 @@ def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
 
 def shrink_pace(cost, max_batch: int):
     """The pace rule of a shrink inside a replica on the cost model: the engine's step cost of
-    a group (`elastic.pace_of`), a shrink's stall as this simulator prices it."""
+    a group (`elastic.pace_of`), a shrink's stall as this simulator prices it; with the plan's
+    groups built ahead (`GroupSource.PLANNED`) the survivors' group is priced as the switch the
+    engine's rule counts (a shrink off the plan is charged its group when it is made)."""
     from flexfloor.rollout.elastic import pace_of
     from flexfloor.rollout.release import Pace
 
+    params = getattr(cost, "params", None)
+    planned = True if params is not None and params.group_source == GroupSource.PLANNED else None
     return Pace(pace_of(cost, max_batch).group_cost,
-                lambda placement, transfers: cost.shrink_seconds(transfers, placement.owner))
+                lambda placement, transfers: cost.shrink_seconds(transfers, placement.owner,
+                                                                 prebuilt=planned))
 
 
 def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scenario,
@@ -600,7 +605,8 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
     else:
         outs = [simulate_rollout(g["assignment"], g["rules"], cost, limits=topo.limits,
                                  placement=g["placement"], kv_block_tokens=sc.kv_block_tokens,
-                                 exact_blocks=sc.kv_exact_blocks) for g in runs]
+                                 exact_blocks=sc.kv_exact_blocks, prebuilt_sets=g.get("prebuilt"))
+                for g in runs]
     for i, out in enumerate(outs):
         records += out.records
         timeline += [{**t, "replica": i} for t in out.timeline] if len(topo.groups) > 1 else out.timeline
