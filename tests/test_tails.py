@@ -454,6 +454,27 @@ def test_the_mailbox_plans_the_correction_with_its_end_to_keep_and_claims_the_ta
     assert boxes[0].plan(90, LATE, ACROSS, max_batch=8, block_tokens=16, correct=True).moves == []
 
 
+def test_the_mailbox_hands_nothing_to_a_replica_that_has_shrunk_inside():
+    """Replica 1's group shrank to one rank: it posts one rank's state, so replica 0's leader
+    counts it shrunk (`ConsolidationState.shrunk`), and the correction that went to its ranks
+    with both posted finds no taker and claims no inbox."""
+    import torch.distributed as dist
+
+    on = replace(ACROSS, correct=True, taker_hedge=1.25)
+    for posted, moved in ((ranks_of(1, [(28, None)], []), [("0/0", 3)]),
+                          (ranks_of(1, [(28, None)], [])[:1], [])):
+        store = dist.HashStore()
+        boxes = [Mailbox(store, "r", i, 2, 2, 2 * i, 60.0, end_bound=100.0) for i in (0, 1)]
+        for b in boxes:
+            b.open()
+        boxes[1].post(60, posted)
+        d = boxes[0].plan(90, LATE, on, max_batch=8, block_tokens=16, correct=True)
+        assert [(m.request_id, m.dst) for m in d.moves] == moved
+        assert boxes[0].claimed == ([1] if moved else [])
+    assert decided(LATE + ranks_of(1, [(28, None)], []), CLOCKS, 0, on,
+                   end_bound=100.0, correct=True, shrunk={1})[0] == []
+
+
 def test_the_end_is_checked_from_half_the_end_to_keep_on_a_hundredth_of_it_apart():
     on = replace(ACROSS, correct=True)
     box = Mailbox(None, "r", 0, 2, 2, 0, 60.0, end_bound=300.0)

@@ -321,17 +321,19 @@ class ModelledClock:
 
 def across_replicas(states: Sequence[RankState], clocks: dict, giver: int, rules: TailRules, *,
                     max_batch: int, block_tokens: int, end_bound: Optional[float] = None,
-                    correct: bool = False, clock: Optional[ModelledClock] = None
-                    ) -> Consolidation:
+                    correct: bool = False, clock: Optional[ModelledClock] = None,
+                    shrunk: frozenset = frozenset()) -> Consolidation:
     """The decision of replica `giver` at its boundary, from every replica's latest ranks'
     states and clock (`clocks`: replica -> its clock, engine steps, or with `clock` modelled
     seconds, projected on its step cost and prices): it gives everything and leaves
     (`leaving_replicas`), or, with `correct` and `end_bound` (`end_to_keep`, on the same
     clock), hands its longest requests over and stays (`corrected_replicas`), or nothing
-    moves. Pure."""
+    moves. `shrunk`: the replicas with fewer ranks than they started with, which give but never
+    take (`ConsolidationState.shrunk`). Pure."""
     bound = end_bound if rules.correct else None
     state = ConsolidationState(tuple(states), dict(clocks), max_batch, block_tokens,
-                               end_bound_s=bound, correct=correct and bound is not None)
+                               end_bound_s=bound, correct=correct and bound is not None,
+                               shrunk=frozenset(shrunk))
     step_cost, prices = ((UNIT_STEP, REPREFILL_ONLY) if clock is None
                          else (clock.step_cost, clock.prices))
     return decide(state, rules.across_rules(), step_cost, prices, givers=[giver])
@@ -547,9 +549,12 @@ class Mailbox:
             now[i] = float(their_clock)
         if len(now) < 2:
             return Consolidation()
+        # a replica posts its group's states: fewer than it started with once it has shrunk
+        shrunk = frozenset(i for i in now
+                           if sum(s.replica == i for s in ranks) < self.ranks_per_replica)
         d = across_replicas(ranks, now, self.replica, rules, max_batch=max_batch,
                             block_tokens=block_tokens, end_bound=self.end_bound, correct=correct,
-                            clock=self.clock)
+                            clock=self.clock, shrunk=shrunk)
         if not d.moves:
             return Consolidation()
         me = f"busy:{self.replica}"
