@@ -42,7 +42,9 @@ class ReleaseRules:
     capacity: Optional[dict] = None  # rank -> most experts it can host; None: from the KV room
     holding: Optional[dict] = None  # rank -> experts in its memory at start
     migrate_max_requests: int = 0  # > 0: a rank's last requests may move to a staying rank
-    pace: Optional["Pace"] = None  # elastic.pace_model: a shrink never slows the replica's end
+    # elastic.pace_model: a shrink does not slow the replica's end (`decide`'s `end_s` allows
+    # a slower one within the end to keep that saves occupied seconds)
+    pace: Optional["Pace"] = None
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,9 @@ class Pace:
     experts and reads their weights every step, so on an accelerator its later steps are slower;
     a shrink is refused when the survivors' predicted remaining work at their post-shrink step
     cost, after the stall of its expert transfers (`shrink_cost`), would end the replica later
-    than it ends without the shrink (`slows_replica`).
+    than it ends without the shrink (`slows_replica`), unless, given the seconds the replica
+    may still take (`end_s`), the survivors end within them and the shrink saves occupied
+    seconds.
     `group_cost`: (a placement, the ranks of its group that decode) -> the step cost of a rank
     that decodes (`StepCost`: its requests, their cached tokens -> seconds; the others step with
     empty batches, their experts still computing the tokens routed to them; the cost model's,
