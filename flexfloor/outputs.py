@@ -27,7 +27,7 @@ def path_arg(text: str) -> str:
 
 def writable(path: str, flag: str) -> str:
     """`path` as an absolute path, once a file can be written there; ValueError naming `flag`
-    and the fix otherwise. Nothing is created."""
+    and the fix otherwise. Nothing is left behind (a probe file is written and removed)."""
     out = os.path.abspath(path)
     if os.path.isdir(out):
         raise ValueError(f"{flag} {path}: is a folder; give the file to write")
@@ -37,7 +37,8 @@ def writable(path: str, flag: str) -> str:
 
 def writable_folder(path: str, flag: str) -> str:
     """`path` as an absolute path, once a folder there may be written: it is one already, or
-    its parent is one; ValueError naming `flag` and the fix otherwise. Nothing is created."""
+    its parent is one; ValueError naming `flag` and the fix otherwise. Nothing is left
+    behind (a probe file is written and removed)."""
     out = os.path.abspath(path)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{flag} {path}: is a file; give a folder")
@@ -48,7 +49,8 @@ def writable_folder(path: str, flag: str) -> str:
 def creatable_folder(path: str, flag: str) -> str:
     """`path` as an absolute path, once a folder there exists or can be made with its parents
     (`os.makedirs`): nothing on the way is a file and the nearest folder that exists may be
-    written; ValueError naming `flag` and the fix otherwise. Nothing is created."""
+    written; ValueError naming `flag` and the fix otherwise. Nothing is left behind (a probe
+    file is written and removed)."""
     out = os.path.abspath(path)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{flag} {path}: is a file; give a folder")

@@ -131,6 +131,12 @@ def scenario_of(args):
         kw.update(length_dist="file", length_params={"path": args.length_file})
     elif args.length_median is not None or args.length_sigma is not None:
         params = dict(sc.length_params)
+        for flag, value, least in (("--length-median", args.length_median, None),
+                                   ("--length-sigma", args.length_sigma, 0.0)):
+            if value is not None and not (math.isfinite(value) and (
+                    value > 0 if least is None else value >= least)):
+                raise ValueError(f"{flag} {value}: must be a "
+                                 f"{'positive number' if least is None else 'number at least 0'}")
         if args.length_median is not None:
             params["median"] = args.length_median
         if args.length_sigma is not None:
