@@ -132,6 +132,19 @@ def test_nearest_prebuilt_group_is_the_smallest_superset_inside_the_active_ranks
     assert nearest_prebuilt((0, 1, 2, 3), (1, 3), built) is None
 
 
+def test_a_shrink_creates_a_group_only_where_none_built_or_made_takes_the_survivors():
+    """`creates_group`, what the pace rule prices a shrink's switch by (engine and simulator):
+    the survivors' set built ahead, a prebuilt superset, or a group made late earlier: none."""
+    from flexfloor.rollout.survivors import creates_group
+
+    built = {(0, 1, 2), (0, 1), (0,)}
+    assert not creates_group((0, 1, 2, 3), (0, 1), built)
+    assert not creates_group((3, 0, 1, 2), (2, 0), built)  # into (0, 1, 2), 1 idle; any order
+    assert creates_group((0, 1, 2, 3), (1, 3), built)
+    assert not creates_group((0, 1, 2, 3), (1, 3), built, late={(1, 3)})
+    assert creates_group((0, 1, 2), (0, 2), built, late={(1, 3)})
+
+
 def test_leavers_for_keeps_the_others_idle_in_the_nearest_prebuilt_group():
     """The engine's `SurvivorGroups.leavers_for` and the simulator's `GroupSource.PLANNED` share
     this pure rule."""

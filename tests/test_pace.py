@@ -112,12 +112,13 @@ def test_a_shrink_whose_expert_transfers_outlast_what_it_saves_is_refused():
     slower after it, a shrink still ends the replica later when the stall is longer than
     nothing (here the stall is all it changes); `pace_of` prices the stall as `price_trace`
     prices a shrink (each engine expert stands for its share of the cost model's, sent and
-    received at once, then the switch to a group built ahead)."""
+    received at once, then the switch to a group built ahead, or the group's creation where
+    none takes the survivors: `creates`, `survivors.creates_group`)."""
     same = by_hosted(0.0)
-    stalled = ReleaseRules(pace=Pace(same.group_cost, lambda p, transfers: 0.5 * len(transfers)))
+    stalled = ReleaseRules(pace=Pace(same.group_cost, lambda p, q, transfers: 0.5 * len(transfers)))
     d = decide(stalled, placement(), report(WORK), LIMITS, 1, WORK)
     assert d.paced and d.leaving == []
-    free = ReleaseRules(pace=Pace(same.group_cost, lambda p, transfers: 0.0))
+    free = ReleaseRules(pace=Pace(same.group_cost, lambda p, q, transfers: 0.0))
     assert decide(free, placement(), report(WORK), LIMITS, 1, WORK).leaving == [2, 3]
     # nothing left to run on the survivors: they wait for nothing
     idle = [[], [], [], []]
@@ -127,8 +128,16 @@ def test_a_shrink_whose_expert_transfers_outlast_what_it_saves_is_refused():
     two = placement(ranks=2)
     d = decide(ReleaseRules(), two, report([[(5.0, 8)], []]), LIMITS, 1)
     assert d.leaving == [1] and len(d.transfers) == 4
-    stall = pace_of(cost, 8).shrink_cost(two, d.transfers)
+    stall = pace_of(cost, 8).shrink_cost(two, d.placement, d.transfers)
     assert stall == pytest.approx(cost.measured_shrink_seconds({0: 64.0, 1: 64.0}, (0, 1), 0))
+    # the survivors' group priced as the shrink will make it: created where none takes them
+    asked = []
+    for made in (True, False):
+        pace = pace_of(cost, 8, creates=lambda a, s, m=made: asked.append((a, s)) or m)
+        assert pace.shrink_cost(two, d.placement, d.transfers) == pytest.approx(
+            cost.measured_shrink_seconds({0: 64.0, 1: 64.0}, (0, 1), int(made)))
+    assert asked == [((0, 1), (0,))] * 2
+    assert cost.params.group_create_s > cost.params.switch_s
     # half of a 30B-A3B model's experts over NVLink outlasts many decode steps
     step = pace_of(cost, 8).group_cost(two, (0,))(1, 100)
     assert stall > 20 * step

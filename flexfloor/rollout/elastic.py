@@ -219,7 +219,8 @@ class ElasticMembership:
         if self.pace_cost is None or not decision.leaving:
             return decision
         if self._pace is None:
-            self._pace = pace_of(self.pace_cost, engine.max_batch_size)
+            self._pace = pace_of(self.pace_cost, engine.max_batch_size,
+                                 creates=None if self.groups is None else self.groups.creates)
         states = gather_objects(engine.moe.group,
                                 rank_state(engine, self.replica, estimates=self.estimates))
         taker = {m.request_id: m.dst for m in moves}
@@ -571,15 +572,17 @@ def modelled_clock(cost, placement, step_cost) -> ModelledClock:
     return ModelledClock(cost, step_cost.per_rank, prices)
 
 
-def pace_of(cost, max_batch: int) -> Pace:
+def pace_of(cost, max_batch: int, creates=None) -> Pace:
     """The pace rule's step cost of an EP group from a cost model: a decoding rank's step with
     every decoding rank of its group loaded alike and the others at empty batches (their experts
     compute what is routed to them), the engine's experts stretched to the cost model's; each
     (group, decoding ranks) priced once (`sim.cost.linear_step_cost`, as
     `sim.scenarios.rank_step_cost`, which loads every rank of the group). A shrink's stall:
     its expert transfers, each of the engine's experts standing for its share of the cost
-    model's, sent and received at once, then the switch to the survivors' group built ahead
-    (the cost model's `measured_shrink_seconds`, as `price_trace` prices a shrink)."""
+    model's, sent and received at once, then the survivors' group (the cost model's
+    `measured_shrink_seconds`, as `price_trace` prices a shrink): created where `creates`
+    (active ranks, survivors -> whether the switch creates their group:
+    `survivors.creates_group` on the groups built so far) says so, else switched to."""
     from flexfloor.sim.cost import (RankLoad, linear_step_cost, model_owner,
                                     traced_shrink_seconds)
 
@@ -599,12 +602,13 @@ def pace_of(cost, max_batch: int) -> Pace:
             priced[key] = linear_step_cost(at, max_batch)
         return priced[key]
 
-    def shrink_cost(placement, transfers: list) -> float:
+    def shrink_cost(placement, new_placement, transfers: list) -> float:
         moved: dict = {}
         for t in transfers:
             for r in (t.src, t.dst):
                 moved[r] = moved.get(r, 0) + 1
-        return traced_shrink_seconds(moved, len(placement.owner), placement.ranks, 0, cost)
+        created = int(creates is not None and creates(placement.ranks, new_placement.ranks))
+        return traced_shrink_seconds(moved, len(placement.owner), placement.ranks, created, cost)
 
     return Pace(group_cost, shrink_cost)
 

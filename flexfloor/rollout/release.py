@@ -63,10 +63,11 @@ class Pace:
     steps, `UnitCost`) the survivors' end is the unshrunk one and the rule never refuses."""
 
     group_cost: Callable[[object, tuple], StepCost]
-    # (the placement before the shrink, its expert transfers) -> the seconds the survivors stall
-    # for them (the cost model's, `elastic.pace_of`): a shrink that ships more expert weights
+    # (the placement before the shrink, the survivors' placement, its expert transfers) -> the
+    # seconds the survivors stall: the transfers, then their group switched to or created
+    # (the cost model's, `elastic.pace_of`): a shrink that ships more expert weights
     # than the survivors' remaining steps win back ends the replica later; None: free
-    shrink_cost: Optional[Callable[[object, list], float]] = None
+    shrink_cost: Optional[Callable[[object, object, list], float]] = None
 
 
 # per rank of the group, in placement order: (remaining tokens, cached tokens) of each request
@@ -157,7 +158,7 @@ def slows_replica(pace: Pace, placement, new_placement, work: Work, transfers=()
     after = lockstep_end(survivors, pace.group_cost(new_placement,
                                                     _busy(new_placement.ranks, survivors)))
     if pace.shrink_cost is not None and any(survivors):  # idle survivors wait for nothing
-        after += pace.shrink_cost(placement, list(transfers))
+        after += pace.shrink_cost(placement, new_placement, list(transfers))
     if after <= before * (1 + 1e-9):
         return False
     if end_s is None or after > end_s:

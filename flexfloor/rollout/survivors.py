@@ -52,6 +52,17 @@ def planned_survivor_sets(expected_finish: Mapping[int, float], *, floor: int = 
     return [tuple(sorted(order[k:])) for k in range(1, len(ranks) - floor + 1)]
 
 
+def creates_group(active: Sequence[int], survivors: Sequence[int], prebuilt, late=()) -> bool:
+    """Whether the shrink of `active` to `survivors` creates a group when it is carried out
+    (`SurvivorGroups.switch`): not when the survivors' set is `prebuilt`, or a prebuilt superset
+    takes them (some leavers stay idle in it), or a group made `late` earlier holds exactly
+    them. Pure: what the pace rule prices a shrink's switch by."""
+    active, survivors = tuple(sorted(active)), tuple(sorted(survivors))
+    if survivors in prebuilt or survivors in late:
+        return False
+    return nearest_prebuilt(active, survivors, list(prebuilt)) is None
+
+
 def nearest_prebuilt(active: Ranks, survivors: Ranks, prebuilt: Sequence[Ranks]) -> Optional[Ranks]:
     """The smallest prebuilt group inside `active` that contains every survivor and is smaller
     than `active` (ties: the one with the lowest ranks); None when there is none. Pure."""
@@ -128,6 +139,10 @@ class SurvivorGroups:
         (or none is near), else only the ranks outside the nearest prebuilt superset; the
         others stay idle in it."""
         return leavers_for(active, leaving, self.prebuilt)
+
+    def creates(self, active: Sequence[int], survivors: Sequence[int]) -> bool:
+        """Whether `switch` would create the survivors' group (`creates_group`): pure."""
+        return creates_group(active, survivors, self.prebuilt, self.late)
 
     def switch(self, active: Sequence[int], leaving: Sequence[int]) -> Switch:
         """The group the survivors of `active` minus `leaving` switch to (every rank of `active`

@@ -134,8 +134,8 @@ class SimOutput:
 def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], rules: Optional[ReleaseRules],
                      cost, *,
                      limits: RankLimits, placement, kv_block_tokens: Optional[int] = None,
-                     exact_blocks: bool = False, prebuilt_sets: Optional[set] = None
-                     ) -> SimOutput:
+                     exact_blocks: bool = False, prebuilt_sets: Optional[set] = None,
+                     late_sets: Optional[set] = None) -> SimOutput:
     """Run one rollout of one EP group. `rules`: None for static EP, or the elastic policy,
     decided at every boundary by `flexfloor.rollout.release.decide` as the engine does; `placement`: the starting expert placement over
     the group's ranks; `limits`: batch slots, KV budget, bytes per KV token and per expert, as the
@@ -143,12 +143,12 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], rules: Optiona
     size of a pool that allocates as tokens are produced; `exact_blocks`: count every request's
     blocks as the engine's pool does (flexfloor/rollout/kv.py: admission by free blocks over the
     watermark, the youngest preempted, borrowed experts withheld in whole blocks), a pass over
-    the running requests per step; else half a block per request on average. `prebuilt_sets`:
-    as `rollout_steps`'. The pace rule (`rules.pace`) needs the estimates of a replica driver
+    the running requests per step; else half a block per request on average. `prebuilt_sets`,
+    `late_sets`: as `rollout_steps`'. The pace rule (`rules.pace`) needs the estimates of a replica driver
     (`simulate_replicas`): a group simulated alone makes every shrink its floor allows."""
     gen = rollout_steps(assignment, rules, cost, limits=limits, placement=placement,
                         kv_block_tokens=kv_block_tokens, exact_blocks=exact_blocks,
-                        prebuilt_sets=prebuilt_sets)
+                        prebuilt_sets=prebuilt_sets, late_sets=late_sets)
     try:
         next(gen)
         while True:
@@ -179,7 +179,7 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
                   cost, *, limits: RankLimits, placement, kv_block_tokens: Optional[int] = None,
                   exact_blocks: bool = False, every_boundary: bool = False,
                   estimates=None, end_to_keep_s: Optional[float] = None,
-                  prebuilt_sets: Optional[set] = None):
+                  prebuilt_sets: Optional[set] = None, late_sets: Optional[set] = None):
     """`simulate_rollout` as a generator: it yields a `GroupView` at every step boundary with
     work (after the release decision) and is resumed with `send(changed)`: True when a driver
     moved requests out of or into it (the boundary is then decided again). Returns the
@@ -190,9 +190,11 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
     `work` the rule predicts the survivors' end from), and `end_to_keep_s` (seconds on this
     group's clock, or None): the end a slower shrink must keep (`release.slows_replica`).
     `prebuilt_sets`: the survivor sets built ahead (`GroupSource.PLANNED`, as the engine's
-    `survivors.SurvivorGroups`): a shrink the plan did not foresee goes to the nearest prebuilt
-    superset, else its new group is priced as created and added; None: every shrink priced as
-    `CostParams.group_source` says."""
+    `survivors.SurvivorGroups`, kept across the job's rollouts): a shrink the plan did not
+    foresee goes to the nearest prebuilt superset, else to a group created late, priced as
+    created the first time and added to `late_sets` (the job's, kept across rollouts: a switch
+    the next time; never a superset to go to, as the engine's `SurvivorGroups.late`); None:
+    every shrink priced as `CostParams.group_source` says."""
     ranks = {r: _Rank(r, deque(reqs), RankRecord(rank=r, requests=len(reqs)))
              for r, reqs in sorted(assignment.items())}
     active = sorted(ranks)
@@ -363,7 +365,9 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
         if floor_hit:
             for r in active:
                 ranks[r].record.floor_hits += 1
-        quiet = not decision.migrate and not decision.leaving
+        # a shrink the pace rule refused is asked again at the next step, as the engine does:
+        # its estimates and the end to keep move with every step, not only at a finish
+        quiet = not decision.migrate and not decision.leaving and not decision.paced
         if exact:  # the engine's export/adopt: the taker queues them first, re-prefilled later
             adopted: dict[int, list] = {}
             for giver, taker in sorted(decision.migrate.items()):
@@ -392,8 +396,10 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
         if decision.leaving:
             built = None
             if prebuilt_sets is not None:
-                built = tuple(sorted(decision.placement.ranks)) in prebuilt_sets
-                prebuilt_sets.add(tuple(sorted(decision.placement.ranks)))  # kept for later
+                survivors = tuple(sorted(decision.placement.ranks))
+                late = late_sets if late_sets is not None else set()
+                built = survivors in prebuilt_sets or survivors in late
+                late.add(survivors)  # created now: a switch at a later rollout
             now += cost.shrink_seconds(decision.transfers, placement.owner, prebuilt=built)
             if built is None:  # every set built ahead (GroupSource.PREBUILT), else none
                 params = getattr(cost, "params", None)
@@ -703,7 +709,7 @@ def simulate_replicas(groups: Sequence[dict], cost, *, limits: RankLimits,
                           exact_blocks=exact_blocks,
                           every_boundary=consolidation.within is not None,
                           estimates=estimates, end_to_keep_s=consolidation.end_bound_s,
-                          prebuilt_sets=g.get("prebuilt"))
+                          prebuilt_sets=g.get("prebuilt"), late_sets=g.get("late"))
             for g in groups]
     replica_of = {r: i for i, g in enumerate(groups) for r in g["assignment"]}
     views: dict[int, GroupView] = {}

@@ -45,7 +45,7 @@ from flexfloor.rollout.scheduler import (
 )
 from flexfloor.rollout.types import Request
 from flexfloor.rollout.workload import dataset_batches, make_lengths, make_prompts, tail_stats
-from flexfloor.rollout.survivors import planned_survivor_sets
+from flexfloor.rollout.survivors import creates_group, planned_survivor_sets
 from flexfloor.sim.cost import CostParams, GroupSource, RooflineCost, UnitCost, kv_budget_bytes
 from flexfloor.sim.hardware import ACCELERATORS, ModelShape
 from flexfloor.sim.rollout import (
@@ -201,7 +201,7 @@ def check_scenario(sc: Scenario) -> None:
     """ValueError naming the field where `sc` cannot run (`run` checks it too)."""
     for name, least in _AT_LEAST.items():
         value = getattr(sc, name)
-        if value is not None and not value >= least:
+        if value is not None and not (math.isfinite(value) and value >= least):
             raise ValueError(f"{name}={value}: must be at least {least}")
     for name in _POSITIVE:
         value = getattr(sc, name)
@@ -214,6 +214,9 @@ def check_scenario(sc: Scenario) -> None:
     if sc.prompt_len[0] < 1 or sc.prompt_len[1] < sc.prompt_len[0]:
         raise ValueError(f"prompt_len={sc.prompt_len}: must be (least, most) with 1 <= least "
                          "<= most")
+    if sc.dataset_prompts is not None and sc.dataset_prompts < sc.num_prompts:
+        raise ValueError(f"dataset_prompts={sc.dataset_prompts}: must be at least num_prompts "
+                         f"({sc.num_prompts}), the prompts each step draws")
     if sc.replicas < 1 or sc.gpus % sc.replicas:
         raise ValueError(f"replicas={sc.replicas} must divide gpus={sc.gpus} (EP size per "
                          "replica = gpus / replicas)")
@@ -285,6 +288,7 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
                           max_batch_size=max_batch, max_share=sc.max_share, load_cap=sc.load_cap,
                           pace_margin=sc.pace_margin, distrust_wrong_history=sc.distrust)
     per_epoch, kept = [], []
+    kept_groups: dict = {}  # the elastic mode's survivor groups, kept across rollouts
     for epoch in range(1, sc.epochs + 1):
         groups = [PromptGroup(int(uid), tuple(
             Request(prompt_uid=int(uid), sample_index=s, prompt_ids=(1,) * prompt_lens[uid],
@@ -318,7 +322,8 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
         for mode in Mode:
             out = simulate_mode(mode, assignments[mode], topo[mode], cost, sc,
                                 tails if mode == Mode.ELASTIC else None,
-                                expected_finish=plan.expected_finish)
+                                expected_finish=plan.expected_finish,
+                                kept_groups=kept_groups if mode == Mode.ELASTIC else None)
             m = mode_metrics(out, sc, lengths_sha256(out.lengths))
             m["timeline"] = out.timeline
             entry[mode.value], outs[mode.value] = m, out
@@ -553,48 +558,55 @@ def engine_tails(sc: Scenario, replicas: int) -> TailConsolidation:
                              sc.kv_block_tokens or 16, within=within)
 
 
-def shrink_pace(cost, max_batch: int):
+def shrink_pace(cost, max_batch: int, kept: Optional[dict] = None):
     """The pace rule of a shrink inside a replica on the cost model: the engine's step cost of
-    a group (`elastic.pace_of`), a shrink's stall as this simulator prices it; with the plan's
-    groups built ahead (`GroupSource.PLANNED`) the survivors' group is priced as the switch the
-    engine's rule counts (a shrink off the plan is charged its group when it is made)."""
+    a group (`elastic.pace_of`), a shrink's stall as this simulator prices it. With the job's
+    groups (`kept`: {"prebuilt": set, "late": set}, `GroupSource.PLANNED`) the survivors' group
+    is priced as the shrink will be carried out, as the engine's rule prices it: a switch where
+    a group built ahead or made earlier takes them, else a new group
+    (`survivors.creates_group`); None: as `CostParams.group_source` says."""
     from flexfloor.rollout.elastic import pace_of
     from flexfloor.rollout.release import Pace
 
-    params = getattr(cost, "params", None)
-    planned = True if params is not None and params.group_source == GroupSource.PLANNED else None
-    return Pace(pace_of(cost, max_batch).group_cost,
-                lambda placement, transfers: cost.shrink_seconds(transfers, placement.owner,
-                                                                 prebuilt=planned))
+    def stall(placement, new_placement, transfers) -> float:
+        built = None if kept is None else not creates_group(
+            placement.ranks, new_placement.ranks, kept["prebuilt"], kept["late"])
+        return cost.shrink_seconds(transfers, placement.owner, prebuilt=built)
+    return Pace(pace_of(cost, max_batch).group_cost, stall)
 
 
 def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scenario,
                   tails: Optional[TailConsolidation] = None,
-                  expected_finish: Optional[dict] = None):
+                  expected_finish: Optional[dict] = None, kept_groups: Optional[dict] = None):
     """One rollout of `mode`: each EP group on its own (or, with `tails`, together: their tails
     consolidated), then the hold rule. A held rank stays to the end of the slowest group, its
-    steps counted as that group's."""
+    steps counted as that group's. `kept_groups`: the job's survivor groups so far, per EP
+    group's ranks ({"prebuilt": set, "late": set}, updated here), as the engine's layout keeps
+    them across rollouts (`GroupSource.PLANNED`); None: this rollout's plan's alone."""
     records, timeline, lengths = [], [], {}
     total = responses = created = 0
     runs = []
     for i, ranks in enumerate(topo.groups):
         placement, holding = topo.states[ranks]
-        rules = None
-        if mode == Mode.ELASTIC:
-            floor = min(sc.min_active_ranks, len(ranks))
-            rules = ReleaseRules(min_active_ranks=floor, holding=holding,
-                                 migrate_max_requests=sc.migrate_max_requests,
-                                 pace=(shrink_pace(cost, topo.limits.max_batch_size)
-                                       if sc.shrink_pace and sc.accelerator is not None
-                                       and floor < len(ranks) else None))
         sub = {r: [SimRequest(q.request_id, q.prompt_uid, len(q.prompt_ids), q.target_len)
                    for q in assignment.get(r, [])] for r in ranks}
-        runs.append({"assignment": sub, "rules": rules, "placement": placement})
-        params = getattr(cost, "params", None)
-        if (rules is not None and expected_finish is not None and params is not None
+        runs.append({"assignment": sub, "rules": None, "placement": placement})
+        if mode != Mode.ELASTIC:
+            continue
+        floor = min(sc.min_active_ranks, len(ranks))
+        params, kept = getattr(cost, "params", None), None
+        if (expected_finish is not None and params is not None
                 and params.group_source == GroupSource.PLANNED):  # the engine's groups ahead
-            runs[-1]["prebuilt"] = set(planned_survivor_sets(
-                {r: expected_finish[r] for r in ranks}, floor=rules.min_active_ranks))
+            kept = ({"prebuilt": set(), "late": set()} if kept_groups is None
+                    else kept_groups.setdefault(tuple(ranks), {"prebuilt": set(), "late": set()}))
+            kept["prebuilt"].update(planned_survivor_sets(
+                {r: expected_finish[r] for r in ranks}, floor=floor))
+            runs[-1]["prebuilt"], runs[-1]["late"] = kept["prebuilt"], kept["late"]
+        runs[-1]["rules"] = ReleaseRules(
+            min_active_ranks=floor, holding=holding, migrate_max_requests=sc.migrate_max_requests,
+            pace=(shrink_pace(cost, topo.limits.max_batch_size, kept)
+                  if sc.shrink_pace and sc.accelerator is not None and floor < len(ranks)
+                  else None))
     if (tails is None and mode == Mode.ELASTIC and sc.accelerator is None
             and not sc.migrate_max_requests and ElasticConfig().consolidate):  # as the engine
         tails = engine_tails(sc, len(topo.groups))
@@ -605,7 +617,8 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
     else:
         outs = [simulate_rollout(g["assignment"], g["rules"], cost, limits=topo.limits,
                                  placement=g["placement"], kv_block_tokens=sc.kv_block_tokens,
-                                 exact_blocks=sc.kv_exact_blocks, prebuilt_sets=g.get("prebuilt"))
+                                 exact_blocks=sc.kv_exact_blocks, prebuilt_sets=g.get("prebuilt"),
+                                 late_sets=g.get("late"))
                 for g in runs]
     for i, out in enumerate(outs):
         records += out.records
