@@ -291,8 +291,9 @@ class ElasticMembership:
             new_placement, transfers = plan_shrink(
                 placement, leaving, capacity=capacity_now(self.rules, placement, report, limits),
                 holding=self.rules.holding)
-        except ValueError:  # fewer leavers always fit; if not, the decision as it was (late group)
-            return decision
+        except ValueError:  # fewer leavers fit where more did; if not, nobody leaves this time
+            # (the decision as it was would switch to the superset it does not plan for)
+            return ReleaseDecision(migrate=decision.migrate, floor_hit=True)
         return ReleaseDecision(migrate=decision.migrate, leaving=leaving, placement=new_placement,
                                transfers=transfers)
 

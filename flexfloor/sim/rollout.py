@@ -433,8 +433,9 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             new_placement, transfers = plan_shrink(
                 placement, leaving, capacity=capacity_now(rules, placement, rep, limits),
                 holding=rules.holding)
-        except ValueError:  # fewer leavers always fit; if not, the decision as it was
-            return decision
+        except ValueError:  # fewer leavers fit where more did; if not, nobody leaves, as in
+            # the engine's `_fit_to_groups`
+            return ReleaseDecision(migrate=decision.migrate, floor_hit=True)
         return ReleaseDecision(migrate=decision.migrate, leaving=leaving,
                                placement=new_placement, transfers=transfers)
 
