@@ -144,8 +144,9 @@ def simulate_rollout(assignment: dict[int, Sequence[SimRequest]], rules: Optiona
     blocks as the engine's pool does (flexfloor/rollout/kv.py: admission by free blocks over the
     watermark, the youngest preempted, borrowed experts withheld in whole blocks), a pass over
     the running requests per step; else half a block per request on average. `prebuilt_sets`,
-    `late_sets`: as `rollout_steps`'. The pace rule (`rules.pace`) needs the estimates of a replica driver
-    (`simulate_replicas`): a group simulated alone makes every shrink its floor allows."""
+    `late_sets`: as `rollout_steps`'. The pace rule (`rules.pace`) needs the estimates of a
+    replica driver (`simulate_replicas`): a group simulated alone makes every shrink its floor
+    allows."""
     gen = rollout_steps(assignment, rules, cost, limits=limits, placement=placement,
                         kv_block_tokens=kv_block_tokens, exact_blocks=exact_blocks,
                         prebuilt_sets=prebuilt_sets, late_sets=late_sets)
