@@ -161,6 +161,22 @@ def test_an_empty_path_is_refused_not_taken_as_not_given(tmp_path, monkeypatch, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_simulate_says_when_the_pace_rule_cannot_act(tmp_path, capsys):
+    """A shrink inside a replica on an accelerator with one replica (or without consolidation)
+    has no estimates for the pace rule: simulate says so, and says nothing where it acts."""
+    small = ["--scenario", "paper-like", "--gpus", "8", "--num-prompts", "8",
+             "--samples-per-prompt", "2", "--epochs", "1", "--max-len", "64",
+             "--min-active-ranks", "1"]
+    note = "note: --shrink-pace 1 does not act here"
+    for extra, said in ((["--replicas", "1"], True), (["--replicas", "2"], False),
+                        (["--replicas", "2", "--consolidate", "0"], True),
+                        (["--replicas", "1", "--shrink-pace", "0"], False)):
+        out = tmp_path / "s.json"
+        assert simulate.main([*small, *extra, "--out", str(out)]) == 0
+        assert (note in capsys.readouterr().out) == said, extra
+        assert json.loads(out.read_text())["scenario"]["replicas"] == int(extra[1])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-batch-size", "-5"], "--max-batch-size -5: must be at least 1"),
     (["--epochs", "0"], "--epochs 0: must be at least 1"),

@@ -31,7 +31,7 @@ if REPO not in sys.path:
 from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import (  # noqa: E402
-    MODES, SCENARIOS, check_scenario, run, sweep, sweep_scenarios,
+    MODES, SCENARIOS, check_scenario, pace_rule_ignored, run, sweep, sweep_scenarios,
 )
 
 
@@ -235,6 +235,10 @@ def main(argv=None) -> int:
         print(f"simulate: {sc.name}: {sc.model} on {sc.gpus} "
               f"{sc.accelerator or 'ranks (UnitCost)'}, {sc.num_prompts} prompts x "
               f"{sc.samples_per_prompt} samples, {sc.epochs} epochs", flush=True)
+        if pace_rule_ignored(sc):
+            print("note: --shrink-pace 1 does not act here: the pace rule needs the replicas "
+                  "simulated together (--replicas > 1 with --consolidate 1); every shrink the "
+                  "floor (--min-active-ranks) allows is made", flush=True)
         rep = run(sc, params=params)
         if args.sweep:
             print(f"sweep: {len(args.sweep_gpus)} GPU counts x {len(args.sweep_sigmas)} tails",

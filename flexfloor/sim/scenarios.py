@@ -197,6 +197,16 @@ _POSITIVE = ("max_share", "load_cap", "pace_margin")
 _FRACTIONS = ("history_correlation", "cap_fraction")
 
 
+def pace_rule_ignored(sc: Scenario) -> bool:
+    """Whether `sc` asks for the pace rule (`shrink_pace`) on a shrink inside a replica, on an
+    accelerator, where it cannot act: the rule reads the running requests' estimates, which only
+    the replicas simulated together give (R > 1 with `consolidate`); there every shrink the
+    floor allows is made."""
+    inside = sc.min_active_ranks < sc.gpus // max(1, sc.replicas)
+    together = sc.replicas > 1 and sc.consolidate
+    return sc.shrink_pace and sc.accelerator is not None and inside and not together
+
+
 def check_scenario(sc: Scenario) -> None:
     """ValueError naming the field where `sc` cannot run (`run` checks it too)."""
     for name, least in _AT_LEAST.items():
