@@ -38,7 +38,7 @@ from flexfloor.rollout.engine import StepReport
 from flexfloor.rollout.kv import blocks_for, watermark_blocks
 from flexfloor.rollout.release import (RankLimits, ReleaseDecision, ReleaseRules, capacity_now,
                                        decide)
-from flexfloor.rollout.survivors import leavers_for
+from flexfloor.rollout.survivors import creates_group, leavers_for
 from flexfloor.rollout.types import RankRecord
 from megatron_ext.placement import plan_shrink
 from flexfloor.sim.cost import GroupSource, RankLoad
@@ -399,7 +399,7 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             if prebuilt_sets is not None:
                 survivors = tuple(sorted(decision.placement.ranks))
                 late = late_sets if late_sets is not None else set()
-                built = survivors in prebuilt_sets or survivors in late
+                built = not creates_group(placement.ranks, survivors, prebuilt_sets, late)
                 late.add(survivors)  # created now: a switch at a later rollout
             now += cost.shrink_seconds(decision.transfers, placement.owner, prebuilt=built)
             if built is None:  # every set built ahead (GroupSource.PREBUILT), else none

@@ -607,8 +607,8 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
         params, kept = getattr(cost, "params", None), None
         if (expected_finish is not None and params is not None
                 and params.group_source == GroupSource.PLANNED):  # the engine's groups ahead
-            kept = ({"prebuilt": set(), "late": set()} if kept_groups is None
-                    else kept_groups.setdefault(tuple(ranks), {"prebuilt": set(), "late": set()}))
+            kept = ({} if kept_groups is None else kept_groups).setdefault(
+                tuple(ranks), {"prebuilt": set(), "late": set()})
             kept["prebuilt"].update(planned_survivor_sets(
                 {r: expected_finish[r] for r in ranks}, floor=floor))
             runs[-1]["prebuilt"], runs[-1]["late"] = kept["prebuilt"], kept["late"]
