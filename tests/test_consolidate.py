@@ -11,7 +11,7 @@ from flexfloor.rollout.consolidate import (
     remaining_estimate,
 )
 from flexfloor.rollout.scheduler import (
-    LengthHistory, PromptGroup, Scheduler, replica_finish,
+    LengthHistory, PromptGroup, Scheduler, _worst_end, replica_finish,
 )
 from flexfloor.rollout.types import Request
 
@@ -207,6 +207,53 @@ def test_replica_finish_steps_at_the_fullest_ranks_pace():
     assert replica_finish([([10], [0]), ([4, 4], [0, 0])], cost) == [pytest.approx(12.0),
                                                                      pytest.approx(6.0)]
     assert replica_finish([([10], [0]), ([], [])], cost) == [pytest.approx(10.0), 0.0]
+
+
+def test_the_worst_end_runs_a_share_of_a_replicas_requests_to_the_cap():
+    cost = lambda n, ctx: 1.0 + 0.0 * np.asarray(ctx, dtype=float) + 0.5 * (np.asarray(n) > 1)
+    # no share: only the longest (10) runs to the cap of 20; the others end by step 8 at 1.5
+    # a step, then 12 steps alone at 1.0
+    assert _worst_end([[10, 8, 6, 4]], [[0] * 4], 20, cost) == pytest.approx(24.0)
+    # half of the 4 requests: the longest and the third longest (taken evenly, longest first)
+    # run to 20 together, every step at 1.5
+    assert _worst_end([[10, 8, 6, 4]], [[0] * 4], 20, cost, share=0.5) == pytest.approx(30.0)
+    # over ranks (lockstep, at the fullest rank's pace): the two at the cap (10 and 6) run on
+    # different ranks, each alone on its rank after step 8
+    assert _worst_end([[10, 8], [6, 4]], [[0, 0], [0, 0]], 20, cost,
+                      share=0.5) == pytest.approx(24.0)
+
+
+def test_placement_across_replicas_hedges_by_how_often_samples_ran_to_the_cap_unforeseen():
+    """Two histories with the same last epoch (so the same predictions), two prompts' samples
+    at the cap in it: in one the epoch before had them there too, in the other they came as a
+    surprise (`LengthHistory.surprise_share`). The plan then takes that share of each replica's
+    requests at the cap, and the replica the short work gathers on takes less."""
+    lengths = [400, 380, 60, 50, 40, 40, 30, 30, 20, 20, 10, 10] * 2
+
+    def cost(n, ctx):
+        return 1.0 + 0.002 * np.asarray(ctx, dtype=float)
+
+    gs = [PromptGroup(u, tuple(Request(prompt_uid=u, sample_index=s, prompt_ids=(1,) * 4,
+                                       max_new_tokens=500) for s in range(4)))
+          for u in range(len(lengths))]
+    replicas = [[0, 1], [2, 3], [4, 5]]
+    plans = {}
+    for surprise in (False, True):
+        h = LengthHistory()
+        for uid, n in enumerate(lengths):
+            last = [500 if (uid in (2, 5) and s == 0) else n for s in range(4)]
+            h.record(uid, [n] * 4 if surprise else last)
+            h.record(uid, last)
+        assert h.surprise_share(500) == (pytest.approx(2 / 96) if surprise else 0.0)
+        sched = Scheduler(PlacementPolicy.FLEXFLOOR, h, max_batch_size=64, pace_margin=1.0)
+        plans[surprise] = sched.plan(gs, range(6), replicas=replicas, step_cost=cost)
+    assert plans[True].predicted == plans[False].predicted
+    for plan in plans.values():
+        assert sorted(q.request_id for v in plan.assignment.values() for q in v) == sorted(
+            q.request_id for g in gs for q in g.requests)
+    fullest = {s: max(sum(len(p.assignment[r]) for r in g) for g in replicas)
+               for s, p in plans.items()}
+    assert fullest[True] < fullest[False]
 
 
 def test_placement_across_replicas_puts_long_work_on_the_staying_replica_within_the_bound():

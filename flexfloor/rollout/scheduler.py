@@ -423,14 +423,17 @@ def lockstep_end(work: Sequence[Sequence[tuple[float, int]]], step_cost: StepCos
 
 
 def _worst_end(lengths: Sequence[Sequence[float]], prompt_lens: Sequence[Sequence[int]],
-               cap: float, step_cost: StepCost) -> float:
-    """A lockstep replica's end (`replica_finish`) if its longest request ran to `cap`.
-    lengths, prompt_lens: per rank."""
+               cap: float, step_cost: StepCost, share: float = 0.0) -> float:
+    """A lockstep replica's end (`replica_finish`) if `share` of its requests (rounded, at
+    least its longest one) ran to `cap`: those taken evenly over its requests longest first,
+    starting with the longest. lengths, prompt_lens: per rank."""
     lens = [list(ls) for ls in lengths]
-    longest = max(((max(ls), r) for r, ls in enumerate(lens) if ls), default=None)
-    if longest is not None:
-        n, r = longest
-        lens[r][lens[r].index(n)] = max(n, cap)
+    order = sorted(((n, r, i) for r, ls in enumerate(lens) for i, n in enumerate(ls)),
+                   key=lambda x: -x[0])
+    m = max(1, round(share * len(order))) if order else 0
+    for j in range(m):
+        _, r, i = order[j * len(order) // m]
+        lens[r][i] = max(lens[r][i], cap)
     return max(replica_finish(list(zip(lens, prompt_lens)), step_cost), default=0.0)
 
 
@@ -825,8 +828,11 @@ class Scheduler:
         batches, and replicas leave in the planned order, the last ones early or at once.
 
         Hedged against mispredictions: a replica's end is taken as if its longest request ran
-        to the cap (`_worst_end`: any request may be the one that does; a replica packed with
-        short work then still ends in time, as its batch thins out before the long one ends),
+        to the cap, and with it as many of its requests as samples ran to the cap against their
+        history (`LengthHistory.surprise_share`; `_worst_end`: any request may be one that does;
+        a replica packed with short work then still ends in time, as its batch thins out before
+        the long ones end; the share, as in `_flexfloor`'s hedge, because a replica of many
+        requests holds more of the samples that run to the cap unforeseen),
         and a prompt with no history has its samples spread over the length quantiles seen so
         far (its prediction, one median for all, would model no tail). The bound: the static
         baseline's end (least outstanding requests: round robin over replicas, then ranks),
@@ -841,6 +847,7 @@ class Scheduler:
                     est[q.request_id] = self.history.quantile(1.0 - (i + 0.5) / n)
         reqs_all = [q for g in groups for q in g.requests]
         cap = float(max((q.max_new_tokens for q in reqs_all), default=0))
+        share = self.history.surprise_share(cap) if cap else 0.0
 
         # the bounds price every rank as if its group were loaded alike (`pace_margin` was set
         # against that: with the group's shared part, `GroupStepCost.shared`, the bound came
@@ -854,7 +861,7 @@ class Scheduler:
             lengths = [[est[q.request_id] for q in reqs] for reqs in per_rank]
             prompts = [[len(q.prompt_ids) for q in reqs] for reqs in per_rank]
             return (max(replica_finish(list(zip(lengths, prompts)), step_cost), default=0.0),
-                    _worst_end(lengths, prompts, cap, step_cost))
+                    _worst_end(lengths, prompts, cap, step_cost, share))
 
         static = _round_robin(reqs_all, replicas)
         static_ends = [ends([static[r] for r in g]) for g in replicas]
