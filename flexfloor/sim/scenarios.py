@@ -197,14 +197,24 @@ _POSITIVE = ("max_share", "load_cap", "pace_margin")
 _FRACTIONS = ("history_correlation", "cap_fraction")
 
 
+def replicas_together(sc: Scenario) -> bool:
+    """Whether the elastic mode simulates `sc`'s replicas together, their tails consolidated
+    (`tail_consolidation`): on an accelerator, R > 1, with `consolidate`. Only then do the
+    running requests carry the estimates the pace rule reads."""
+    return sc.consolidate and sc.accelerator is not None and sc.replicas > 1
+
+
+def paced(sc: Scenario, floor: int, size: int) -> bool:
+    """Whether a replica of `size` ranks with `floor` shrinks under the pace rule: asked for
+    (`shrink_pace`), on an accelerator, and below the replica's size."""
+    return sc.shrink_pace and sc.accelerator is not None and floor < size
+
+
 def pace_rule_ignored(sc: Scenario) -> bool:
-    """Whether `sc` asks for the pace rule (`shrink_pace`) on a shrink inside a replica, on an
-    accelerator, where it cannot act: the rule reads the running requests' estimates, which only
-    the replicas simulated together give (R > 1 with `consolidate`); there every shrink the
-    floor allows is made."""
-    inside = sc.min_active_ranks < sc.gpus // max(1, sc.replicas)
-    together = sc.replicas > 1 and sc.consolidate
-    return sc.shrink_pace and sc.accelerator is not None and inside and not together
+    """Whether `sc` asks for the pace rule on a shrink inside a replica where it cannot act
+    (`paced` but not `replicas_together`): there every shrink the floor allows is made."""
+    size = sc.gpus // max(1, sc.replicas)
+    return paced(sc, min(sc.min_active_ranks, size), size) and not replicas_together(sc)
 
 
 def check_scenario(sc: Scenario) -> None:
@@ -326,7 +336,7 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
                                                for g in replicated],
                              "leaving_order": plan.leaving_order(replicated)}
         tails = None
-        if sc.consolidate and sc.accelerator is not None and sc.replicas > 1:
+        if replicas_together(sc):
             tails = tail_consolidation(sc, cost, params, topo_r, step_cost, plan,
                                        flexfloor.predictor)
         for mode in Mode:
@@ -615,8 +625,7 @@ def simulate_mode(mode: Mode, assignment: dict, topo: _Topology, cost, sc: Scena
         runs[-1]["rules"] = ReleaseRules(
             min_active_ranks=floor, holding=holding, migrate_max_requests=sc.migrate_max_requests,
             pace=(shrink_pace(cost, topo.limits.max_batch_size, kept)
-                  if sc.shrink_pace and sc.accelerator is not None and floor < len(ranks)
-                  else None))
+                  if paced(sc, floor, len(ranks)) else None))
     if (tails is None and mode == Mode.ELASTIC and sc.accelerator is None
             and not sc.migrate_max_requests and ElasticConfig().consolidate):  # as the engine
         tails = engine_tails(sc, len(topo.groups))
