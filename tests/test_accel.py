@@ -115,6 +115,10 @@ def test_survivor_groups_built_ahead_and_looked_up(parts):
             assert late == [[0, 2], 4, True] and s["created_late"] == 1
         else:
             assert late is None and s["created_late"] == 0
+        # every rank that called that switch knows the set; rank 3 (already left) learns it
+        # at the next prepare: the pace rule then prices the shrink alike on every rank
+        assert s["creates_late_before"] == (rank == 3)
+        assert s["creates_late_after"] is False
 
 
 def test_planned_survivor_sets_follow_the_predicted_finish():

@@ -31,6 +31,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
+from flexfloor.rollout.collectives import gather_objects
+
 Ranks = tuple[int, ...]  # sorted global ranks
 
 
@@ -111,14 +113,22 @@ class SurvivorGroups:
     name_prefix: str = "0"  # unique in the job (the rollout layout's id): names late groups
     prebuilt: dict[Ranks, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     late: dict[Ranks, dist.ProcessGroup] = field(default_factory=dict)  # made during rollouts
+    # every survivor set made late in this job that this rank knows of: all the ranks of the
+    # shrink that made it (members or not: each calls `switch`), and after the next `prepare`
+    # every rank. `creates` reads it, so every rank of a group prices a shrink alike: a rank
+    # that had left when a set was made would otherwise price its switch as a creation
+    known_late: set = field(default_factory=set)
     created_during_rollout: int = 0  # this rollout's late groups (this rank took part in)
     created_ahead: int = 0  # groups `prepare` created, over the job
 
     def prepare(self, sets: Sequence[Ranks]) -> int:
         """Create every set not built yet, collectively: every rank of the world calls this with
         the same sets (the plan is computed identically everywhere) before decoding starts.
-        Resets the rollout's late-group count. Returns how many groups were created."""
+        Resets the rollout's late-group count, and shares the sets made late so far with every
+        rank (`known_late`). Returns how many groups were created."""
         self.created_during_rollout = 0
+        everyone = gather_objects(None, sorted(self.known_late))  # over the world
+        self.known_late.update(tuple(s) for sets in everyone for s in sets)
         made = 0
         for ranks in sorted({tuple(sorted(s)) for s in sets}, key=lambda s: (-len(s), s)):
             if ranks in self.prebuilt or not ranks:
@@ -141,8 +151,10 @@ class SurvivorGroups:
         return leavers_for(active, leaving, self.prebuilt)
 
     def creates(self, active: Sequence[int], survivors: Sequence[int]) -> bool:
-        """Whether `switch` would create the survivors' group (`creates_group`): pure."""
-        return creates_group(active, survivors, self.prebuilt, self.late)
+        """Whether `switch` would create the survivors' group (`creates_group`), from the sets
+        built ahead and those made late that every rank knows of (`known_late`): pure, the same
+        on every rank of `active`."""
+        return creates_group(active, survivors, self.prebuilt, self.known_late)
 
     def switch(self, active: Sequence[int], leaving: Sequence[int]) -> Switch:
         """The group the survivors of `active` minus `leaving` switch to (every rank of `active`
@@ -160,6 +172,7 @@ class SurvivorGroups:
             kept = tuple(r for r in near if r not in survivors)
             return Switch(tuple(r for r in active if r not in near), near, self.prebuilt[near],
                           False, kept_idle=kept)
+        self.known_late.add(survivors)
         group = self.late.get(survivors)
         created = group is None and self.rank in survivors
         if created:
@@ -186,3 +199,4 @@ class SurvivorGroups:
                 dist.destroy_process_group(group)
         self.prebuilt.clear()
         self.late.clear()
+        self.known_late.clear()

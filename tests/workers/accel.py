@@ -225,6 +225,11 @@ def survivor_case(par, rank):
             late = (sw.ranks, int(t), sw.created)
     res["late"] = late
     res["created_late"] = groups.created_during_rollout
+    # the pace rule's pricing of a shrink to (0, 2): a switch now on the ranks that took part
+    # in making it (0, 2, and 1, which left), a creation on rank 3 until `prepare` shares it
+    res["creates_late_before"] = groups.creates((0, 1, 2), (0, 2))
+    groups.prepare(sets)
+    res["creates_late_after"] = groups.creates((0, 1, 2, 3), (0, 2))
     dist.barrier()
     groups.destroy()
     return res
