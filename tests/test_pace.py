@@ -170,3 +170,23 @@ def test_within_the_end_to_keep_a_slower_shrink_that_saves_occupancy_goes_ahead(
     # the same shrink with the survivors slowed less: it saves, and goes ahead
     assert decide(ReleaseRules(pace=by_hosted(0.1)), p, report(three), LIMITS, 1, three,
                   end_s=1e9).leaving == [3]
+
+
+def test_the_rule_prices_the_shrink_fitted_to_the_groups_built_ahead():
+    """Ranks 1 and 3 are done, but only (0, 1, 2), (0, 1), (0,) were built ahead: the nearest
+    prebuilt superset of the survivors (0, 2) is (0, 1, 2), so only rank 3 leaves
+    (`survivors.leavers_for`). The rule prices that shrink, not the one to (0, 2): here a group of
+    two steps slower than the four, a group of three faster."""
+    from flexfloor.rollout.survivors import leavers_for
+
+    def group_cost(p, busy):
+        return lambda n, ctx: {2: 2.0, 3: 1.0}.get(len(p.ranks), 1.5)
+
+    rules = ReleaseRules(pace=Pace(group_cost))
+    work = [[(10.0, 8)], [], [(7.0, 9)], []]
+    prebuilt = {(0, 1, 2): None, (0, 1): None, (0,): None}
+    fit = lambda active, leaving: leavers_for(active, leaving, prebuilt)  # noqa: E731
+    d = decide(rules, placement(), report(work), LIMITS, 1, work, fit=fit)
+    assert d.leaving == [3] and not d.paced and tuple(d.placement.ranks) == (0, 1, 2)
+    # unfitted, the same report is refused: the survivors (0, 2) would step at 2.0
+    assert decide(rules, placement(), report(work), LIMITS, 1, work).paced

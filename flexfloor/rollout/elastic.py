@@ -48,7 +48,6 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
     RankLimits,
     ReleaseDecision,
     ReleaseRules,
-    capacity_now,
     choose_leavers,
     decide,
 )
@@ -59,7 +58,7 @@ from flexfloor.rollout.tails import (
     mailbox_for, may_give_within, rank_state, within_replica,
 )
 from megatron_ext.elastic_moe import PlacedMoE
-from megatron_ext.placement import initial_placement, plan_shrink
+from megatron_ext.placement import initial_placement
 from megatron_ext.resharding import transfer_experts
 
 
@@ -273,29 +272,12 @@ class ElasticMembership:
 
     def _decide_at(self, placement, report, limits: RankLimits, work=None) -> ReleaseDecision:
         """The release decision at the current boundary (counted by the caller); `work`: the
-        pace rule's (`_paced`)."""
-        decision = decide(self.rules, placement, report, limits, self._boundaries, work)
-        if self.groups is None or not decision.leaving:
-            return decision
-        return self._fit_to_groups(decision, placement, report, limits)
-
-    def _fit_to_groups(self, decision: ReleaseDecision, placement, report,
-                       limits: RankLimits) -> ReleaseDecision:
-        """A decision whose survivors have a prebuilt group: when the plan did not foresee these
-        leavers, only the ranks outside the nearest prebuilt superset leave (the others stay
-        idle in it, stepping with empty batches). Pure, the same on every rank."""
-        leaving = self.groups.leavers_for(placement.ranks, decision.leaving)
-        if leaving == sorted(decision.leaving):
-            return decision
-        try:
-            new_placement, transfers = plan_shrink(
-                placement, leaving, capacity=capacity_now(self.rules, placement, report, limits),
-                holding=self.rules.holding)
-        except ValueError:  # fewer leavers fit where more did; if not, nobody leaves this time
-            # (the decision as it was would switch to the superset it does not plan for)
-            return ReleaseDecision(migrate=decision.migrate, floor_hit=True)
-        return ReleaseDecision(migrate=decision.migrate, leaving=leaving, placement=new_placement,
-                               transfers=transfers)
+        pace rule's (`_paced`). With survivor groups built ahead, when the plan did not foresee
+        these leavers only the ranks outside the nearest prebuilt superset leave (the others
+        stay idle in it, stepping with empty batches: `SurvivorGroups.leavers_for`), fitted
+        before the shrink is planned and paced. Pure, the same on every rank."""
+        return decide(self.rules, placement, report, limits, self._boundaries, work,
+                      fit=None if self.groups is None else self.groups.leavers_for)
 
     def shrink(self, moe: PlacedMoE, decision: ReleaseDecision, *, now: float,
                step: int) -> ShrinkStats:

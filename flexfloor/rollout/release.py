@@ -107,14 +107,18 @@ def choose_leavers(ranks, has_work, min_active_ranks: int) -> list[int]:
 
 def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
            boundary: int, work: Optional[Work] = None,
-           end_s: Optional[float] = None) -> ReleaseDecision:
+           end_s: Optional[float] = None,
+           fit: Optional[Callable[[Sequence[int], list], list]] = None) -> ReleaseDecision:
     """The decision at the `boundary`-th step boundary (counted from 1) of a rollout, from the
     shared report alone: the same on every rank. `work` (every rank's running requests, the same
     on every rank): what the pace rule (`rules.pace`) predicts the survivors' end from; without
     it, or without the rule, a shrink is never refused for its pace. `end_s`: the seconds from
     now the replica may still take (the rollout's end to keep less its clock): a shrink that
     slows the replica is then made when its survivors still end within them and it saves
-    occupied seconds (`slows_replica`); None: a shrink never slows the replica."""
+    occupied seconds (`slows_replica`); None: a shrink never slows the replica. `fit`: (the
+    active ranks, the ranks that want to leave) -> who really leaves (with survivor groups built
+    ahead, `survivors.leavers_for`: only the ranks outside the nearest prebuilt superset), before
+    the shrink is planned and paced, so the rule prices the shrink that is carried out."""
     if boundary % rules.check_interval_steps:
         return ReleaseDecision()
     ranks = list(placement.ranks)
@@ -124,6 +128,8 @@ def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
         migrate = migration_plan(rules, ranks, report, limits)
         has = [w and r not in migrate for r, w in zip(ranks, has)]
     leaving = choose_leavers(ranks, has, rules.min_active_ranks)
+    if leaving and fit is not None:
+        leaving = list(fit(ranks, leaving))
     if not leaving:
         return ReleaseDecision(migrate=migrate)
     try:

@@ -36,11 +36,9 @@ from typing import Optional, Sequence
 
 from flexfloor.rollout.engine import StepReport
 from flexfloor.rollout.kv import blocks_for, watermark_blocks
-from flexfloor.rollout.release import (RankLimits, ReleaseDecision, ReleaseRules, capacity_now,
-                                       decide)
+from flexfloor.rollout.release import RankLimits, ReleaseRules, decide
 from flexfloor.rollout.survivors import creates_group, leavers_for
 from flexfloor.rollout.types import RankRecord
-from megatron_ext.placement import plan_shrink
 from flexfloor.sim.cost import GroupSource, RankLoad
 
 UNBOUNDED_KV = 1 << 62  # what an engine without a KV budget reports as free
@@ -356,12 +354,15 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             quiet = True
             return True
         boundaries += 1
-        decision = decide(rules, placement, rep, limits, boundaries)
+        # with groups built ahead, the engine's fit: only the ranks outside the nearest
+        # prebuilt superset of the survivors leave (`ElasticMembership._decide_at`)
+        fit = (None if prebuilt_sets is None else
+               lambda active, leaving: leavers_for(active, leaving, prebuilt_sets))
+        decision = decide(rules, placement, rep, limits, boundaries, fit=fit)
         if decision.leaving and rules.pace is not None and estimates is not None:
             decision = decide(rules, placement, rep, limits, boundaries, work=work_now(),
-                              end_s=None if end_to_keep_s is None else end_to_keep_s - now)
-        if decision.leaving and prebuilt_sets is not None:
-            decision = fit_to_groups(decision, rep)
+                              end_s=None if end_to_keep_s is None else end_to_keep_s - now,
+                              fit=fit)
         floor_hit = decision.floor_hit
         if floor_hit:
             for r in active:
@@ -423,22 +424,6 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             timeline.append({"step": step, "time_s": now, "leaving": list(decision.leaving),
                              "active": list(active), "moved_experts": len(decision.transfers)})
         return True
-
-    def fit_to_groups(decision, rep) -> ReleaseDecision:
-        """The engine's `ElasticMembership._fit_to_groups`: only the ranks outside the nearest
-        prebuilt superset of the survivors leave when their set is not prebuilt."""
-        leaving = leavers_for(placement.ranks, decision.leaving, prebuilt_sets)
-        if leaving == sorted(decision.leaving):
-            return decision
-        try:
-            new_placement, transfers = plan_shrink(
-                placement, leaving, capacity=capacity_now(rules, placement, rep, limits),
-                holding=rules.holding)
-        except ValueError:  # fewer leavers fit where more did; if not, nobody leaves, as in
-            # the engine's `_fit_to_groups`
-            return ReleaseDecision(migrate=decision.migrate, floor_hit=True)
-        return ReleaseDecision(migrate=decision.migrate, leaving=leaving,
-                               placement=new_placement, transfers=transfers)
 
     def work_now() -> list:
         """Each active rank's running requests, in placement order: (predicted remaining
