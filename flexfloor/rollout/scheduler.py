@@ -424,16 +424,21 @@ def lockstep_end(work: Sequence[Sequence[tuple[float, int]]], step_cost: StepCos
 
 def _worst_end(lengths: Sequence[Sequence[float]], prompt_lens: Sequence[Sequence[int]],
                cap: float, step_cost: StepCost, share: float = 0.0) -> float:
-    """A lockstep replica's end (`replica_finish`) if `share` of its requests (rounded, at
-    least its longest one) ran to `cap`: those taken evenly over its requests longest first,
-    starting with the longest. lengths, prompt_lens: per rank."""
+    """A lockstep replica's end (`replica_finish`) if its longest request ran to `cap`, and with
+    it `share` of its requests (rounded) of those predicted below the cap, taken evenly over
+    them longest first (as `Scheduler._hedged` takes them on one rank). lengths, prompt_lens:
+    per rank."""
     lens = [list(ls) for ls in lengths]
     order = sorted(((n, r, i) for r, ls in enumerate(lens) for i, n in enumerate(ls)),
                    key=lambda x: -x[0])
-    m = max(1, round(share * len(order))) if order else 0
-    for j in range(m):
-        _, r, i = order[j * len(order) // m]
+    if order:
+        _, r, i = order[0]
         lens[r][i] = max(lens[r][i], cap)
+    below = [x for x in order[1:] if x[0] < cap]
+    m = min(len(below), round(share * len(order)))
+    for j in range(m):
+        _, r, i = below[int((j + 0.5) * len(below) / m)]
+        lens[r][i] = cap
     return max(replica_finish(list(zip(lens, prompt_lens)), step_cost), default=0.0)
 
 
@@ -857,7 +862,8 @@ class Scheduler:
 
         def ends(per_rank: Sequence[Sequence[Request]], step_cost=step_cost
                  ) -> tuple[float, float]:
-            """(predicted end, end if its longest request ran to the cap)"""
+            """(predicted end, end if its longest request and a share of the others ran to
+            the cap: `_worst_end`)"""
             lengths = [[est[q.request_id] for q in reqs] for reqs in per_rank]
             prompts = [[len(q.prompt_ids) for q in reqs] for reqs in per_rank]
             return (max(replica_finish(list(zip(lengths, prompts)), step_cost), default=0.0),

@@ -403,13 +403,16 @@ def oracle_plan(scheduler: Scheduler, groups, ranks, **kw):
     """`scheduler`'s plan as if it knew every length of this rollout (`Scenario.oracle`): a
     scheduler of the same settings whose history holds each prompt's lengths now, its samples
     ordered longest first (the plan gives a prompt's i-th sample its i-th longest past length);
-    its other settings, `pace_margin` too, unchanged. `scheduler` itself learns nothing from
+    its other settings, `pace_margin` too, unchanged. The lengths are told as two alike epochs:
+    no sample runs to the cap unforeseen (`LengthHistory.surprise_share` 0), so the plan hedges
+    nothing, as the oracle's consolidation does not. `scheduler` itself learns nothing from
     it."""
     told = LengthHistory()
     ordered = []
     for g in groups:
         reqs = tuple(sorted(g.requests, key=lambda q: (-q.target_len, q.sample_index)))
-        told.record(g.uid, [q.target_len for q in reqs])
+        for _ in range(2):
+            told.record(g.uid, [q.target_len for q in reqs])
         ordered.append(PromptGroup(g.uid, reqs))
     knows = dataclasses.replace(scheduler, history=told)
     return knows.plan(ordered, ranks, **kw)
