@@ -167,7 +167,7 @@ def test_simulate_says_when_the_pace_rule_cannot_act(tmp_path, capsys):
     small = ["--scenario", "paper-like", "--gpus", "8", "--num-prompts", "8",
              "--samples-per-prompt", "2", "--epochs", "1", "--max-len", "64",
              "--min-active-ranks", "1"]
-    note = "note: --shrink-pace 1 does not act here"
+    note = "note: the pace rule (--shrink-pace, on by default) does not act here"
     for extra, said in ((["--replicas", "1"], True), (["--replicas", "2"], False),
                         (["--replicas", "2", "--consolidate", "0"], True),
                         (["--replicas", "1", "--shrink-pace", "0"], False)):

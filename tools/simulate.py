@@ -236,9 +236,9 @@ def main(argv=None) -> int:
               f"{sc.accelerator or 'ranks (UnitCost)'}, {sc.num_prompts} prompts x "
               f"{sc.samples_per_prompt} samples, {sc.epochs} epochs", flush=True)
         if pace_rule_ignored(sc):
-            print("note: --shrink-pace 1 does not act here: the pace rule needs the replicas "
-                  "simulated together (--replicas > 1 with --consolidate 1); every shrink the "
-                  "floor (--min-active-ranks) allows is made", flush=True)
+            print("note: the pace rule (--shrink-pace, on by default) does not act here: it "
+                  "needs the replicas simulated together (--replicas > 1 with --consolidate 1); "
+                  "every shrink the floor (--min-active-ranks) allows is made", flush=True)
         rep = run(sc, params=params)
         if args.sweep:
             print(f"sweep: {len(args.sweep_gpus)} GPU counts x {len(args.sweep_sigmas)} tails",
