@@ -371,3 +371,29 @@ def test_heldout_reports_every_rollout_and_refuses_an_unknown_workload(tmp_path)
                          params=CostParams(group_source=GroupSource.PLANNED))
     assert rep["rollouts"][0]["makespan"] == direct["makespan"]
     assert direct["makespan"] != heldout.one("small", 0)["makespan"]
+
+
+def test_a_group_made_late_is_a_switch_in_the_next_rollout():
+    """With the engine's groups (`prebuilt_sets`: the plan's order 3, 2, 1 built ahead), rank 1
+    finishing before rank 2 leaves (0, 2), which no group built ahead holds: the rollout makes
+    it, and the next rollout, sharing `late_sets` as the engine's layout keeps its groups,
+    switches to it."""
+    from flexfloor.rollout.release import RankLimits, ReleaseRules
+    from flexfloor.sim.cost import UnitCost
+    from flexfloor.sim.rollout import SimRequest, simulate_rollout
+    from megatron_ext.placement import initial_placement
+
+    placement = initial_placement(8, {r: [2 * r, 2 * r + 1] for r in range(4)})
+    limits = RankLimits(kv_bytes_per_token=1, max_seq_len=256, max_batch_size=8,
+                        kv_budget_bytes=None, expert_nbytes=1)
+    lengths = {0: 40, 1: 10, 2: 25, 3: 5}
+    assignment = {r: [SimRequest(f"r{r}", r, 4, n)] for r, n in lengths.items()}
+    late: set = set()
+    made = []
+    for _ in range(2):
+        out = simulate_rollout(assignment, ReleaseRules(min_active_ranks=1), UnitCost(),
+                               limits=limits, placement=placement,
+                               prebuilt_sets={(0, 1, 2), (0, 1), (0,)}, late_sets=late)
+        assert [t["active"] for t in out.timeline if "leaving" in t] == [[0, 1, 2], [0, 2], [0]]
+        made.append(out.groups_created)
+    assert made == [1, 0] and (0, 2) in late
