@@ -397,3 +397,38 @@ def test_a_group_made_late_is_a_switch_in_the_next_rollout():
         assert [t["active"] for t in out.timeline if "leaving" in t] == [[0, 1, 2], [0, 2], [0]]
         made.append(out.groups_created)
     assert made == [1, 0] and (0, 2) in late
+
+
+def test_a_shrink_the_pace_rule_refused_is_asked_again_at_the_next_step():
+    """As the engine asks it: the estimates and the end to keep move with every step, not only
+    at a finish. Here the first shrink asked (rank 3 done at step 5) is priced with a 100 s
+    stall, every later one with none: it is made at step 6, not at the next finish (25)."""
+    from flexfloor.rollout.release import Pace, RankLimits, ReleaseRules
+    from flexfloor.sim.cost import UnitCost
+    from flexfloor.sim.rollout import SimRequest, rollout_steps
+    from megatron_ext.placement import initial_placement
+
+    placement = initial_placement(8, {r: [2 * r, 2 * r + 1] for r in range(4)})
+    limits = RankLimits(kv_bytes_per_token=1, max_seq_len=256, max_batch_size=8,
+                        kv_budget_bytes=None, expert_nbytes=1)
+    lengths = {0: 40, 1: 30, 2: 25, 3: 5}
+    assignment = {r: [SimRequest(f"r{r}", r, 4, n)] for r, n in lengths.items()}
+    asked = []
+
+    def stall(before, after, transfers):
+        asked.append(len(after.ranks))
+        return 100.0 if len(asked) == 1 else 0.0
+
+    rules = ReleaseRules(min_active_ranks=1,
+                         pace=Pace(lambda p, busy: (lambda n, ctx: 1.0), stall))
+    gen = rollout_steps(assignment, rules, UnitCost(), limits=limits, placement=placement,
+                        estimates=lambda: (lambda req, produced: float(req.length - produced)))
+    try:
+        next(gen)
+        while True:
+            gen.send(False)
+    except StopIteration as done:
+        out = done.value
+    shrinks = [(t["step"], t["leaving"]) for t in out.timeline if "leaving" in t]
+    assert shrinks == [(6, [3]), (25, [2]), (30, [1])]
+    assert asked[:2] == [3, 3]  # the same shrink, refused, then asked again
