@@ -214,24 +214,20 @@ def test_the_worst_end_runs_a_share_of_a_replicas_requests_to_the_cap():
     # no share: only the longest (10) runs to the cap of 20; the others end by step 8 at 1.5
     # a step, then 12 steps alone at 1.0
     assert _worst_end([[10, 8, 6, 4]], [[0] * 4], 20, cost) == pytest.approx(24.0)
-    # and half of the 4 requests besides, taken evenly over those below the cap (8 and 4): three
-    # run to 20 together, every step at 1.5
+    # half of the 4 requests, taken evenly longest first: 10 and 6 run to 20 together, every
+    # step at 1.5
     assert _worst_end([[10, 8, 6, 4]], [[0] * 4], 20, cost, share=0.5) == pytest.approx(30.0)
-    # over ranks, in lockstep at the fullest rank's pace: a quarter of 4 is the middle one of
-    # those below the cap (6, on rank 1), so rank 1 runs two until step 8: 8 steps at 1.5, 12
-    # at 1.0 (23 without it: rank 1's two end by step 6, rank 0's by step 2)
-    ranks = [[10, 2], [8, 6]]
-    assert _worst_end(ranks, [[0, 0], [0, 0]], 20, cost) == pytest.approx(23.0)
-    assert _worst_end(ranks, [[0, 0], [0, 0]], 20, cost, share=0.25) == pytest.approx(24.0)
-    # a request predicted at the cap already is not one of the share: two more of the eight
-    # below it run to the cap (as `Scheduler._hedged` counts them), here 3 and a 1 (evenly:
-    # the 3rd and 7th of the eight). A step costing 1 per request makes the end the sum of the
-    # lengths: 58 as predicted
+    # over ranks, in lockstep at the fullest rank's pace: 10 and 6 run to the cap on two ranks,
+    # each alone on its rank after step 8: 8 steps at 1.5, 12 at 1.0
+    assert _worst_end([[10, 8], [6, 4]], [[0, 0], [0, 0]], 20, cost,
+                      share=0.5) == pytest.approx(24.0)
+    # a step costing 1 per request makes the end the sum of the lengths: a fifth of ten is two,
+    # the longest (already at the cap) and the sixth longest (2), taken evenly
     by_count = lambda n, ctx: np.asarray(n, dtype=float) + 0.0 * np.asarray(ctx, dtype=float)
     at_cap = [[20, 20, 5, 4, 3, 2, 1, 1, 1, 1]]
     assert _worst_end(at_cap, [[0] * 10], 20, by_count) == pytest.approx(58.0)
     assert _worst_end(at_cap, [[0] * 10], 20, by_count,
-                      share=0.2) == pytest.approx(58.0 + (20 - 3) + (20 - 1))
+                      share=0.2) == pytest.approx(58.0 + (20 - 2))
 
 
 def test_placement_across_replicas_hedges_by_how_often_samples_ran_to_the_cap_unforeseen():

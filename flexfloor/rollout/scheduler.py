@@ -424,21 +424,17 @@ def lockstep_end(work: Sequence[Sequence[tuple[float, int]]], step_cost: StepCos
 
 def _worst_end(lengths: Sequence[Sequence[float]], prompt_lens: Sequence[Sequence[int]],
                cap: float, step_cost: StepCost, share: float = 0.0) -> float:
-    """A lockstep replica's end (`replica_finish`) if its longest request ran to `cap`, and with
-    it `share` of its requests (rounded) of those predicted below the cap, taken evenly over
-    them longest first (as `Scheduler._hedged` takes them on one rank). lengths, prompt_lens:
-    per rank."""
+    """A lockstep replica's end (`replica_finish`) if `share` of its requests (rounded; at least
+    one, its longest) ran to `cap`: taken evenly over its requests longest first, starting with
+    the longest. One already predicted at the cap counts among them. lengths, prompt_lens: per
+    rank."""
     lens = [list(ls) for ls in lengths]
     order = sorted(((n, r, i) for r, ls in enumerate(lens) for i, n in enumerate(ls)),
                    key=lambda x: -x[0])
-    if order:
-        _, r, i = order[0]
-        lens[r][i] = max(lens[r][i], cap)
-    below = [x for x in order[1:] if x[0] < cap]
-    m = min(len(below), round(share * len(order)))
+    m = max(1, round(share * len(order))) if order else 0
     for j in range(m):
-        _, r, i = below[int((j + 0.5) * len(below) / m)]
-        lens[r][i] = cap
+        _, r, i = order[j * len(order) // m]
+        lens[r][i] = max(lens[r][i], cap)
     return max(replica_finish(list(zip(lens, prompt_lens)), step_cost), default=0.0)
 
 
@@ -832,12 +828,12 @@ class Scheduler:
         longest work stays light and keeps the pace, one of short responses decodes large
         batches, and replicas leave in the planned order, the last ones early or at once.
 
-        Hedged against mispredictions: a replica's end is taken as if its longest request ran
-        to the cap, and with it as many of its requests as samples ran to the cap against their
-        history (`LengthHistory.surprise_share`; `_worst_end`: any request may be one that does;
-        a replica packed with short work then still ends in time, as its batch thins out before
-        the long ones end; the share, as in `_flexfloor`'s hedge, because a replica of many
-        requests holds more of the samples that run to the cap unforeseen),
+        Hedged against mispredictions: a replica's end is taken as if as many of its requests
+        ran to the cap as samples ran to it against their history (at least one, its longest;
+        `LengthHistory.surprise_share`, the share `_flexfloor`'s hedge takes; `_worst_end`: any
+        request may be one that does; a replica packed with short work then still ends in time,
+        as its batch thins out before the long ones end; a replica of many requests holds more
+        of the samples that run to the cap unforeseen),
         and a prompt with no history has its samples spread over the length quantiles seen so
         far (its prediction, one median for all, would model no tail). The bound: the static
         baseline's end (least outstanding requests: round robin over replicas, then ranks),
@@ -862,8 +858,8 @@ class Scheduler:
 
         def ends(per_rank: Sequence[Sequence[Request]], step_cost=step_cost
                  ) -> tuple[float, float]:
-            """(predicted end, end if its longest request and a share of the others ran to
-            the cap: `_worst_end`)"""
+            """(predicted end, end if a share of its requests, its longest first, ran to the
+            cap: `_worst_end`)"""
             lengths = [[est[q.request_id] for q in reqs] for reqs in per_rank]
             prompts = [[len(q.prompt_ids) for q in reqs] for reqs in per_rank]
             return (max(replica_finish(list(zip(lengths, prompts)), step_cost), default=0.0),
