@@ -175,6 +175,13 @@ def test_simulate_says_when_the_pace_rule_cannot_act(tmp_path, capsys):
         assert simulate.main([*small, *extra, "--out", str(out)]) == 0
         assert (note in capsys.readouterr().out) == said, extra
         assert json.loads(out.read_text())["scenario"]["replicas"] == int(extra[1])
+    # one replica with a floor of 8: no shrink inside at 8 GPUs, but a sweep to 16 shrinks
+    # inside its one replica, where the rule cannot act: said, naming the GPU count
+    out = tmp_path / "s.json"
+    assert simulate.main([*small[:-1], "8", "--replicas", "1", "--sweep", "--sweep-gpus", "16",
+                          "--sweep-sigmas", "0.6", "--out", str(out)]) == 0
+    assert "note: the pace rule (--shrink-pace, on by default) does not act here at 16 GPUs" in (
+        capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("argv, message", [

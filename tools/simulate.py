@@ -225,20 +225,25 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise ValueError(flag_named(str(e), args)) from None
         params = params_of(args)
+        ignored = [sc.gpus] if pace_rule_ignored(sc) else []
         if args.sweep:
             for s in sweep_scenarios(sc, args.sweep_gpus, args.sweep_sigmas):
                 try:
                     check_scenario(s)
                 except ValueError as e:
                     raise ValueError(f"--sweep-gpus {s.gpus}: {e}") from None
+                if pace_rule_ignored(s) and s.gpus not in ignored:
+                    ignored.append(s.gpus)
         t0 = time.perf_counter()
         print(f"simulate: {sc.name}: {sc.model} on {sc.gpus} "
               f"{sc.accelerator or 'ranks (UnitCost)'}, {sc.num_prompts} prompts x "
               f"{sc.samples_per_prompt} samples, {sc.epochs} epochs", flush=True)
-        if pace_rule_ignored(sc):
-            print("note: the pace rule (--shrink-pace, on by default) does not act here: it "
-                  "needs the replicas simulated together (--replicas > 1 with --consolidate 1); "
-                  "every shrink the floor (--min-active-ranks) allows is made", flush=True)
+        if ignored:
+            at = "" if ignored == [sc.gpus] else f" at {', '.join(map(str, ignored))} GPUs"
+            print(f"note: the pace rule (--shrink-pace, on by default) does not act here{at}: "
+                  "it needs the replicas simulated together (--replicas > 1 with "
+                  "--consolidate 1); every shrink the floor (--min-active-ranks) allows is made",
+                  flush=True)
         rep = run(sc, params=params)
         if args.sweep:
             print(f"sweep: {len(args.sweep_gpus)} GPU counts x {len(args.sweep_sigmas)} tails",
