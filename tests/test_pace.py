@@ -190,3 +190,38 @@ def test_the_rule_prices_the_shrink_fitted_to_the_groups_built_ahead():
     assert d.leaving == [3] and not d.paced and tuple(d.placement.ranks) == (0, 1, 2)
     # unfitted, the same report is refused: the survivors (0, 2) would step at 2.0
     assert decide(rules, placement(), report(work), LIMITS, 1, work).paced
+
+
+def test_the_engine_gives_the_rule_its_end_to_keep_on_the_modelled_clock():
+    """`ElasticMembership.end_to_keep_s`: the plan's end to keep less the replica's modelled
+    clock, where the replicas keep modelled seconds and the correction keeps that end (as the
+    simulator passes `end_s`); else none, and a slower shrink is refused. The membership's own
+    decision takes it (the case of the test above)."""
+    from flexfloor.rollout.elastic import ElasticMembership
+    from flexfloor.rollout.scheduler import lockstep_end
+    from flexfloor.rollout.tails import Mailbox, ModelledClock, TailRules
+
+    pace = by_hosted(0.1)
+    p = placement()
+    shrunk = decide(ReleaseRules(), p, report(WORK), LIMITS, 1)
+    after = lockstep_end(WORK[:2], pace.group_cost(shrunk.placement, (0, 1)))
+
+    def membership(correct=True, clock=True, end_bound=100.0):
+        box = Mailbox(store=None, rollout_id="0", replica=0, replicas=2, ranks_per_replica=4,
+                      rank=0, timeout_s=1.0, end_bound=end_bound,
+                      clock=(ModelledClock(cost=None, step_cost=None, prices=None,
+                                           seconds=100.0 - after * 1.01) if clock else None))
+        m = ElasticMembership(parallel=None, min_active_ranks=1, mailbox=box,
+                              tails=TailRules(across=True, correct=correct))
+        m._pace, m._boundaries = pace, 1
+        return m
+
+    m = membership()
+    assert m.end_to_keep_s() == pytest.approx(after * 1.01)
+    d = m._decide_at(p, report(WORK), LIMITS, WORK, end_s=m.end_to_keep_s())
+    assert d.leaving == [2, 3] and not d.paced
+    for other in (membership(correct=False), membership(clock=False),
+                  membership(end_bound=None), ElasticMembership(parallel=None)):
+        assert other.end_to_keep_s() is None
+    m = membership(correct=False)
+    assert m._decide_at(p, report(WORK), LIMITS, WORK, end_s=m.end_to_keep_s()).paced

@@ -227,9 +227,25 @@ class ElasticMembership:
         for st in states:
             for q in st.running:
                 work[taker.get(q.request_id, st.rank)].append((q.remaining, q.cached_tokens))
-        paced = self._decide_at(placement, report, limits, [work[r] for r in placement.ranks])
+        paced = self._decide_at(placement, report, limits, [work[r] for r in placement.ranks],
+                                end_s=self.end_to_keep_s())
         self.paced_refusals += paced.paced
         return paced
+
+    def end_to_keep_s(self) -> Optional[float]:
+        """The seconds this replica may still take for a shrink that slows it (`release.decide`'s
+        `end_s`): the rollout's end to keep less the replica's modelled clock, where the replicas
+        keep modelled seconds (a plan by seconds, `ModelledClock`) and the correction keeps that
+        end (elastic.consolidate_correct), as the simulator passes it. None elsewhere (an end in
+        engine steps cannot be set against the rule's seconds): a shrink that slows the replica
+        is then refused. The same on every rank of the replica (their clock is shared). A
+        replica that has shrunk leaves its stalls off that clock (`ModelledClock`), so the room
+        is overstated by them."""
+        m = self.mailbox
+        if (m is None or m.clock is None or m.end_bound is None or self.tails is None
+                or not self.tails.correct):
+            return None
+        return m.end_bound - m.clock.seconds
 
     @property
     def replica(self) -> int:
@@ -270,13 +286,14 @@ class ElasticMembership:
         self._boundaries += 1
         return self._decide_at(placement, report, limits)
 
-    def _decide_at(self, placement, report, limits: RankLimits, work=None) -> ReleaseDecision:
-        """The release decision at the current boundary (counted by the caller); `work`: the
-        pace rule's (`_paced`). With survivor groups built ahead, when the plan did not foresee
+    def _decide_at(self, placement, report, limits: RankLimits, work=None,
+                   end_s: Optional[float] = None) -> ReleaseDecision:
+        """The release decision at the current boundary (counted by the caller); `work` and
+        `end_s`: the pace rule's (`_paced`). With survivor groups built ahead, when the plan did not foresee
         these leavers only the ranks outside the nearest prebuilt superset leave (the others
         stay idle in it, stepping with empty batches: `SurvivorGroups.leavers_for`), fitted
         before the shrink is planned and paced. Pure, the same on every rank."""
-        return decide(self.rules, placement, report, limits, self._boundaries, work,
+        return decide(self.rules, placement, report, limits, self._boundaries, work, end_s,
                       fit=None if self.groups is None else self.groups.leavers_for)
 
     def shrink(self, moe: PlacedMoE, decision: ReleaseDecision, *, now: float,
