@@ -225,3 +225,24 @@ def test_the_engine_gives_the_rule_its_end_to_keep_on_the_modelled_clock():
         assert other.end_to_keep_s() is None
     m = membership(correct=False)
     assert m._decide_at(p, report(WORK), LIMITS, WORK, end_s=m.end_to_keep_s()).paced
+
+
+def test_the_engines_work_for_the_rule_is_counted_as_the_simulators():
+    """`elastic.pace_work`: every rank's running requests, a moved one on its taker; with the
+    correction each counted as the takers count their own (the simulator's rule: its worst
+    where known wrong, else the taker hedge times its estimate); without, as estimated."""
+    from flexfloor.rollout.consolidate import Move, MoveKind, RankState, Running
+    from flexfloor.rollout.elastic import pace_work
+    from flexfloor.rollout.tails import TailRules
+
+    states = [RankState(0, 0, (Running("a", 10, 30.0), Running("b", 12, 5.0, worst=50.0)), 0, None),
+              RankState(1, 0, (Running("c", 7, 8.0),), 0, None),
+              RankState(2, 0, (), 0, None)]
+    moves = [Move("c", 1, 2, MoveKind.REPREFILL, 0.0)]
+    assert pace_work(states, (0, 1, 2), moves) == [[(30.0, 10), (5.0, 12)], [], [(8.0, 7)]]
+    hedged = TailRules(across=True, taker_hedge=1.25, correct=True)
+    assert pace_work(states, (0, 1, 2), moves, hedged) == [[(37.5, 10), (50.0, 12)], [],
+                                                           [(10.0, 7)]]
+    uncorrected = TailRules(across=True, taker_hedge=1.25)
+    assert pace_work(states, (0, 1, 2), (), uncorrected) == [[(30.0, 10), (5.0, 12)],
+                                                             [(8.0, 7)], []]

@@ -69,6 +69,25 @@ from megatron_ext.resharding import transfer_experts
 ReleaseListener = Callable[[str, int, float, int], None]
 
 
+def pace_work(states, ranks, moves=(), tails: Optional[TailRules] = None) -> list:
+    """The pace rule's `release.Work` from every rank's `RankState` (`tails.rank_state`):
+    per rank of `ranks`, in order, (remaining tokens, cached tokens) of each request running
+    there, a request of `moves` on its taker. With the correction (elastic.consolidate_correct)
+    each is counted as the consolidation's takers count their own: its worst where its
+    prediction is known wrong (`Running.worst`), else elastic.consolidate_taker_hedge times its
+    estimate, as the simulator's rule counts them; else at its estimate. Pure."""
+    hedged = tails is not None and tails.correct
+    taker = {m.request_id: m.dst for m in moves}
+    work = {r: [] for r in ranks}
+    for st in states:
+        for q in st.running:
+            n = q.remaining
+            if hedged:
+                n = q.worst if q.worst is not None else tails.taker_hedge * q.remaining
+            work[taker.get(q.request_id, st.rank)].append((n, q.cached_tokens))
+    return [work[r] for r in ranks]
+
+
 @dataclass
 class ElasticMembership:
     """Shrinks the EP group as ranks finish, down to `min_active_ranks` (the floor).
@@ -212,8 +231,9 @@ class ElasticMembership:
         """`decision` under the pace rule (elastic.pace_model, `release.Pace`): when it shrinks
         the group, one gather of every rank's running requests, each predicted from the plan
         (`estimates`), else from its siblings finished on its rank, else its cap
-        (`tails.rank_state`), with `moves` (tail
-        consolidation inside the group) on their takers; then the decision again with them.
+        (`tails.rank_state`), with `moves` (tail consolidation inside the group) on their
+        takers and, with the correction, hedged as the takers count theirs (`pace_work`); then
+        the decision again with them and the end to keep (`end_to_keep_s`).
         Collective over the group (every rank proposes the same shrink)."""
         if self.pace_cost is None or not decision.leaving:
             return decision
@@ -222,12 +242,8 @@ class ElasticMembership:
                                  creates=None if self.groups is None else self.groups.creates)
         states = gather_objects(engine.moe.group,
                                 rank_state(engine, self.replica, estimates=self.estimates))
-        taker = {m.request_id: m.dst for m in moves}
-        work = {r: [] for r in placement.ranks}
-        for st in states:
-            for q in st.running:
-                work[taker.get(q.request_id, st.rank)].append((q.remaining, q.cached_tokens))
-        paced = self._decide_at(placement, report, limits, [work[r] for r in placement.ranks],
+        paced = self._decide_at(placement, report, limits,
+                                pace_work(states, placement.ranks, moves, self.tails),
                                 end_s=self.end_to_keep_s())
         self.paced_refusals += paced.paced
         return paced
