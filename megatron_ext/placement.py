@@ -6,6 +6,7 @@ every rank computes the same one from the same inputs, and it is tested without 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -125,10 +126,12 @@ def plan_shrink(
     if not survivors:
         raise ValueError("every rank of the EP group cannot leave: someone must hold the experts")
     capacity = capacity or {}
-    load = {r: len(placement.experts_of(r)) for r in survivors}
+    hosted = Counter(placement.owner)
+    load = {r: hosted[r] for r in survivors}
     for r in survivors:
         if r in capacity and load[r] > capacity[r]:
             raise ValueError(f"rank {r} already hosts {load[r]} experts, over its capacity {capacity[r]}")
+    held = {r: set((holding or {}).get(r, ())) for r in survivors}
     owner = list(placement.owner)
     transfers = []
     for expert in range(placement.num_experts):
@@ -142,7 +145,7 @@ def plan_shrink(
                 f"{[capacity.get(r) for r in survivors]} experts; the floor is reached, fewer ranks "
                 "may leave"
             )
-        holders = [r for r in room if expert in set((holding or {}).get(r, ()))]
+        holders = [r for r in room if expert in held[r]]
         dst = min(holders or room, key=lambda r: (load[r], r))
         owner[expert] = dst
         load[dst] += 1

@@ -9,6 +9,7 @@ alike.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -235,7 +236,8 @@ def capacity_now(rules: ReleaseRules, placement, report, limits: RankLimits
     if limits.kv_budget_bytes is None:
         return None
     per = limits.expert_nbytes
-    return {r: len(placement.experts_of(r)) + (
+    hosted = Counter(placement.owner)
+    return {r: hosted[r] + (
                 max(0, free - running_need(running, remaining, limits)) // per
                 if queued == 0 else 0)
             for r, free, queued, running, remaining in zip(
