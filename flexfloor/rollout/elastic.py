@@ -305,10 +305,11 @@ class ElasticMembership:
     def _decide_at(self, placement, report, limits: RankLimits, work=None,
                    end_s: Optional[float] = None) -> ReleaseDecision:
         """The release decision at the current boundary (counted by the caller); `work` and
-        `end_s`: the pace rule's (`_paced`). With survivor groups built ahead, when the plan did not foresee
-        these leavers only the ranks outside the nearest prebuilt superset leave (the others
-        stay idle in it, stepping with empty batches: `SurvivorGroups.leavers_for`), fitted
-        before the shrink is planned and paced. Pure, the same on every rank."""
+        `end_s`: the pace rule's (`_paced`). With survivor groups built ahead, when the plan
+        did not foresee these leavers only the ranks outside the nearest prebuilt superset
+        leave (the others stay idle in it, stepping with empty batches:
+        `SurvivorGroups.leavers_for`), fitted before the shrink is planned and paced. Pure, the
+        same on every rank."""
         return decide(self.rules, placement, report, limits, self._boundaries, work, end_s,
                       fit=None if self.groups is None else self.groups.leavers_for)
 
