@@ -192,10 +192,12 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
     `survivors.SurvivorGroups`, kept across the job's rollouts): a shrink the plan did not
     foresee goes to the nearest prebuilt superset, else to a group created late, priced as
     created the first time and added to `late_sets` (the job's, kept across rollouts: a switch
-    the next time; never a superset to go to, as the engine's `SurvivorGroups.late`); None:
-    every shrink priced as `CostParams.group_source` says."""
+    the next time; never a superset to go to, as the engine's `SurvivorGroups.late`; None: kept
+    by no later rollout); None: every shrink priced as `CostParams.group_source` says."""
     ranks = {r: _Rank(r, deque(reqs), RankRecord(rank=r, requests=len(reqs)))
              for r, reqs in sorted(assignment.items())}
+    if prebuilt_sets is not None and late_sets is None:
+        late_sets = set()  # this rollout's own, read by nothing after it
     active = sorted(ranks)
     requests_total = sum(len(v) for v in assignment.values())
     budget = limits.kv_budget_bytes
@@ -399,9 +401,8 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
             built = None
             if prebuilt_sets is not None:
                 survivors = tuple(sorted(decision.placement.ranks))
-                late = late_sets if late_sets is not None else set()
-                built = not creates_group(placement.ranks, survivors, prebuilt_sets, late)
-                late.add(survivors)  # created now: a switch at a later rollout
+                built = not creates_group(placement.ranks, survivors, prebuilt_sets, late_sets)
+                late_sets.add(survivors)  # created now: a switch at a later rollout
             now += cost.shrink_seconds(decision.transfers, placement.owner, prebuilt=built)
             if built is None:  # every set built ahead (GroupSource.PREBUILT), else none
                 params = getattr(cost, "params", None)
