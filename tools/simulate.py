@@ -131,12 +131,11 @@ def scenario_of(args):
         kw.update(length_dist="file", length_params={"path": args.length_file})
     elif args.length_median is not None or args.length_sigma is not None:
         params = dict(sc.length_params)
-        for flag, value, least in (("--length-median", args.length_median, None),
-                                   ("--length-sigma", args.length_sigma, 0.0)):
-            if value is not None and not (math.isfinite(value) and (
-                    value > 0 if least is None else value >= least)):
-                raise ValueError(f"{flag} {value}: must be a "
-                                 f"{'positive number' if least is None else 'number at least 0'}")
+        median, sigma = args.length_median, args.length_sigma
+        if median is not None and not (math.isfinite(median) and median > 0):
+            raise ValueError(f"--length-median {median}: must be a positive number")
+        if sigma is not None and not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"--length-sigma {sigma}: must be a number at least 0")
         if args.length_median is not None:
             params["median"] = args.length_median
         if args.length_sigma is not None:
