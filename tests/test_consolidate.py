@@ -435,8 +435,9 @@ def test_prompts_without_history_are_placed_as_static_places_them():
         h.record(uid, [n] * 4)
     h.record(99, [50] * 4)  # a prompt of an earlier step: the prior's lengths
 
-    def cost(n, ctx):
-        return 1.0 + 0.002 * np.asarray(ctx, dtype=float)
+    def cost(n, ctx):  # a step costs the same whatever it reads: with a KV term, a prompt whole
+        # on one replica (two samples to a rank) would end after static, and the plan be static's
+        return np.ones_like(np.asarray(ctx, dtype=float))
 
     gs = [PromptGroup(u, tuple(Request(prompt_uid=u, sample_index=s, prompt_ids=(1,) * 4,
                                        max_new_tokens=500) for s in range(4))) for u in range(8)]
@@ -578,3 +579,34 @@ def test_length_history_is_unproven_once_finished_samples_leave_its_range():
     assert not h.unproven({0: [400, 400]})  # too few samples to tell
     assert not h.unproven({9: [400] * 32})  # no history for them: nothing proved wrong
     assert not LengthHistory().unproven(wrong)
+
+
+def test_the_bound_is_static_routing_the_samples_in_their_own_order():
+    """The oracle's plan holds each prompt's samples longest first (so the i-th gets the i-th
+    longest length). Static routes them in their own order, so its end, the bound, is priced
+    that way: here each prompt's long sample is a different one, three to a rank under static;
+    routed longest first, all twelve would be priced on one rank. Nothing fits that bound with
+    room, and the groups left over, each whole on the replica that ends soonest, would hold
+    four long samples to a rank: the plan is then static's routing, never predicted later."""
+    from flexfloor.rollout.replicas import route_least_outstanding
+    from flexfloor.sim.scenarios import oracle_plan
+
+    def cost(n, ctx):
+        return 1.0 + 0.002 * np.asarray(ctx, dtype=float)
+
+    gs = [PromptGroup(u, tuple(Request(prompt_uid=u, sample_index=s, prompt_ids=(1,) * 4,
+                                       max_new_tokens=500, target_len=300 if s == u % 4 else 20)
+                               for s in range(4))) for u in range(12)]
+    replicas = [[0, 1], [2, 3]]
+    sched = Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), max_batch_size=64,
+                      pace_margin=0.9)
+    plan = oracle_plan(sched, gs, range(4), replicas=replicas, step_cost=cost)
+    static = route_least_outstanding(gs, [tuple(g) for g in replicas])
+    assert sorted(sum(q.target_len == 300 for q in static[r]) for r in range(4)) == [3, 3, 3, 3]
+    end = max(replica_finish([([q.target_len for q in static[r]],
+                               [len(q.prompt_ids) for q in static[r]]) for r in g], cost)[i]
+              for g in replicas for i in range(len(g)))
+    assert plan.finish_bound == pytest.approx(0.9 * end)
+    assert max(plan.expected_finish.values()) == pytest.approx(end)
+    assert {r: sorted(q.request_id for q in v) for r, v in plan.assignment.items()} == {
+        r: sorted(q.request_id for q in v) for r, v in static.items()}
