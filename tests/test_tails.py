@@ -6,6 +6,7 @@ request at a boundary where another could give inside the replica decides alike 
 simulator, driving the same decision with unit cost, takes the engine's steps rank for rank.
 Plus the pure pieces."""
 
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -473,6 +474,33 @@ def test_the_mailbox_hands_nothing_to_a_replica_that_has_shrunk_inside():
         assert boxes[0].claimed == ([1] if moved else [])
     assert decided(LATE + ranks_of(1, [(28, None)], []), CLOCKS, 0, on,
                    end_bound=100.0, correct=True, shrunk={1})[0] == []
+
+
+def test_a_replica_that_shrank_posts_its_survivors_at_once():
+    """Replica 1 (ranks 2 and 3) posted both ranks at its boundary, then shrank to rank 3: rank
+    3, its new leader, posts rank 3's state of that boundary at once, so replica 0's correction
+    no longer hands it a request before replica 1's next boundary. Rank 2, which left, posts
+    nothing."""
+    import torch.distributed as dist
+
+    on = replace(ACROSS, correct=True, taker_hedge=1.25)
+    store = dist.HashStore()
+    boxes = [Mailbox(store, "r", i, 2, 2, 2 * i, 60.0, end_bound=100.0) for i in (0, 1)]
+    survivor = Mailbox(store, "r", 1, 2, 2, 3, 60.0, end_bound=100.0)
+    for b in boxes:
+        b.open()
+    both = ranks_of(1, [(28, None)], [])
+    boxes[1].post(60, both)
+    boxes[1].seen = survivor.seen = (60, both)
+    d = boxes[0].plan(90, LATE, on, max_batch=8, block_tokens=16, correct=True)
+    assert [(m.request_id, m.dst) for m in d.moves] == [("0/0", 3)]
+    boxes[0].release_claims()
+    boxes[1].shrunk([3])  # not the new leader
+    assert pickle.loads(store.get(boxes[1].key("state", 1))) == (60, both)
+    survivor.shrunk([3])
+    assert pickle.loads(store.get(boxes[1].key("state", 1))) == (60, both[1:])
+    assert boxes[0].plan(90, LATE, on, max_batch=8, block_tokens=16, correct=True).moves == []
+    assert boxes[0].claimed == []
 
 
 def test_the_end_is_checked_from_half_the_end_to_keep_on_a_hundredth_of_it_apart():

@@ -331,6 +331,8 @@ class ElasticMembership:
                 raise RuntimeError(f"rank {moe.rank}, phase 'rollout', step {self.step}: survivors "
                                    f"{list(decision.placement.ranks)} got group {switch.ranks}")
             moe.rebind(switch.group, decision.placement)
+            if self.mailbox is not None:  # the others see it shrunk now, not a step later
+                self.mailbox.shrunk(decision.placement.ranks)
         switch_s = time.perf_counter() - t2  # a leaver's offload (on_event) is not the switch
         if leaving and self.on_event is not None:
             self.on_event("released", moe.rank, now, step)
