@@ -844,7 +844,9 @@ class Scheduler:
         far (its prediction, one median for all, would model no tail). The bound: the static
         baseline's end (least outstanding requests: round robin over replicas, then ranks),
         taken the same way, times `pace_margin`, and no less than the longest request group
-        alone. Returns (rank -> requests, longest first; the bound in seconds)."""
+        alone; static's end is priced with the samples routed in their own order. A plan
+        predicted to end after static's is static's routing instead. Returns (rank -> requests,
+        longest first; the bound in seconds)."""
         kv = self.memory.kv_tokens() if self.memory else None
         est = dict(self._per_request)
         for g in groups:  # no history: the spread of lengths seen, not one value for all
