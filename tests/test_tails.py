@@ -478,7 +478,7 @@ def test_the_mailbox_hands_nothing_to_a_replica_that_has_shrunk_inside():
 
 def test_a_replica_that_shrank_posts_its_survivors_at_once():
     """Replica 1 (ranks 2 and 3) posted both ranks at its boundary, then shrank to rank 3: rank
-    3, its new leader, posts rank 3's state of that boundary at once, so replica 0's correction
+    3, its new leader, reposts rank 3's state of that post at once, so replica 0's correction
     no longer hands it a request before replica 1's next boundary. Rank 2, which left, posts
     nothing."""
     import torch.distributed as dist
@@ -491,7 +491,6 @@ def test_a_replica_that_shrank_posts_its_survivors_at_once():
         b.open()
     both = ranks_of(1, [(28, None)], [])
     boxes[1].post(60, both)
-    boxes[1].seen = survivor.seen = (60, both)
     d = boxes[0].plan(90, LATE, on, max_batch=8, block_tokens=16, correct=True)
     assert [(m.request_id, m.dst) for m in d.moves] == [("0/0", 3)]
     boxes[0].release_claims()

@@ -458,9 +458,6 @@ class Mailbox:
     claimed: list = field(default_factory=list)  # taker replicas this leader holds busy
     _busy_since: Optional[float] = None
     _check_at: Optional[float] = None  # when this replica's end is next checked (its clock)
-    # the last boundary's clock and every rank's state (each rank of the replica holds them;
-    # the leader posted them): a shrink's new leader posts the survivors' from them
-    seen: Optional[tuple] = None
 
     def now(self, engine) -> float:
         """This replica's clock: its modelled seconds (`clock`), else its engine steps."""
@@ -535,13 +532,15 @@ class Mailbox:
 
     def shrunk(self, survivors: Sequence[int]) -> None:
         """After a shrink inside this replica, on each survivor: the new leader posts the
-        survivors' states of the last boundary at once. Until the next boundary's post, the
-        other replicas' leaders would read every rank the replica started the step with, count
-        it whole and hand it requests (a shrunk replica gives but never takes)."""
-        if self.seen is None or self.rank != min(survivors):
+        survivors' states of the last boundary's post at once. Until the next boundary's post,
+        the other replicas' leaders would read every rank the replica started the step with,
+        count it whole and hand it requests (a shrunk replica gives but never takes)."""
+        key = self.key("state", self.replica)
+        if self.rank != min(survivors) or not self.store.check([key]):
             return
-        clock, states = self.seen
-        self.post(clock, [s for s in states if s.rank in set(survivors)])
+        clock, states = pickle.loads(self._call("read states", self.store.get, key))
+        keep = set(survivors)
+        self.post(clock, [s for s in states if s.rank in keep])
 
     def plan(self, clock: float, states: Sequence[RankState], rules: TailRules, *, max_batch: int,
              block_tokens: int, correct: bool = False) -> Consolidation:
@@ -613,7 +612,6 @@ class Mailbox:
                                                                 estimates=self.estimates),
                                                      (mail, closed, self.consumed, due, plans)))
         states = [s for s, _ in everyone]
-        self.seen = (now, states)
         # the leader's view for every rank: what follows branches into collectives, and a
         # modelled clock is a float each rank sums on its own
         mail, closed, self.consumed, due, plans = everyone[0][1]
