@@ -311,15 +311,17 @@ def test_cli_signal_keeps_an_output_folder_that_was_there(tmp_path):
     assert os.listdir(out) == ["mine.txt"]
 
 
-def test_cli_sigkill_to_the_tool_still_ends_torchrun_and_the_workers(tiny_hf, tmp_path):
-    """SIGKILL cannot be forwarded: the reaper the tool starts ends torchrun and the workers.
-    They are paused first (SIGSTOP), so they can neither finish nor stop on their own: only
-    the reaper's SIGKILL ends them."""
+@pytest.mark.parametrize("ep", ["1", "2"])
+def test_cli_sigkill_to_the_tool_ends_its_processes_and_leaves_nothing(tiny_hf, tmp_path, ep):
+    """SIGKILL cannot be forwarded: the reaper the tool starts ends torchrun and the workers
+    (--ep 2), then removes the output folder this run made and the tool's scratch folder. The
+    workers are paused first (SIGSTOP), so they can neither finish nor stop on their own: only
+    the reaper's SIGKILL ends them. With --ep 1 the tool is the writer."""
     import psutil
 
     out = str(tmp_path / "ckpt")
-    _, proc = _convert_proc(tmp_path, "hf-to-flexfloor", "--hf", tiny_hf, "--out", out,
-                            "--ep", "2")
+    tmp, proc = _convert_proc(tmp_path, "hf-to-flexfloor", "--hf", tiny_hf, "--out", out,
+                              "--ep", ep)
     helpers = []
     try:
         _wait_for("the output folder", proc, lambda: os.path.exists(out))
@@ -330,6 +332,9 @@ def test_cli_sigkill_to_the_tool_still_ends_torchrun_and_the_workers(tiny_hf, tm
         proc.kill()
         proc.wait(timeout=120)  # not communicate(): the paused helpers hold its stderr open
         _, alive = psutil.wait_procs(helpers, timeout=120)
+        deadline = time.monotonic() + 60  # the reaper removes them once its kills are done
+        while (os.path.exists(out) or os.listdir(tmp)) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         proc.kill()
         for p in helpers:
@@ -337,8 +342,9 @@ def test_cli_sigkill_to_the_tool_still_ends_torchrun_and_the_workers(tiny_hf, tm
                 p.kill()
             except psutil.Error:
                 pass
-    assert len(helpers) >= 3  # torchrun and its two workers
+    assert len(helpers) >= (3 if ep == "2" else 0)  # torchrun and its two workers
     assert alive == [] and _processes_naming(out) == []
+    assert {"out": os.path.exists(out), "tmp": os.listdir(tmp)} == {"out": False, "tmp": []}
 
 
 def test_bfloat16_round_trip_keeps_dtype_and_bits(errors):

@@ -135,7 +135,7 @@ def test_launcher_sigterm_stops_a_worker_blocked_in_a_wait_for_a_dead_peer():
 
 KILLED_WORKER_WITH_HELPERS = """
 import multiprocessing, os, signal, subprocess, sys, time
-from flexfloor.launch.reaper import start_reaper
+from flexfloor.launch.reaper import forget, remove_if_killed, start_reaper
 
 def writer():  # as dist-checkpointing's writers: a forked copy, which forks once more
     if os.fork() == 0:
@@ -144,6 +144,10 @@ def writer():  # as dist-checkpointing's writers: a forked copy, which forks onc
     time.sleep(120)
 
 start_reaper()
+for folder in ("scratch", "kept"):
+    os.makedirs(os.path.join(folder, "inner"))
+remove_if_killed(["scratch", "kept", "never-made"])
+forget(["kept"])
 forked = multiprocessing.get_context("fork").Process(target=writer)
 forked.start()
 execd = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -157,7 +161,8 @@ def test_a_worker_killed_with_sigkill_leaves_no_helper_forked_or_execd(tmp_path)
     """Forked copies (dist-checkpointing's writers, and a fork of a fork) carry no token in
     their environment as Linux reports it; they announce themselves to the reaper. With the
     worker killed, its reaper ends them and the exec'd helper: the output pipe closes at once,
-    not when they would have ended (120 s), and no process is left."""
+    not when they would have ended (120 s), and no process is left. Then it removes the folder
+    the worker named (`remove_if_killed`), not the one it took back (`forget`)."""
     marker = f"reaper-{os.getpid()}-{time.monotonic_ns()}"
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", FLEXFLOOR_TEST_JOB=marker)
     proc = subprocess.Popen([PY, "-c", KILLED_WORKER_WITH_HELPERS], env=env, text=True,
@@ -185,6 +190,7 @@ def test_a_worker_killed_with_sigkill_leaves_no_helper_forked_or_execd(tmp_path)
     assert proc.returncode == -signal.SIGKILL and out[:1] and out[0].startswith("helpers"), (
         out, proc.stderr.read())
     assert {"pipe_closed": pipe_closed, "left": left} == {"pipe_closed": True, "left": []}
+    assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == ["inner"]
 
 
 NPROC = 2

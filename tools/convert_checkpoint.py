@@ -96,8 +96,13 @@ class _Stopped(KeyboardInterrupt):
 
 def _alone(args) -> int:
     """A conversion with no launcher to clean up after it: a stop signal removes what this
-    run wrote (as `_launch` does for its workers) and returns 128 + the signal."""
+    run wrote (as `_launch` does for its workers) and returns 128 + the signal; after a
+    SIGKILL the reaper removes it."""
+    from flexfloor.launch.reaper import forget, remove_if_killed, remove_paths, start_reaper
+
     partial = _partial(args)  # before the work: whether this run makes the output folder
+    start_reaper()
+    remove_if_killed(partial)
 
     def stop(signum, _frame):
         raise _Stopped(signum)
@@ -109,11 +114,12 @@ def _alone(args) -> int:
         signum = e.args[0]
         for s in previous:  # a second signal now would interrupt the clean-up
             signal.signal(s, signal.SIG_IGN)
-        _remove(partial)
+        remove_paths(partial)
         print(f"[convert] stopped by {signal.Signals(signum).name}: the partial output removed",
               file=sys.stderr)
         return 128 + signum
     finally:
+        forget(partial)  # kept or removed above: the reaper leaves it
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -187,7 +193,7 @@ def _launch(args, argv) -> int:
     import tempfile
 
     from flexfloor.convert import check_flexfloor_to_hf, check_hf_to_flexfloor
-    from flexfloor.launch.reaper import start_reaper
+    from flexfloor.launch.reaper import forget, remove_if_killed, remove_paths, start_reaper
 
     try:
         if args.direction == "hf-to-flexfloor":
@@ -201,6 +207,8 @@ def _launch(args, argv) -> int:
     partial = _partial(args)
     start_reaper()  # a SIGKILL here (nothing to forward) still ends torchrun and its workers
     with tempfile.TemporaryDirectory(prefix="convert_") as tmp:
+        # and leaves nothing: the reaper removes this folder and the partial output
+        remove_if_killed([tmp, *partial])
         status = os.path.join(tmp, "status")
         os.mkdir(status)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ep}",
@@ -209,8 +217,9 @@ def _launch(args, argv) -> int:
         # TMPDIR: torchrun's torchelastic_* log folders land in `tmp` too, and go with it
         env = {**os.environ, "OMP_NUM_THREADS": "1", STATUS_ENV: status, "TMPDIR": tmp}
         rc, stopped = _run(cmd, env)
+        forget(partial)  # the run has ended: what it wrote is this function's to keep or remove
         if stopped:
-            _remove(partial)
+            remove_paths(partial)
             print(f"[convert] stopped by {signal.Signals(stopped).name}: the workers are stopped "
                   "and the partial output removed", file=sys.stderr)
             return 128 + stopped
@@ -235,17 +244,6 @@ def _partial(args) -> list[str]:
                 os.path.join(out, "model.yaml.tmp")]
     # OUT.tmp: write_hf's folder before the rename (one left by a crash is dropped anyway)
     return ([] if os.path.exists(out) else [out]) + [out + ".tmp"]
-
-
-def _remove(paths: list[str]) -> None:
-    """Remove each of `paths` that is there, folder or file."""
-    import shutil
-
-    for path in paths:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.lexists(path):
-            os.remove(path)
 
 
 def _run(cmd, env) -> tuple[int, int]:

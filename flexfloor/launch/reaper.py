@@ -1,4 +1,5 @@
-"""No process of a worker outlives it, even when the worker is killed with SIGKILL.
+"""No process of a worker outlives it, even when the worker is killed with SIGKILL, nor do the
+scratch files it names.
 
 A worker starts helper processes it does not control: dist-checkpointing's writer processes
 (forked copies of the worker during a save), Python's resource_tracker. Killed with SIGKILL, the worker
@@ -17,6 +18,10 @@ no stdio but a pipe from the worker, and marks the helpers-to-be two ways:
 The watcher waits for the worker to exit, however it exits, then kills every process that
 carries the token or announced itself, until the pipe closes (its last forked holder is gone),
 and exits itself.
+
+The same pipe carries the paths a process wants gone if it dies before it says otherwise
+(`remove_if_killed`, `forget`): a tool's scratch folder, an output it has not finished. After
+the kills (nothing writes there any more) the watcher removes those still named.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from typing import Optional
 
 ENV = "FLEXFLOOR_WORKER_TOKEN"
+_announce: Optional[int] = None  # the pipe's write end, in a watched process
 
 
 def start_reaper() -> str:
@@ -51,9 +57,33 @@ def start_reaper() -> str:
         except OSError:  # the reaper is gone: nothing to tell
             pass
 
+    global _announce
     os.register_at_fork(after_in_child=announce_fork)
+    _announce = announce
     os.environ[ENV] = token  # after the reaper started: it must not carry the token itself
     return token
+
+
+def remove_if_killed(paths) -> None:
+    """After this process exits, the reaper removes each of `paths` (folder or file) that is
+    still there, unless `forget` takes it back first: what a process killed outright leaves
+    half done. Needs `start_reaper` in this process first."""
+    _tell(b"+", paths)
+
+
+def forget(paths) -> None:
+    """Take `paths` back from `remove_if_killed`: they stay when this process exits."""
+    _tell(b"-", paths)
+
+
+def _tell(op: bytes, paths) -> None:
+    if _announce is None or not os.environ.get(ENV, "").startswith(f"{os.getpid()}."):
+        raise RuntimeError("remove_if_killed/forget: call start_reaper() in this process first")
+    for path in paths:
+        line = op + os.fsencode(os.path.abspath(path)) + b"\n"
+        if b"\n" in line[:-1] or len(line) > select.PIPE_BUF:  # one atomic write per line
+            raise ValueError(f"path {path!r}: a newline or too long for the reaper's pipe")
+        os.write(_announce, line)
 
 
 def _pidfd(pid: int) -> Optional[int]:
@@ -69,10 +99,12 @@ def _pidfd(pid: int) -> Optional[int]:
 
 
 class Forks:
-    """The forked copies announced on `fd`: pid -> start time."""
+    """What `fd` announces: the forked copies (`known`, pid -> start time) and the paths to
+    remove (`remove`)."""
 
     def __init__(self, fd: int):
         self.fd, self.open, self.pending, self.known = fd, True, b"", {}
+        self.remove: dict[bytes, None] = {}  # in the order named
 
     def read(self) -> None:
         """Take what the pipe holds now (call when it is readable)."""
@@ -84,10 +116,15 @@ class Forks:
             return
         *lines, self.pending = (self.pending + data).split(b"\n")
         for line in lines:
-            try:
-                self.known[int(line)] = psutil.Process(int(line)).create_time()
-            except (ValueError, psutil.Error):  # ended already
-                pass
+            if line[:1] == b"+":
+                self.remove[line[1:]] = None
+            elif line[:1] == b"-":
+                self.remove.pop(line[1:], None)
+            else:
+                try:
+                    self.known[int(line)] = psutil.Process(int(line)).create_time()
+                except (ValueError, psutil.Error):  # ended already
+                    pass
 
     def alive(self) -> list:
         """The announced processes still running (psutil.Process list)."""
@@ -172,7 +209,22 @@ def main(argv: list[str]) -> int:
         if (exited in ready) if exited is not None else not _alive(pid):
             break
     reap(token, forks)
+    remove_paths(forks.remove)
     return 0
+
+
+def remove_paths(paths) -> None:
+    """Remove each of `paths` that is there, folder or file (a link itself, never its target)."""
+    import shutil
+
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":
