@@ -13,7 +13,7 @@ import pytest
 from distributed import BENCH_TWO_REPLICAS
 from flexfloor.rollout.types import StepTrace
 from flexfloor.sim.cost import (
-    CostParams, RankLoad, RooflineCost, UnitCost, kv_budget_bytes, price_trace,
+    CostParams, RankLoad, RooflineCost, UnitCost, kv_budget_bytes, linear_step_cost, price_trace,
 )
 from flexfloor.sim.hardware import ACCELERATORS, ModelShape
 from flexfloor.sim.scenarios import SCENARIOS, run
@@ -197,6 +197,26 @@ def test_cost_model_directions():
         kv_budget_bytes(ACCELERATORS["H800"], ModelShape.from_preset("deepseek-v3"), 256,
                         CostParams())
     assert shape.total_params == pytest.approx(30.5e9, rel=0.05)  # Qwen3-30B-A3B
+
+
+def test_linear_step_cost_prices_each_batch_size_once_when_asked():
+    """The step cost is priced per batch size on first use (scalar or array), each at most
+    once, and equals the eager interpolation: priced at no context plus the per-token slope;
+    batches above `max_batch` at its price, an empty one at 0."""
+    import numpy as np
+
+    asked = []
+
+    def priced(n, ctx):
+        asked.append(n)
+        return 1.0 + 0.5 * n + 1e-6 * ctx
+
+    cost = linear_step_cost(priced, max_batch=8)
+    assert asked == []
+    assert cost(3, 1000) == pytest.approx(1.0 + 1.5 + 1e-3)
+    assert cost(np.array([3, 0, 12, 5, 5]), np.array([0, 0, 10, 10, 20])).tolist() == pytest.approx(
+        [2.5, 0.0, 5.0 + 1e-5, 3.5 + 1e-5, 3.5 + 2e-5])
+    assert sorted(set(asked)) == [3, 5, 8] and len(asked) == 6  # two contexts each, once
 
 
 def test_a_trace_file_is_replayed_as_given(tmp_path):

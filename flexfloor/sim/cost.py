@@ -321,13 +321,20 @@ def linear_step_cost(priced, max_batch: int):
     """A `scheduler.StepCost` from `priced(n, ctx)` (a rank's step seconds with n requests
     reading ctx cached tokens): decoding, a step is linear in the cached tokens it reads, so it
     is priced once per batch size up to `max_batch` at two contexts and interpolated; larger
-    batches at `max_batch`'s. Elementwise over numpy arrays (or on plain numbers)."""
+    batches at `max_batch`'s. Each batch size is priced the first time it is asked for (a pace
+    rule's shrink proposal asks for a few only). Elementwise over numpy arrays (or on plain
+    numbers)."""
     ref = 1 << 20
-    table = np.array([(priced(n, 0), (priced(n, n * ref) - priced(n, 0)) / (n * ref)) if n
-                      else (0.0, 0.0) for n in range(max_batch + 1)])
+    table = np.zeros((max_batch + 1, 2))  # batch size -> (seconds at no context, per token)
+    known = np.zeros(max_batch + 1, dtype=bool)
+    known[0] = True  # an empty batch costs nothing
 
     def step_cost(n, ctx):
         i = np.minimum(n, max_batch)
+        for m in np.unique(i[~known[i]]).tolist() if np.ndim(i) else [] if known[i] else [int(i)]:
+            base = priced(m, 0)
+            table[m] = base, (priced(m, m * ref) - base) / (m * ref)
+            known[m] = True
         return table[i, 0] + table[i, 1] * ctx
 
     return step_cost
