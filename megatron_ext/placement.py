@@ -132,24 +132,32 @@ def plan_shrink(
         if r in capacity and load[r] > capacity[r]:
             raise ValueError(f"rank {r} already hosts {load[r]} experts, over its capacity {capacity[r]}")
     held = {r: set((holding or {}).get(r, ())) for r in survivors}
+    limit = {r: capacity.get(r, placement.num_experts) for r in survivors}
     owner = list(placement.owner)
     transfers = []
-    for expert in range(placement.num_experts):
-        src = owner[expert]
+    for expert, src in enumerate(placement.owner):
         if src not in leaving_set:
             continue
-        room = [r for r in survivors if load[r] < capacity.get(r, placement.num_experts)]
-        if not room:
+        # the survivor with room hosting the fewest (ties: lowest rank; `survivors` ascend),
+        # among those holding the expert's weights first
+        fewest = holder = None
+        for r in survivors:
+            if load[r] >= limit[r]:
+                continue
+            if fewest is None or load[r] < load[fewest]:
+                fewest = r
+            if expert in held[r] and (holder is None or load[r] < load[holder]):
+                holder = r
+        if fewest is None:
             raise ValueError(
                 f"survivors {survivors} cannot host expert {expert}: every one is at its capacity "
                 f"{[capacity.get(r) for r in survivors]} experts; the floor is reached, fewer ranks "
                 "may leave"
             )
-        holders = [r for r in room if expert in held[r]]
-        dst = min(holders or room, key=lambda r: (load[r], r))
+        dst = fewest if holder is None else holder
         owner[expert] = dst
         load[dst] += 1
-        if not holders:
+        if holder is None:
             transfers.append(Transfer(expert=expert, src=src, dst=dst))
     return Placement(owner=tuple(owner), ranks=tuple(survivors)), transfers
 
