@@ -163,7 +163,8 @@ def test_an_empty_path_is_refused_not_taken_as_not_given(tmp_path, monkeypatch, 
 
 def test_simulate_says_when_the_pace_rule_cannot_act(tmp_path, capsys):
     """A shrink inside a replica on an accelerator with one replica (or without consolidation)
-    has no estimates for the pace rule: simulate says so, and says nothing where it acts."""
+    has no estimates for the pace rule: simulate says so, and says nothing where it acts.
+    Under UnitCost it says the rule never refuses a shrink."""
     small = ["--scenario", "paper-like", "--gpus", "8", "--num-prompts", "8",
              "--samples-per-prompt", "2", "--epochs", "1", "--max-len", "64",
              "--min-active-ranks", "1"]
@@ -182,6 +183,16 @@ def test_simulate_says_when_the_pace_rule_cannot_act(tmp_path, capsys):
                           "--sweep-sigmas", "0.6", "--out", str(out)]) == 0
     assert "note: the pace rule (--shrink-pace, on by default) does not act here at 16 GPUs" in (
         capsys.readouterr().out)
+    # under UnitCost the rule acts but never refuses: said there only
+    moot = "note: the pace rule (--shrink-pace) never refuses a shrink here: under UnitCost"
+    tiny = ["--scenario", "tiny-cpu", "--num-prompts", "4", "--samples-per-prompt", "2",
+            "--epochs", "1", "--max-len", "16", "--out", str(out)]
+    for extra, said in (([], True), (["--shrink-pace", "0"], False),
+                        (["--min-active-ranks", "4"], False)):
+        assert simulate.main([*tiny, *extra]) == 0
+        assert (moot in capsys.readouterr().out) == said, extra
+    assert simulate.main([*small, "--replicas", "1", "--out", str(out)]) == 0
+    assert moot not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -31,7 +31,8 @@ if REPO not in sys.path:
 from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import (  # noqa: E402
-    MODES, SCENARIOS, check_scenario, pace_rule_ignored, run, sweep, sweep_scenarios,
+    MODES, SCENARIOS, check_scenario, pace_rule_ignored, pace_rule_moot, run, sweep,
+    sweep_scenarios,
 )
 
 
@@ -243,6 +244,10 @@ def main(argv=None) -> int:
                   "it needs the replicas simulated together (--replicas > 1 with "
                   "--consolidate 1); every shrink the floor (--min-active-ranks) allows is made",
                   flush=True)
+        if pace_rule_moot(sc):
+            print("note: the pace rule (--shrink-pace) never refuses a shrink here: under UnitCost "
+                  "(no accelerator) every step costs 1 whatever a rank hosts, so no shrink slows "
+                  "a replica", flush=True)
         rep = run(sc, params=params)
         if args.sweep:
             print(f"sweep: {len(args.sweep_gpus)} GPU counts x {len(args.sweep_sigmas)} tails",

@@ -217,6 +217,14 @@ def pace_rule_ignored(sc: Scenario) -> bool:
     return paced(sc, min(sc.min_active_ranks, size), size) and not replicas_together(sc)
 
 
+def pace_rule_moot(sc: Scenario) -> bool:
+    """Whether `sc` asks for the pace rule on a shrink inside a replica under UnitCost (no
+    accelerator): there every step costs 1 whatever a rank hosts, so no shrink slows a replica
+    and the rule never refuses one."""
+    size = sc.gpus // max(1, sc.replicas)
+    return sc.shrink_pace and sc.accelerator is None and min(sc.min_active_ranks, size) < size
+
+
 def check_scenario(sc: Scenario) -> None:
     """ValueError naming the field where `sc` cannot run (`run` checks it too)."""
     for name, least in _AT_LEAST.items():
