@@ -864,14 +864,20 @@ class Scheduler:
         # ends past static is priced with it, where it tells one from the other
         grouped, step_cost = step_cost, getattr(step_cost, "per_rank", step_cost)
 
-        def ends(per_rank: Sequence[Sequence[Request]], step_cost=step_cost
-                 ) -> tuple[float, float]:
-            """(predicted end, end if a share of its requests, its longest first, ran to the
-            cap: `_worst_end`)"""
+        def end(per_rank: Sequence[Sequence[Request]], step_cost=step_cost,
+                worst: bool = False):
+            """The predicted end; with `worst`, (it, the end if a share of its requests, its
+            longest first, ran to the cap: `_worst_end`)"""
             lengths = [[est[q.request_id] for q in reqs] for reqs in per_rank]
             prompts = [[len(q.prompt_ids) for q in reqs] for reqs in per_rank]
-            return (max(replica_finish(list(zip(lengths, prompts)), step_cost), default=0.0),
-                    _worst_end(lengths, prompts, cap, step_cost, share))
+            predicted = max(replica_finish(list(zip(lengths, prompts)), step_cost), default=0.0)
+            return ((predicted, _worst_end(lengths, prompts, cap, step_cost, share)) if worst
+                    else predicted)
+
+        def ends(per_rank: Sequence[Sequence[Request]], step_cost=step_cost
+                 ) -> tuple[float, float]:
+            """(predicted end, worst end): `end` with `worst`"""
+            return end(per_rank, step_cost, worst=True)
 
         # static routes the samples in their own order (routed longest first, as the oracle's
         # plan holds them, its bound was static's end with every prompt's longest sample on the
@@ -879,7 +885,7 @@ class Scheduler:
         static = _round_robin(_in_sample_order(groups), replicas)
         static_ends = [ends([static[r] for r in g]) for g in replicas]
         static_end = tuple(max((e[k] for e in static_ends), default=0.0) for k in (0, 1))
-        static_grouped = max((ends([static[r] for r in g], grouped)[0] for g in replicas),
+        static_grouped = max((end([static[r] for r in g], grouped) for g in replicas),
                              default=0.0)
         bound = tuple(b * self.pace_margin for b in static_end)
         order = sorted(groups, key=lambda g: (-predicted[g.uid], g.uid))
@@ -941,7 +947,7 @@ class Scheduler:
         # left over went whole to the replica that ends soonest, one sample to a rank in their
         # order, and could hold more long work to a rank than static does (the oracle with a
         # tenth of samples at the cap: 37% after static); static's routing then
-        if max(ends([placed[r] for r in g], grouped)[0] for g in replicas) > static_grouped:
+        if max(end([placed[r] for r in g], grouped) for g in replicas) > static_grouped:
             placed = static
         out = {}
         for rank, reqs in placed.items():
