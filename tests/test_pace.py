@@ -11,7 +11,9 @@ import pytest
 from flexfloor.config import ConfigError, ElasticConfig
 from flexfloor.rollout.elastic import pace_of
 from flexfloor.rollout.engine import StepReport
-from flexfloor.rollout.release import Pace, RankLimits, ReleaseRules, decide, slows_replica
+from flexfloor.rollout.release import (
+    Pace, RankLimits, ReleaseRules, decide, slows_replica, under_pace,
+)
 from flexfloor.sim.cost import UnitCost, cost_model
 from megatron_ext.placement import initial_placement
 
@@ -196,7 +198,8 @@ def test_the_engine_gives_the_rule_its_end_to_keep_on_the_modelled_clock():
     """`ElasticMembership.end_to_keep_s`: the plan's end to keep less the replica's modelled
     clock, where the replicas keep modelled seconds and the correction keeps that end (as the
     simulator passes `end_s`); else none, and a slower shrink is refused. The membership's own
-    decision takes it (the case of the test above)."""
+    decision takes it (the case of the test above), pricing the shrink it planned without
+    work (`release.under_pace`), as `decide` with the work does."""
     from flexfloor.rollout.elastic import ElasticMembership
     from flexfloor.rollout.scheduler import lockstep_end
     from flexfloor.rollout.tails import Mailbox, ModelledClock, TailRules
@@ -218,13 +221,18 @@ def test_the_engine_gives_the_rule_its_end_to_keep_on_the_modelled_clock():
 
     m = membership()
     assert m.end_to_keep_s() == pytest.approx(after * 1.01)
-    d = m._decide_at(p, report(WORK), LIMITS, WORK, end_s=m.end_to_keep_s())
+    d = under_pace(m.rules, p, m._decide_at(p, report(WORK), LIMITS), WORK, m.end_to_keep_s())
     assert d.leaving == [2, 3] and not d.paced
     for other in (membership(correct=False), membership(clock=False),
                   membership(end_bound=None), ElasticMembership(parallel=None)):
         assert other.end_to_keep_s() is None
+    for end_s in (None, after * 0.5, after * 1.01, after * 2):
+        rules = m.rules
+        assert under_pace(rules, p, decide(rules, p, report(WORK), LIMITS, 1), WORK, end_s) == (
+            decide(rules, p, report(WORK), LIMITS, 1, WORK, end_s)), end_s
     m = membership(correct=False)
-    assert m._decide_at(p, report(WORK), LIMITS, WORK, end_s=m.end_to_keep_s()).paced
+    assert under_pace(m.rules, p, m._decide_at(p, report(WORK), LIMITS), WORK,
+                      m.end_to_keep_s()).paced
 
 
 def test_the_engines_work_for_the_rule_is_counted_as_the_simulators():

@@ -50,6 +50,7 @@ from flexfloor.rollout.release import (  # noqa: F401  (RankLimits, choose_leave
     ReleaseRules,
     choose_leavers,
     decide,
+    under_pace,
 )
 from flexfloor.rollout.replicas import ReplicaTopology, replica_ranks
 from flexfloor.rollout.survivors import SurvivorGroups, planned_survivor_sets
@@ -163,8 +164,7 @@ class ElasticMembership:
         placement, limits = engine.moe.placement, RankLimits.of(engine)
         prices = self.move_costs.prices(engine.kv_bytes_per_token)
         self._boundaries += 1
-        decision = self._paced(engine, self._decide_at(placement, report, limits), placement,
-                               report, limits)
+        decision = self._paced(engine, self._decide_at(placement, report, limits), placement)
         # migration (scheduler.migrate) is the older form of the same move: not both at once
         # (decided alike on every rank: `_within` gathers)
         if (self.tails is not None and not arrived and not self.migrate_max_requests
@@ -219,21 +219,21 @@ class ElasticMembership:
         cached = {q.request_id: q.cached_tokens for s in states for q in s.running}
         moved = after_moves(report, ranks, cons.moves, cached, engine.block_bytes,
                             engine.block_tokens)
-        after = self._paced(engine, self._decide_at(placement, moved, limits), placement, moved,
-                            limits, cons.moves)
+        after = self._paced(engine, self._decide_at(placement, moved, limits), placement,
+                            cons.moves)
         if not set(cons.leaving_replicas) <= set(after.leaving):
             return decision
         after.moves = cons.moves
         return after
 
-    def _paced(self, engine, decision: ReleaseDecision, placement, report, limits: RankLimits,
-               moves=()) -> ReleaseDecision:
+    def _paced(self, engine, decision: ReleaseDecision, placement, moves=()) -> ReleaseDecision:
         """`decision` under the pace rule (elastic.pace_model, `release.Pace`): when it shrinks
         the group, one gather of every rank's running requests, each predicted from the plan
         (`estimates`), else from its siblings finished on its rank, else its cap
         (`tails.rank_state`), with `moves` (tail consolidation inside the group) on their
         takers and, with the correction, hedged as the takers count theirs (`pace_work`); then
-        the decision again with them and the end to keep (`end_to_keep_s`).
+        the shrink priced with them and the end to keep (`end_to_keep_s`: `release.under_pace`,
+        no second plan).
         Collective over the group (every rank proposes the same shrink)."""
         if self.pace_cost is None or not decision.leaving:
             return decision
@@ -242,9 +242,9 @@ class ElasticMembership:
                                  creates=None if self.groups is None else self.groups.creates)
         states = gather_objects(engine.moe.group,
                                 rank_state(engine, self.replica, estimates=self.estimates))
-        paced = self._decide_at(placement, report, limits,
-                                pace_work(states, placement.ranks, moves, self.tails),
-                                end_s=self.end_to_keep_s())
+        paced = under_pace(self.rules, placement, decision,
+                           pace_work(states, placement.ranks, moves, self.tails),
+                           self.end_to_keep_s())
         self.paced_refusals += paced.paced
         return paced
 
@@ -302,15 +302,14 @@ class ElasticMembership:
         self._boundaries += 1
         return self._decide_at(placement, report, limits)
 
-    def _decide_at(self, placement, report, limits: RankLimits, work=None,
-                   end_s: Optional[float] = None) -> ReleaseDecision:
-        """The release decision at the current boundary (counted by the caller); `work` and
-        `end_s`: the pace rule's (`_paced`). With survivor groups built ahead, when the plan
+    def _decide_at(self, placement, report, limits: RankLimits) -> ReleaseDecision:
+        """The release decision at the current boundary (counted by the caller), before the
+        pace rule (`_paced`). With survivor groups built ahead, when the plan
         did not foresee these leavers only the ranks outside the nearest prebuilt superset
         leave (the others stay idle in it, stepping with empty batches:
         `SurvivorGroups.leavers_for`), fitted before the shrink is planned and paced. Pure, the
         same on every rank."""
-        return decide(self.rules, placement, report, limits, self._boundaries, work, end_s,
+        return decide(self.rules, placement, report, limits, self._boundaries,
                       fit=None if self.groups is None else self.groups.leavers_for)
 
     def shrink(self, moe: PlacedMoE, decision: ReleaseDecision, *, now: float,

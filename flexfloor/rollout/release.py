@@ -140,12 +140,24 @@ def decide(rules: ReleaseRules, placement, report, limits: RankLimits,
     except ValueError:
         # the floor: survivors cannot hold every expert; nobody leaves this time
         return ReleaseDecision(migrate=migrate, floor_hit=True)
-    if rules.pace is not None and work is not None and slows_replica(
-            rules.pace, placement, new_placement, migrated_work(placement.ranks, work, migrate),
-            transfers, end_s=end_s):
-        return ReleaseDecision(migrate=migrate, paced=True)
-    return ReleaseDecision(migrate=migrate, leaving=leaving, placement=new_placement,
-                           transfers=transfers)
+    return under_pace(rules, placement, ReleaseDecision(
+        migrate=migrate, leaving=leaving, placement=new_placement, transfers=transfers),
+        work, end_s)
+
+
+def under_pace(rules: ReleaseRules, placement, decision: ReleaseDecision,
+               work: Optional[Work], end_s: Optional[float] = None) -> ReleaseDecision:
+    """`decision` (`decide`'s at this boundary, made without `work`) under the pace rule: its
+    shrink refused (`paced`, its migration kept) when `slows_replica` says the survivors would
+    end later than allowed; unchanged without the rule, without `work` or without a shrink.
+    What `decide` does with `work`, without planning the shrink again. Pure."""
+    if rules.pace is None or work is None or not decision.leaving:
+        return decision
+    if slows_replica(rules.pace, placement, decision.placement,
+                     migrated_work(placement.ranks, work, decision.migrate), decision.transfers,
+                     end_s=end_s):
+        return ReleaseDecision(migrate=decision.migrate, paced=True)
+    return decision
 
 
 def slows_replica(pace: Pace, placement, new_placement, work: Work, transfers=(),

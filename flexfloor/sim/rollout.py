@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 from flexfloor.rollout.engine import StepReport
 from flexfloor.rollout.kv import blocks_for, watermark_blocks
-from flexfloor.rollout.release import RankLimits, ReleaseRules, decide
+from flexfloor.rollout.release import RankLimits, ReleaseRules, decide, under_pace
 from flexfloor.rollout.survivors import creates_group, leavers_for
 from flexfloor.rollout.types import RankRecord
 from flexfloor.sim.cost import GroupSource, RankLoad
@@ -362,9 +362,8 @@ def rollout_steps(assignment: dict[int, Sequence[SimRequest]], rules: Optional[R
                lambda active, leaving: leavers_for(active, leaving, prebuilt_sets))
         decision = decide(rules, placement, rep, limits, boundaries, fit=fit)
         if decision.leaving and rules.pace is not None and estimates is not None:
-            decision = decide(rules, placement, rep, limits, boundaries, work=work_now(),
-                              end_s=None if end_to_keep_s is None else end_to_keep_s - now,
-                              fit=fit)
+            decision = under_pace(rules, placement, decision, work_now(),
+                                  end_s=None if end_to_keep_s is None else end_to_keep_s - now)
         floor_hit = decision.floor_hit
         if floor_hit:
             for r in active:
