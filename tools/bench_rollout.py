@@ -414,7 +414,13 @@ def format_report(report: dict) -> str:
     if c.get("release_only_step_ratio") is not None:
         line = (f"ceilings (step ratio vs static): {c['release_only_step_ratio']:.2f} releasing "
                 "static's ranks at their own last response")
-        if "kv_bound_step_ratio" in c:
+        if "kv_block_use" in c:
+            use = c["kv_block_use"]
+            line += (f", {c['kv_bound_step_ratio']:.2f} with every rank-step's KV pool full "
+                     f"of blocks (block use: static {use['static']:.2f}, elastic "
+                     f"{use['elastic']:.2f}; {c['kv_token_bound_step_ratio']:.2f} counting "
+                     "tokens, which a pool of blocks cannot hold)")
+        elif "kv_bound_step_ratio" in c:
             line += (f", {c['kv_bound_step_ratio']:.2f} with every rank-step's KV pool full "
                      f"(pool use: static {c['kv_pool_use']['static']:.2f}, "
                      f"elastic {c['kv_pool_use']['elastic']:.2f})")
@@ -811,10 +817,14 @@ def ceilings(records: dict, kv_budget_tokens) -> dict:
       of static's placement released when its own last response ends, nothing moved;
     - with a KV budget, `kv_pool_use` (per mode: cached tokens summed over every rank-step,
       over the budget times the rank-steps) and `kv_bound_step_ratio`: static's occupied
-      worker-steps over the fewest rank-steps that could hold elastic's cached tokens, each
-      rank-step with a full pool. A request's cached tokens over its life do not depend on
-      where it runs (a preemption only adds), and a release takes KV room from the survivors
-      (the borrowed experts), never gives it, so above this ratio only more KV per rank helps.
+      worker-steps over the fewest rank-steps that could hold elastic's cached K/V, each
+      rank-step with a full pool. The pool holds whole blocks, so where the traces count them
+      (`StepTrace.kv_blocks`) the bound is in blocks, the budget's whole blocks to a rank-step
+      (`kv_block_use`: the blocks as `kv_pool_use` counts tokens), and `kv_token_bound_step_ratio`
+      is the looser bound in tokens. A request's cached tokens (and blocks) over its life do not
+      depend on where it runs (a preemption only adds), and a release takes KV room from the
+      survivors (the borrowed experts), never gives it, so above this ratio only more KV per
+      rank helps.
     """
     out = {}
     if "static" in records:
@@ -822,12 +832,24 @@ def ceilings(records: dict, kv_budget_tokens) -> dict:
         busy = sum(r["busy_steps"] for r in st)
         out["release_only_step_ratio"] = sum(r["steps"] for r in st) / busy if busy else None
     if kv_budget_tokens:
+        steps = {m: sum(r["steps"] for r in recs) for m, recs in records.items()}
         kv = {m: sum(sum(r["trace"]["kv_tokens"]) for r in recs) for m, recs in records.items()}
-        out["kv_pool_use"] = {m: kv[m] / (kv_budget_tokens * sum(r["steps"] for r in recs))
-                              for m, recs in records.items()}
+        out["kv_pool_use"] = {m: kv[m] / (kv_budget_tokens * steps[m]) for m in records}
+        sizes = {r["trace"].get("block_tokens", 0) for recs in records.values() for r in recs}
+        bt = sizes.pop() if len(sizes) == 1 else 0  # one block size, traced
+        capacity = kv_budget_tokens // bt if bt else 0
+        if capacity:
+            blocks = {m: sum(sum(r["trace"]["kv_blocks"]) for r in recs)
+                      for m, recs in records.items()}
+            out["kv_block_use"] = {m: blocks[m] / (capacity * steps[m]) for m in records}
         if "static" in records and "elastic" in records:
-            fewest = math.ceil(kv["elastic"] / kv_budget_tokens)
-            out["kv_bound_step_ratio"] = sum(r["steps"] for r in records["static"]) / fewest
+            by_tokens = steps["static"] / math.ceil(kv["elastic"] / kv_budget_tokens)
+            if capacity:
+                out["kv_bound_step_ratio"] = (steps["static"]
+                                              / math.ceil(blocks["elastic"] / capacity))
+                out["kv_token_bound_step_ratio"] = by_tokens
+            else:
+                out["kv_bound_step_ratio"] = by_tokens
     return out
 
 

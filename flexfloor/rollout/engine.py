@@ -947,7 +947,7 @@ class RolloutEngine:
                 lanes = decode_bucket(lanes, self.max_batch_size) if lanes else 0
             pool.reserve(lanes * pool.lane_blocks)
         trace = StepTrace(num_experts=self.moe.num_experts, num_layers=len(self.moe.layers),
-                          expert_bytes=self.moe.expert_nbytes)
+                          expert_bytes=self.moe.expert_nbytes, block_tokens=self.block_tokens)
         trace.enter_group(self.moe.placement.ranks, self.moe.placement.owner)
         st = self.rollout = Rollout(record=RankRecord(rank=self.rank, requests=len(requests),
                                                       trace=trace),

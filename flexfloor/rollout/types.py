@@ -152,7 +152,8 @@ class StepTrace:
 
     Per step: decode tokens (one per decoding request), prefill tokens (prompts, re-prefills
     after preemption or adoption), KV tokens read (every running request's context after the
-    step's tokens), attention pairs (new token, context token), hosted experts that received
+    step's tokens), with a block size the blocks those contexts fill (each request's in whole
+    blocks of `block_tokens`: the fewest a paged pool can hold them in), attention pairs (new token, context token), hosted experts that received
     rows (summed over the MoE layers). The group and placement only where they change, shrinks
     where they happen. `num_experts` and `expert_bytes` are the traced model's.
     """
@@ -160,9 +161,11 @@ class StepTrace:
     num_experts: int = 0
     num_layers: int = 0
     expert_bytes: int = 0  # one expert over all layers
+    block_tokens: int = 0  # the KV pool's block size (0: `kv_blocks` not traced)
     decode_tokens: list[int] = field(default_factory=list)
     prefill_tokens: list[int] = field(default_factory=list)
     kv_tokens: list[int] = field(default_factory=list)
+    kv_blocks: list[int] = field(default_factory=list)
     attention_pairs: list[int] = field(default_factory=list)
     experts_touched: list[int] = field(default_factory=list)
     groups: list[GroupSpan] = field(default_factory=list)
@@ -183,7 +186,8 @@ class StepTrace:
 
     def add_step(self, contexts: Sequence[tuple[int, int]], experts_touched: int) -> None:
         """contexts: (tokens already stored, new tokens) of every running request this step."""
-        decode = prefill = kv = pairs = 0
+        decode = prefill = kv = pairs = blocks = 0
+        bt = self.block_tokens
         for stored, new in contexts:
             if stored:
                 decode += new
@@ -191,9 +195,13 @@ class StepTrace:
                 prefill += new
             kv += stored + new
             pairs += new * stored + new * (new + 1) // 2
+            if bt:
+                blocks += -(-(stored + new) // bt)
         self.decode_tokens.append(decode)
         self.prefill_tokens.append(prefill)
         self.kv_tokens.append(kv)
+        if bt:
+            self.kv_blocks.append(blocks)
         self.attention_pairs.append(pairs)
         self.experts_touched.append(experts_touched)
 
