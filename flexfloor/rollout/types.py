@@ -153,9 +153,10 @@ class StepTrace:
     Per step: decode tokens (one per decoding request), prefill tokens (prompts, re-prefills
     after preemption or adoption), KV tokens read (every running request's context after the
     step's tokens), with a block size the blocks those contexts fill (each request's in whole
-    blocks of `block_tokens`: the fewest a paged pool can hold them in), attention pairs (new token, context token), hosted experts that received
-    rows (summed over the MoE layers). The group and placement only where they change, shrinks
-    where they happen. `num_experts` and `expert_bytes` are the traced model's.
+    blocks of `block_tokens`: the fewest a paged pool can hold them in), attention pairs (new
+    token, context token), hosted experts that received rows (summed over the MoE layers). The
+    group and placement only where they change, shrinks where they happen. `num_experts` and
+    `expert_bytes` are the traced model's.
     """
 
     num_experts: int = 0

@@ -331,7 +331,11 @@ def linear_step_cost(priced, max_batch: int):
 
     def step_cost(n, ctx):
         i = np.minimum(n, max_batch)
-        for m in np.unique(i[~known[i]]).tolist() if np.ndim(i) else [] if known[i] else [int(i)]:
+        if np.ndim(i):
+            missing = np.unique(i[~known[i]]).tolist()
+        else:
+            missing = [] if known[i] else [int(i)]
+        for m in missing:
             base = priced(m, 0)
             table[m] = base, (priced(m, m * ref) - base) / (m * ref)
             known[m] = True
