@@ -161,6 +161,27 @@ def test_an_empty_path_is_refused_not_taken_as_not_given(tmp_path, monkeypatch, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_simulate_prints_each_step_as_it_is_done(tmp_path, capsys):
+    """A line per simulated step, before the summary table, with the step's ratios as the
+    report holds them; the first step (no history) is said to be outside the summary."""
+    out = tmp_path / "s.json"
+    assert simulate.main(["--scenario", "paper-like", "--gpus", "8", "--num-prompts", "8",
+                          "--samples-per-prompt", "2", "--epochs", "2", "--max-len", "64",
+                          "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("step ") and " done (" in line]
+    rep = json.loads(out.read_text())
+    assert len(steps) == 2 and lines.index(steps[1]) < next(
+        i for i, line in enumerate(lines) if "static_chunks" in line)
+    for line, entry in zip(steps, rep["per_epoch"]):
+        r = entry["ratios"]
+        assert line.startswith(f"step {entry['epoch']}/2 done (")
+        assert (f"elastic x{r['tokens_per_occupied_worker_second']:.3f} tokens per occupied "
+                f"GPU-s, makespan x{r['rollout_wall_seconds']:.3f}, against static") in line
+    assert steps[0].endswith("not in the summary (no length history yet)")
+    assert not steps[1].endswith(")")
+
+
 def test_simulate_says_when_the_pace_rule_cannot_act(tmp_path, capsys):
     """A shrink inside a replica on an accelerator with one replica (or without consolidation)
     has no estimates for the pace rule: simulate says so, and says nothing where it acts.

@@ -208,6 +208,17 @@ def format_sweep(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def step_line(entry: dict, sc, seconds: float) -> str:
+    """One simulated step's progress line: FlexFloor against static, as the summary reads."""
+    r = entry["ratios"]
+    per = "GPU-s" if sc.accelerator else "worker-step (UnitCost)"
+    scored = ("" if entry["epoch"] > 1 or sc.epochs == 1 else
+              "; not in the summary (no length history yet)")
+    return (f"step {entry['epoch']}/{sc.epochs} done ({seconds:.0f} s): elastic "
+            f"x{r['tokens_per_occupied_worker_second']:.3f} tokens per occupied {per}, makespan "
+            f"x{r['rollout_wall_seconds']:.3f}, against static{scored}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
@@ -248,7 +259,8 @@ def main(argv=None) -> int:
             print("note: the pace rule (--shrink-pace) never refuses a shrink here: under UnitCost "
                   "(no accelerator) every step costs 1 whatever a rank hosts, so no shrink slows "
                   "a replica", flush=True)
-        rep = run(sc, params=params)
+        rep = run(sc, params=params, progress=lambda e: print(
+            step_line(e, sc, time.perf_counter() - t0), flush=True))
         if args.sweep:
             print(f"sweep: {len(args.sweep_gpus)} GPU counts x {len(args.sweep_sigmas)} tails",
                   flush=True)

@@ -26,7 +26,7 @@ import dataclasses
 import math
 import types
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -250,8 +250,10 @@ def check_scenario(sc: Scenario) -> None:
                          "replica = gpus / replicas)")
 
 
-def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
-    """Simulate every step of `sc` in every mode; the report `tools/simulate.py` writes."""
+def run(sc: Scenario, *, params: CostParams = CostParams(),
+        progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Simulate every step of `sc` in every mode; the report `tools/simulate.py` writes.
+    `progress`, if given, is handed each step's entry of `per_epoch` as soon as it is done."""
     check_scenario(sc)
     shape = ModelShape.from_preset(sc.model)
     dataset = sc.dataset_prompts or sc.num_prompts
@@ -361,6 +363,8 @@ def run(sc: Scenario, *, params: CostParams = CostParams()) -> dict:
         _add_ratios(entry)
         flexfloor.history.record_rollout(outs["elastic"].lengths)
         per_epoch.append(entry)
+        if progress is not None:
+            progress(entry)
         if epoch > 1 or sc.epochs == 1:
             kept.append(outs)
     memory = topo_r.memory
