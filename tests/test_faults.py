@@ -144,10 +144,15 @@ def writer():  # as dist-checkpointing's writers: a forked copy, which forks onc
     time.sleep(120)
 
 start_reaper()
-for folder in ("scratch", "kept"):
+for folder in ("scratch", "kept", "single", "s"):
     os.makedirs(os.path.join(folder, "inner"))
 remove_if_killed(["scratch", "kept", "never-made"])
+remove_if_killed("single")  # one path, not its letters ("s" stays)
 forget(["kept"])
+try:
+    remove_if_killed([""])
+except ValueError as e:
+    print("refused:", e, flush=True)
 forked = multiprocessing.get_context("fork").Process(target=writer)
 forked.start()
 execd = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -161,8 +166,9 @@ def test_a_worker_killed_with_sigkill_leaves_no_helper_forked_or_execd(tmp_path)
     """Forked copies (dist-checkpointing's writers, and a fork of a fork) carry no token in
     their environment as Linux reports it; they announce themselves to the reaper. With the
     worker killed, its reaper ends them and the exec'd helper: the output pipe closes at once,
-    not when they would have ended (120 s), and no process is left. Then it removes the folder
-    the worker named (`remove_if_killed`), not the one it took back (`forget`)."""
+    not when they would have ended (120 s), and no process is left. Then it removes the folders
+    the worker named (`remove_if_killed`; one path given alone is that path, not its letters),
+    not the one it took back (`forget`); an empty path (the current folder) is refused."""
     marker = f"reaper-{os.getpid()}-{time.monotonic_ns()}"
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", FLEXFLOOR_TEST_JOB=marker)
     proc = subprocess.Popen([PY, "-c", KILLED_WORKER_WITH_HELPERS], env=env, text=True,
@@ -187,10 +193,35 @@ def test_a_worker_killed_with_sigkill_leaves_no_helper_forked_or_execd(tmp_path)
                 pass
         proc.kill()
         proc.wait()
-    assert proc.returncode == -signal.SIGKILL and out[:1] and out[0].startswith("helpers"), (
-        out, proc.stderr.read())
+    assert proc.returncode == -signal.SIGKILL and len(out) == 2, (out, proc.stderr.read())
+    assert out[0] == "refused: an empty path: name the file or folder to remove\n"
+    assert out[1].startswith("helpers")
     assert {"pipe_closed": pipe_closed, "left": left} == {"pipe_closed": True, "left": []}
-    assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == ["inner"]
+    assert sorted(os.listdir(tmp_path)) == ["kept", "s"]
+    assert os.listdir(tmp_path / "kept") == ["inner"]
+
+
+REAPER_GONE = """
+import os, signal, psutil
+from flexfloor.launch.reaper import forget, remove_if_killed, start_reaper
+
+start_reaper()
+reaper, = psutil.Process().children()
+reaper.kill()
+reaper.wait(30)
+remove_if_killed(["made"])
+forget(["made"])
+print("said nothing", flush=True)
+"""
+
+
+def test_with_its_reaper_gone_a_process_names_paths_without_an_error(tmp_path):
+    """A broken pipe to a dead reaper is not the caller's failure: `remove_if_killed` and
+    `forget` return (nobody is there to remove anything), the process carries on."""
+    proc = subprocess.run([PY, "-c", REAPER_GONE], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"),
+                          cwd=tmp_path)
+    assert (proc.returncode, proc.stdout) == (0, "said nothing\n"), proc.stderr
 
 
 NPROC = 2

@@ -119,6 +119,8 @@ def _alone(args) -> int:
               file=sys.stderr)
         return 128 + signum
     finally:
+        for s in previous:  # a signal now would cut this short: the output is decided
+            signal.signal(s, signal.SIG_IGN)
         forget(partial)  # kept or removed above: the reaper leaves it
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -231,19 +233,20 @@ def _launch(args, argv) -> int:
 
 
 def _partial(args) -> list[str]:
-    """What a stopped run may leave behind, found before the run starts: the output folder
-    where this run makes it (never one that is there already), else (a checkpoint root that
-    exists) its unfinished iter_N.tmp and model.yaml.tmp."""
+    """What a stopped run may leave behind, found before the run starts (absolute paths): the
+    output folder where this run makes it (never one that is there already), else (a
+    checkpoint root that exists) its unfinished iter_N.tmp and model.yaml.tmp. An HF folder
+    that exists is refused by the run's checks: it writes nothing there."""
     from flexfloor.checkpoint import iter_name
 
-    out = args.out.rstrip("/")
+    out = os.path.abspath(args.out)
     if args.direction == "hf-to-flexfloor":
         if not os.path.exists(out):
             return [out]
         return [os.path.join(out, iter_name(args.step) + ".tmp"),
                 os.path.join(out, "model.yaml.tmp")]
     # OUT.tmp: write_hf's folder before the rename (one left by a crash is dropped anyway)
-    return ([] if os.path.exists(out) else [out]) + [out + ".tmp"]
+    return [] if os.path.exists(out) else [out, out + ".tmp"]
 
 
 def _run(cmd, env) -> tuple[int, int]:

@@ -65,9 +65,11 @@ def start_reaper() -> str:
 
 
 def remove_if_killed(paths) -> None:
-    """After this process exits, the reaper removes each of `paths` (folder or file) that is
-    still there, unless `forget` takes it back first: what a process killed outright leaves
-    half done. Needs `start_reaper` in this process first."""
+    """After this process exits, the reaper removes each of `paths` (folder or file; one path
+    or several) that is still there, unless `forget` takes it back first: what a process
+    killed outright leaves half done. Needs `start_reaper` in this process first. The reaper
+    removes them once the process's helpers are dead, within a second or so of its death: a
+    rerun that writes the same paths sooner races that removal."""
     _tell(b"+", paths)
 
 
@@ -79,11 +81,21 @@ def forget(paths) -> None:
 def _tell(op: bytes, paths) -> None:
     if _announce is None or not os.environ.get(ENV, "").startswith(f"{os.getpid()}."):
         raise RuntimeError("remove_if_killed/forget: call start_reaper() in this process first")
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]
+    lines = []
     for path in paths:
+        if not os.fspath(path):  # abspath would make it the current folder
+            raise ValueError("an empty path: name the file or folder to remove")
         line = op + os.fsencode(os.path.abspath(path)) + b"\n"
         if b"\n" in line[:-1] or len(line) > select.PIPE_BUF:  # one atomic write per line
             raise ValueError(f"path {path!r}: a newline or too long for the reaper's pipe")
-        os.write(_announce, line)
+        lines.append(line)
+    for line in lines:
+        try:
+            os.write(_announce, line)
+        except OSError:  # the reaper is gone: nobody would remove them
+            return
 
 
 def _pidfd(pid: int) -> Optional[int]:
