@@ -51,3 +51,22 @@ def test_a_step_trace_counts_each_requests_context_in_whole_blocks():
     untraced = StepTrace()
     untraced.add_step([(0, 5)], experts_touched=1)
     assert untraced.kv_blocks == []
+
+
+def test_the_ceilings_line_names_the_kv_bound_only_where_static_and_elastic_ran():
+    from tools.bench_rollout import ceilings_line
+
+    def rank(steps, busy, kv, blocks):
+        return {"steps": steps, "busy_steps": busy,
+                "trace": {"kv_tokens": kv, "kv_blocks": blocks, "block_tokens": 16}}
+
+    static = [rank(4, 4, [10, 20, 30, 40], [1, 2, 2, 3]), rank(4, 2, [15, 25, 0, 0], [1, 2, 0, 0])]
+    alone = ceilings({"static": static, "replica_release": static}, kv_budget_tokens=50)
+    assert "kv_block_use" in alone and "kv_bound_step_ratio" not in alone
+    assert ceilings_line(alone) == ("ceilings (step ratio vs static): 1.33 releasing static's "
+                                    "ranks at their own last response")
+    both = ceilings({"static": static, "elastic": static}, kv_budget_tokens=50)
+    assert ceilings_line(both).endswith(
+        ", 2.00 with every rank-step's KV pool full of blocks (block use: static 0.46, elastic "
+        "0.46; 2.67 counting tokens, which a pool of blocks cannot hold)")
+    assert ceilings_line({}) is None

@@ -410,20 +410,8 @@ def format_report(report: dict) -> str:
                      f"transfer {rc['transfer_s']:.3f} s, switch {rc['switch_s']:.3f} s, "
                      f"{rc['sent_bytes'] / 2**20:.1f} MiB sent "
                      f"({100 * rc['fraction_of_occupied_seconds']:.1f}% of occupied time)")
-    c = report.get("ceilings", {})
-    if c.get("release_only_step_ratio") is not None:
-        line = (f"ceilings (step ratio vs static): {c['release_only_step_ratio']:.2f} releasing "
-                "static's ranks at their own last response")
-        if "kv_block_use" in c:
-            use = c["kv_block_use"]
-            line += (f", {c['kv_bound_step_ratio']:.2f} with every rank-step's KV pool full "
-                     f"of blocks (block use: static {use['static']:.2f}, elastic "
-                     f"{use['elastic']:.2f}; {c['kv_token_bound_step_ratio']:.2f} counting "
-                     "tokens, which a pool of blocks cannot hold)")
-        elif "kv_bound_step_ratio" in c:
-            line += (f", {c['kv_bound_step_ratio']:.2f} with every rank-step's KV pool full "
-                     f"(pool use: static {c['kv_pool_use']['static']:.2f}, "
-                     f"elastic {c['kv_pool_use']['elastic']:.2f})")
+    line = ceilings_line(report.get("ceilings", {}))
+    if line:
         lines.append(line)
     if "identical_responses" in report:
         lines.append("responses identical in every epoch: "
@@ -851,6 +839,26 @@ def ceilings(records: dict, kv_budget_tokens) -> dict:
             else:
                 out["kv_bound_step_ratio"] = by_tokens
     return out
+
+
+def ceilings_line(c: dict) -> str | None:
+    """`ceilings` on one line (None without static's release-only figure); the KV bound only
+    where static and elastic both ran."""
+    if c.get("release_only_step_ratio") is None:
+        return None
+    line = (f"ceilings (step ratio vs static): {c['release_only_step_ratio']:.2f} releasing "
+            "static's ranks at their own last response")
+    if "kv_token_bound_step_ratio" in c:  # blocks traced
+        use = c["kv_block_use"]
+        line += (f", {c['kv_bound_step_ratio']:.2f} with every rank-step's KV pool full "
+                 f"of blocks (block use: static {use['static']:.2f}, elastic "
+                 f"{use['elastic']:.2f}; {c['kv_token_bound_step_ratio']:.2f} counting "
+                 "tokens, which a pool of blocks cannot hold)")
+    elif "kv_bound_step_ratio" in c:
+        line += (f", {c['kv_bound_step_ratio']:.2f} with every rank-step's KV pool full "
+                 f"(pool use: static {c['kv_pool_use']['static']:.2f}, "
+                 f"elastic {c['kv_pool_use']['elastic']:.2f})")
+    return line
 
 
 def add_ratios(rep: dict, modes: list[str]) -> None:
