@@ -187,6 +187,8 @@ class StepTrace:
 
     def add_step(self, contexts: Sequence[tuple[int, int]], experts_touched: int) -> None:
         """contexts: (tokens already stored, new tokens) of every running request this step."""
+        from flexfloor.rollout.kv import blocks_for  # kv imports this module
+
         decode = prefill = kv = pairs = blocks = 0
         bt = self.block_tokens
         for stored, new in contexts:
@@ -197,7 +199,7 @@ class StepTrace:
             kv += stored + new
             pairs += new * stored + new * (new + 1) // 2
             if bt:
-                blocks += -(-(stored + new) // bt)
+                blocks += blocks_for(stored + new, bt)
         self.decode_tokens.append(decode)
         self.prefill_tokens.append(prefill)
         self.kv_tokens.append(kv)

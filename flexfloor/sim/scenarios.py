@@ -210,19 +210,24 @@ def paced(sc: Scenario, floor: int, size: int) -> bool:
     return sc.shrink_pace and sc.accelerator is not None and floor < size
 
 
+def _floor_and_size(sc: Scenario) -> tuple[int, int]:
+    """A replica's floor (at most its size) and its size, in ranks."""
+    size = sc.gpus // max(1, sc.replicas)
+    return min(sc.min_active_ranks, size), size
+
+
 def pace_rule_ignored(sc: Scenario) -> bool:
     """Whether `sc` asks for the pace rule on a shrink inside a replica where it cannot act
     (`paced` but not `replicas_together`): there every shrink the floor allows is made."""
-    size = sc.gpus // max(1, sc.replicas)
-    return paced(sc, min(sc.min_active_ranks, size), size) and not replicas_together(sc)
+    return paced(sc, *_floor_and_size(sc)) and not replicas_together(sc)
 
 
 def pace_rule_moot(sc: Scenario) -> bool:
     """Whether `sc` asks for the pace rule on a shrink inside a replica under UnitCost (no
     accelerator): there every step costs 1 whatever a rank hosts, so no shrink slows a replica
     and the rule never refuses one."""
-    size = sc.gpus // max(1, sc.replicas)
-    return sc.shrink_pace and sc.accelerator is None and min(sc.min_active_ranks, size) < size
+    floor, size = _floor_and_size(sc)
+    return sc.shrink_pace and sc.accelerator is None and floor < size
 
 
 def check_scenario(sc: Scenario) -> None:
