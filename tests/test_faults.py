@@ -224,6 +224,42 @@ def test_with_its_reaper_gone_a_process_names_paths_without_an_error(tmp_path):
     assert (proc.returncode, proc.stdout) == (0, "said nothing\n"), proc.stderr
 
 
+DROPPED_STOP = """
+import os, signal
+from flexfloor.launch.stop import StopSignals, Stopped
+
+class Dropped:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(100))  # the handler runs here: Python drops what it raises
+
+with StopSignals((signal.SIGTERM, signal.SIGHUP)) as stop:
+    try:
+        Dropped()
+        print("went on", stop.got, flush=True)
+        os.kill(os.getpid(), signal.SIGHUP)
+        sum(range(100))
+        print("not stopped", flush=True)
+    except Stopped as e:
+        print("stopped by", e.args[0], stop.got, stop.signum, flush=True)
+print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+"""
+
+
+def test_a_stop_signal_whose_exception_python_drops_is_still_kept():
+    """A stop signal's handler runs wherever the main thread is, also inside a `__del__` (or an
+    import's clean-up, as CI saw in the converter), where Python prints the exception as
+    "ignored" and the work goes on. `StopSignals` keeps the signal for the caller to read."""
+    proc = subprocess.run([PY, "-c", DROPPED_STOP], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception ignored" in proc.stderr and "Stopped: 15" in proc.stderr, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"went on [{signal.SIGTERM:d}]",
+        f"stopped by {signal.SIGHUP:d} [{signal.SIGTERM:d}, {signal.SIGHUP:d}] {signal.SIGTERM:d}",
+        "restored True"]
+
+
 NPROC = 2
 STEPS = 5
 JOB = [

@@ -50,6 +50,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from flexfloor.launch.reaper import start_reaper  # noqa: E402
+from flexfloor.launch.stop import StopSignals  # noqa: E402
 from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
 from flexfloor.rollout.metrics import chained_sha256, cpu_seconds_warning  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
@@ -283,16 +284,21 @@ def main(argv=None) -> int:
     # the reaper's token (flexfloor/launch/reaper.py); SIGTERM ends it as an exception, so the
     # partial report below is removed
     start_reaper()
-    signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))
     # the workers write the report beside --out, renamed over it when they succeed: an earlier
     # report there stays until this run's replaces it, and a stale one never passes for it
     partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.partial")
-    try:
-        return _launch(args, argv, lengths, out, partial)
-    finally:  # the report, and the .tmp of a worker stopped inside its write
-        for leftover in (partial, partial + ".tmp"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+    with StopSignals((signal.SIGTERM,)) as stop:
+        try:
+            rc = _launch(args, argv, lengths, out, partial)
+        except BaseException:
+            if not stop.got:  # a failure, not a stop
+                raise
+        finally:  # the report, and the .tmp of a worker stopped inside its write
+            stop.ignore()
+            for leftover in (partial, partial + ".tmp"):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
+    return 128 + stop.signum if stop.got else rc
 
 
 def _launch(args, argv, lengths, out: str, partial: str) -> int:

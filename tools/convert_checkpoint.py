@@ -89,41 +89,35 @@ def main(argv=None) -> int:
     return _convert(args)
 
 
-class _Stopped(KeyboardInterrupt):
-    """A stop signal to a one-process conversion (args[0]: the signal). An interrupt, so
-    that a checkpoint save it cuts short raises it, not a disk's failure."""
-
-
 def _alone(args) -> int:
     """A conversion with no launcher to clean up after it: a stop signal removes what this
     run wrote (as `_launch` does for its workers) and returns 128 + the signal; after a
     SIGKILL the reaper removes it."""
     from flexfloor.launch.reaper import forget, remove_if_killed, remove_paths, start_reaper
+    from flexfloor.launch.stop import StopSignals
 
     partial = _partial(args)  # before the work: whether this run makes the output folder
     start_reaper()
     remove_if_killed(partial)
-
-    def stop(signum, _frame):
-        raise _Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
-    try:
-        return _convert(args)
-    except _Stopped as e:
-        signum = e.args[0]
-        for s in previous:  # a second signal now would interrupt the clean-up
-            signal.signal(s, signal.SIG_IGN)
-        remove_paths(partial)
-        print(f"[convert] stopped by {signal.Signals(signum).name}: the partial output removed",
-              file=sys.stderr)
-        return 128 + signum
-    finally:
-        for s in previous:  # a signal now would cut this short: the output is decided
-            signal.signal(s, signal.SIG_IGN)
-        forget(partial)  # kept or removed above: the reaper leaves it
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with StopSignals(STOP_SIGNALS) as stop:
+        try:
+            try:
+                rc = _convert(args)
+            except BaseException:
+                if not stop.got:  # a failure, not a stop
+                    raise
+            finally:
+                stop.ignore()  # the output is decided: a signal now would cut its clean-up short
+            # a stop raised where Python drops exceptions (an import's clean-up) let the
+            # conversion go on; it is a stop all the same
+            if stop.got:
+                remove_paths(partial)
+                print(f"[convert] stopped by {signal.Signals(stop.signum).name}: the partial "
+                      "output removed", file=sys.stderr)
+                return 128 + stop.signum
+            return rc
+        finally:
+            forget(partial)  # kept or removed above: the reaper leaves it
 
 
 def _convert(args) -> int:
