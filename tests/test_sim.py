@@ -217,6 +217,9 @@ def test_linear_step_cost_prices_each_batch_size_once_when_asked():
     assert cost(np.array([3, 0, 12, 5, 5]), np.array([0, 0, 10, 10, 20])).tolist() == pytest.approx(
         [2.5, 0.0, 5.0 + 1e-5, 3.5 + 1e-5, 3.5 + 2e-5])
     assert sorted(set(asked)) == [3, 5, 8] and len(asked) == 6  # two contexts each, once
+    with pytest.raises(ValueError, match="a step of -1 requests"):
+        cost(np.array([2, -1]), np.array([0, 0]))
+    assert cost(8, 0) == 5.0 and sorted(set(asked)) == [3, 5, 8]  # the max batch's row kept
 
 
 def test_a_trace_file_is_replayed_as_given(tmp_path):

@@ -331,6 +331,8 @@ def linear_step_cost(priced, max_batch: int):
 
     def step_cost(n, ctx):
         i = np.minimum(n, max_batch)
+        if np.any(i < 0):  # row -1 is max_batch's: it would be priced wrong, not refused
+            raise ValueError(f"a step of {np.min(i)} requests: a batch size is at least 0")
         if np.ndim(i):
             missing = np.unique(i[~known[i]]).tolist()
         else:
