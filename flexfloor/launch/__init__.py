@@ -1,3 +1,4 @@
 """Launchers: the Ray launcher (`python -m flexfloor.launch.ray`), the resource pool of released
-workers (`pool.py`) and the Slurm command builders (`python -m flexfloor.launch.slurm`).
+workers (`pool.py`), the Slurm command builders (`python -m flexfloor.launch.slurm`), the reaper
+of a dead worker's helpers (`reaper.py`) and a tool's stop signals (`stop.py`).
 torchrun needs nothing from here: `torchrun ... -m flexfloor.train`. See docs/launch.md."""
