@@ -242,6 +242,10 @@ with StopSignals((signal.SIGTERM, signal.SIGHUP)) as stop:
         print("not stopped", flush=True)
     except Stopped as e:
         print("stopped by", e.args[0], stop.got, stop.signum, flush=True)
+    stop.ignore()  # the clean-up: a signal now is neither raised nor kept
+    os.kill(os.getpid(), signal.SIGTERM)
+    sum(range(100))
+    print("ignored", stop.got, flush=True)
 print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
 """
 
@@ -257,6 +261,7 @@ def test_a_stop_signal_whose_exception_python_drops_is_still_kept():
     assert proc.stdout.splitlines() == [
         f"went on [{signal.SIGTERM:d}]",
         f"stopped by {signal.SIGHUP:d} [{signal.SIGTERM:d}, {signal.SIGHUP:d}] {signal.SIGTERM:d}",
+        f"ignored [{signal.SIGTERM:d}, {signal.SIGHUP:d}]",
         "restored True"]
 
 

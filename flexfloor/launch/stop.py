@@ -36,6 +36,7 @@ class StopSignals:
         self.signals = tuple(signals)
         self.got: list[int] = []
         self._previous: dict = {}
+        self._ignoring = False
 
     def __enter__(self) -> "StopSignals":
         self._previous = {s: signal.signal(s, self._stop) for s in self.signals}
@@ -46,11 +47,14 @@ class StopSignals:
             signal.signal(s, handler)
 
     def _stop(self, signum, _frame) -> None:
+        if self._ignoring:  # came while `ignore` swapped the handlers
+            return
         self.got.append(signum)
         raise Stopped(signum)
 
     def ignore(self) -> None:
         """Ignore the signals until exit (a clean-up that a second signal must not cut short)."""
+        self._ignoring = True
         for s in self.signals:
             signal.signal(s, signal.SIG_IGN)
 
