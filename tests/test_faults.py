@@ -226,26 +226,45 @@ def test_with_its_reaper_gone_a_process_names_paths_without_an_error(tmp_path):
 
 DROPPED_STOP = """
 import os, signal
-from flexfloor.launch.stop import StopSignals, Stopped
+from flexfloor.launch.stop import StopSignals
+
+def poke(sig):
+    os.kill(os.getpid(), sig)
+    sum(range(100))  # the handler has run by here
 
 class Dropped:
     def __del__(self):
-        os.kill(os.getpid(), signal.SIGTERM)
-        sum(range(100))  # the handler runs here: Python drops what it raises
+        poke(signal.SIGTERM)  # the handler runs in here: Python drops what it raises
 
-with StopSignals((signal.SIGTERM, signal.SIGHUP)) as stop:
+def dropped():
+    Dropped()
+    return "went-on"
+
+def twice():
     try:
-        Dropped()
-        print("went on", stop.got, flush=True)
-        os.kill(os.getpid(), signal.SIGHUP)
-        sum(range(100))
-        print("not stopped", flush=True)
-    except Stopped as e:
-        print("stopped by", e.args[0], stop.got, stop.signum, flush=True)
-    stop.ignore()  # the clean-up: a signal now is neither raised nor kept
-    os.kill(os.getpid(), signal.SIGTERM)
-    sum(range(100))
-    print("ignored", stop.got, flush=True)
+        poke(signal.SIGHUP)
+        return "not-stopped"
+    finally:  # a second signal while the first unwinds the work: kept, not raised
+        poke(signal.SIGTERM)
+        print("unwound", flush=True)
+
+def never():
+    print("ran", flush=True)
+
+def fails():
+    raise ValueError("its own")
+
+for name, work, before in (("dropped", dropped, None), ("twice", twice, None),
+                           ("before", never, signal.SIGHUP), ("fails", fails, None)):
+    with StopSignals((signal.SIGTERM, signal.SIGHUP)) as stop:
+        if before:  # a signal before the work: kept, and the work never starts
+            poke(before)
+        try:
+            result = stop.run(work)
+        except ValueError as e:
+            result = e
+        poke(signal.SIGTERM)  # after the work: ignored
+        print(name, result, stop.got, stop.signum, flush=True)
 print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
 """
 
@@ -253,15 +272,20 @@ print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True
 def test_a_stop_signal_whose_exception_python_drops_is_still_kept():
     """A stop signal's handler runs wherever the main thread is, also inside a `__del__` (or an
     import's clean-up, as CI saw in the converter), where Python prints the exception as
-    "ignored" and the work goes on. `StopSignals` keeps the signal for the caller to read."""
+    "ignored" and the work goes on. `StopSignals` keeps the signal for the caller to read; the
+    first one stops `run`'s work, also one that came before it; a second one while the first
+    unwinds it, and any after it, cut nothing short; the work's own failure propagates."""
     proc = subprocess.run([PY, "-c", DROPPED_STOP], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr
     assert "Exception ignored" in proc.stderr and "Stopped: 15" in proc.stderr, proc.stderr
+    term, hup = int(signal.SIGTERM), int(signal.SIGHUP)
     assert proc.stdout.splitlines() == [
-        f"went on [{signal.SIGTERM:d}]",
-        f"stopped by {signal.SIGHUP:d} [{signal.SIGTERM:d}, {signal.SIGHUP:d}] {signal.SIGTERM:d}",
-        f"ignored [{signal.SIGTERM:d}, {signal.SIGHUP:d}]",
+        f"dropped went-on [{term}] {term}",
+        "unwound",
+        f"twice None [{hup}, {term}] {hup}",
+        f"before None [{hup}] {hup}",
+        "fails its own [] 0",
         "restored True"]
 
 

@@ -289,12 +289,8 @@ def main(argv=None) -> int:
     partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.partial")
     with StopSignals((signal.SIGTERM,)) as stop:
         try:
-            rc = _launch(args, argv, lengths, out, partial)
-        except BaseException:
-            if not stop.got:  # a failure, not a stop
-                raise
+            rc = stop.run(_launch, args, argv, lengths, out, partial)
         finally:  # the report, and the .tmp of a worker stopped inside its write
-            stop.ignore()
             for leftover in (partial, partial + ".tmp"):
                 if os.path.exists(leftover):
                     os.remove(leftover)

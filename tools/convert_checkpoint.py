@@ -101,15 +101,9 @@ def _alone(args) -> int:
     remove_if_killed(partial)
     with StopSignals(STOP_SIGNALS) as stop:
         try:
-            try:
-                rc = _convert(args)
-            except BaseException:
-                if not stop.got:  # a failure, not a stop
-                    raise
-            finally:
-                stop.ignore()  # the output is decided: a signal now would cut its clean-up short
-            # a stop raised where Python drops exceptions (an import's clean-up) let the
-            # conversion go on; it is a stop all the same
+            rc = stop.run(_convert, args)
+            # also a stop raised where Python drops exceptions (an import's clean-up), which
+            # let the conversion go on
             if stop.got:
                 remove_paths(partial)
                 print(f"[convert] stopped by {signal.Signals(stop.signum).name}: the partial "

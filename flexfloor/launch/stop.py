@@ -7,20 +7,21 @@ no signal had come. So the handler also keeps each signal in `got`, which the ca
 the work ends, however it ends:
 
     with StopSignals((signal.SIGTERM,)) as stop:
-        try:
-            result = work()
-        except BaseException:
-            if not stop.got:  # a failure, not a stop
-                raise
-        finally:
-            stop.ignore()  # from here on nothing cuts the clean-up short
+        result = stop.run(work)
         if stop.got:
             ...  # clean up, return 128 + stop.signum
+
+A signal is raised only inside `run`, and only the first: one that comes before the work
+(while the handlers are installed) stops it as it starts, a second one while the first unwinds
+the work is kept but cuts nothing short, and one after the work is ignored (the outcome is
+decided; the clean-up must not be cut short).
 """
 
 from __future__ import annotations
 
 import signal
+
+_BEFORE, _ARMED, _AFTER = range(3)
 
 
 class Stopped(KeyboardInterrupt):
@@ -29,14 +30,14 @@ class Stopped(KeyboardInterrupt):
 
 
 class StopSignals:
-    """While entered, each of `signals` raises `Stopped` and is kept in `got`; the handlers
+    """While entered, each of `signals` is kept in `got` and stops `run`'s work; the handlers
     there before are back on exit."""
 
     def __init__(self, signals):
         self.signals = tuple(signals)
         self.got: list[int] = []
         self._previous: dict = {}
-        self._ignoring = False
+        self._state = _BEFORE
 
     def __enter__(self) -> "StopSignals":
         self._previous = {s: signal.signal(s, self._stop) for s in self.signals}
@@ -47,16 +48,33 @@ class StopSignals:
             signal.signal(s, handler)
 
     def _stop(self, signum, _frame) -> None:
-        if self._ignoring:  # came while `ignore` swapped the handlers
+        if self._state == _AFTER:
             return
         self.got.append(signum)
-        raise Stopped(signum)
+        if self._state == _ARMED and len(self.got) == 1:
+            raise Stopped(signum)
 
-    def ignore(self) -> None:
-        """Ignore the signals until exit (a clean-up that a second signal must not cut short)."""
-        self._ignoring = True
-        for s in self.signals:
-            signal.signal(s, signal.SIG_IGN)
+    def run(self, work, *args):
+        """`work(*args)`, stopped by the first signal: its result, or None where a signal's
+        exception ended it (`got` says whether a signal came, also one whose exception Python
+        dropped). An exception of the work's own propagates. Afterwards the signals are
+        ignored until exit."""
+        try:
+            self._state = _ARMED  # inside the try: a signal from here on is caught below
+            if self.got:  # came before the work began
+                raise Stopped(self.got[0])
+            result = work(*args)
+            self._state = _AFTER
+            return result
+        except BaseException:
+            self._state = _AFTER
+            if not self.got:  # a failure, not a stop
+                raise
+            return None
+        finally:
+            self._state = _AFTER
+            for s in self.signals:
+                signal.signal(s, signal.SIG_IGN)
 
     @property
     def signum(self) -> int:
