@@ -79,9 +79,9 @@ def test_a_rank_waiting_at_resync_runs_a_signal_handler_at_once():
     signal_it = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
     last_back = threading.Timer(10, peer.set, ("resync/all", "1"))  # the peer, much later
     try:
-        signal_it.start()
-        last_back.start()
         with pytest.raises(_Stopped):  # timeout 120 s: progress is looked for every 30 s
+            signal_it.start()  # in here: a slow start of the other timer may see the signal
+            last_back.start()
             _wait_for_every_rank(store, "resync", "heartbeat", 2, 120.0, "rank 0, phase 'resync'")
     finally:
         signal_it.cancel()

@@ -53,6 +53,10 @@ def static_vs_elastic(stack, reqs, *, expected_finish=None):
     for policy in (ReleasePolicy.STATIC, ReleasePolicy.ELASTIC):
         with timed(f"elastic: {policy.value} rollout"):
             run = stack.start(policy, expected_finish=expected_finish)
+            # each rank's rollout clock starts at its generate call; the ranks leave the last
+            # resync up to its poll apart (0.1 s), more than the 10 steps between two releases
+            # that test_elastic orders by release_s: they start together here
+            torch.distributed.barrier()
             out = run.generate(reqs)
             run.resync(timeout_s=60)
         case[policy.value] = {"tokens": {r.request_id: r.token_ids for r in out.results},
