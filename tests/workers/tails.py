@@ -135,11 +135,24 @@ class Conductor:
         """Before decoding. Replica 1: wait for replica 0's step LAG, then its leader stops
         replica 0 and watches replica 1's own posts; replica 0's leader watches its inbox."""
         me, box = int(os.environ["RANK"]), run.membership.mailbox
+        stopped_at_lag = box.key("test-stopped-at-lag", 0)
+        if me in (0, 1):  # replica 0 waits after posting step LAG until rank 2 has stopped it:
+            boundary = box.boundary  # it is stopped there however late rank 2 looks
+
+            def held(engine, report, rules):
+                got = boundary(engine, report, rules)
+                if engine.record.steps == LAG:
+                    self._until("rank 2 did not stop replica 0",
+                                lambda: box.store.check([stopped_at_lag]))
+                return got
+
+            box.boundary = held
         if me in (2, 3):
             self._until(f"replica 0 posted no step {LAG}",
                         lambda: (posted(box.store, box, 0) or (-1,))[0] >= LAG)
         if me == 2:
             self._signal(signal.SIGSTOP, (0, 1))
+            box.store.set(stopped_at_lag, "1")
             threading.Thread(target=self._then_replica_0, args=(box,), daemon=True).start()
         elif me == 0:
             threading.Thread(target=self._then_replica_1, args=(box,), daemon=True).start()
