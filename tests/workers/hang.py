@@ -36,12 +36,15 @@ class StallsAtStep3(StaticMembership):
 
 def main(out):
     # the 4 s timeout is for the rollout: every rank arrives before the world is built with it
-    # (under load one rank's imports may take seconds longer than another's)
-    wait_for(launch_store(), "flexfloor_tests/hang/start", int(os.environ["WORLD_SIZE"]))
+    # (under load one rank's imports may take seconds longer than another's), and before the
+    # rollout starts (the model's and the stack's set-up)
+    store, world = launch_store(), int(os.environ["WORLD_SIZE"])
+    wait_for(store, "flexfloor_tests/hang/start", world)
     par = Parallel.build(timeout_s=4)
     rank = par.rank
     model = build_model(MODEL, par)
     engine = RolloutStack.build(par, model, rollout=RolloutConfig(progress=False)).engine
+    wait_for(store, "flexfloor_tests/hang/ready", world)
     reqs = [Request(prompt_uid=rank, sample_index=0, prompt_ids=(1, 2, 3), max_new_tokens=30,
                     target_len=30, sampling=SamplingParams(greedy=True))]
     try:
