@@ -536,21 +536,34 @@ def workers_of(popen) -> list[int]:
 def random_killer(seed: int, record: list, within_s: float):
     """SIGKILL a random worker at a random time of each of the first RANDOM_KILLS attempts:
     set-up, rollout, training or a save, wherever the clock falls (fewer kills when the job
-    ends first). Each kill falls 1 s to 15 s after the attempt's workers exist, and within
-    0.4 of `within_s` (the uninterrupted run's wall on this machine), so the first kill lands
-    before a fast machine's job is over."""
+    ends first). The first falls within 0.2 s after a random step line of the first attempt
+    (step 1 to STEPS - 1: a step is still to come), so one lands however fast the machine (the
+    uninterrupted run's wall counts the warm start, which the later runs take from its cache);
+    each later one 1 s to 15 s after the attempt's workers exist, and within 0.4 of `within_s`
+    (the uninterrupted run's wall on this machine)."""
     rng = random.Random(seed)
     latest = max(1.5, min(15.0, 0.4 * within_s))
+    first_after = rng.randint(1, STEPS - 1)
+
+    def steps_seen(lines) -> int:
+        return sum(bool(re.match(r"step\s+\d+ \|", t)) for _, t in list(lines))
 
     def run(popen, lines):
         dead = set()
-        for _ in range(RANDOM_KILLS):
+        for attempt in range(RANDOM_KILLS):
             workers = []
             while popen.poll() is None and len(workers) < NPROC:
                 workers = [p for p in workers_of(popen) if p not in dead]
                 time.sleep(0.1)
-            delay = rng.uniform(1.0, latest)
-            time.sleep(delay)
+            if attempt == 0:
+                t0 = time.monotonic()
+                while popen.poll() is None and steps_seen(lines) < first_after:
+                    time.sleep(0.01)
+                time.sleep(rng.uniform(0.0, 0.2))
+                delay = time.monotonic() - t0
+            else:
+                delay = rng.uniform(1.0, latest)
+                time.sleep(delay)
             if popen.poll() is not None or not workers:
                 break  # the job finished before this kill: the run is shorter than the clock
             victim = rng.choice(workers)
@@ -577,11 +590,12 @@ def soak(runs):
 
 
 def test_random_kills_resume_to_an_uninterrupted_run(runs, soak):
-    """A few kill -9s at random times (a random worker, 1-15 s into each attempt and within 0.4
-    of the uninterrupted run's wall), each resumed by torchrun: metrics and final weights and
+    """A few kill -9s at random times (a random worker; the first just after a random step of
+    the first attempt, the others 1-15 s into the next attempts and within 0.4 of the
+    uninterrupted run's wall), each resumed by torchrun: metrics and final weights and
     optimizer state equal the uninterrupted run's; no process is left."""
     # how many kills land depends on how long the run lasts on this machine (the job may end
-    # before the last one): at least one, each resumed
+    # before the last ones): the first always, each resumed
     assert 1 <= len(soak["kills"]) <= RANDOM_KILLS, soak["kills"]
     got, want = metrics(runs["base"], "random_kills"), runs["ref_metrics"]
     assert [m["step"] for m in got] == list(range(1, STEPS + 1)), soak["seed"]
