@@ -79,9 +79,9 @@ def test_a_rank_waiting_at_resync_runs_a_signal_handler_at_once():
     signal_it = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
     last_back = threading.Timer(10, peer.set, ("resync/all", "1"))  # the peer, much later
     try:
+        last_back.start()
         with pytest.raises(_Stopped):  # timeout 120 s: progress is looked for every 30 s
-            signal_it.start()  # in here: a slow start of the other timer may see the signal
-            last_back.start()
+            signal_it.start()  # the last thing before the wait: the signal lands in it
             _wait_for_every_rank(store, "resync", "heartbeat", 2, 120.0, "rank 0, phase 'resync'")
     finally:
         signal_it.cancel()
@@ -225,7 +225,7 @@ def test_with_its_reaper_gone_a_process_names_paths_without_an_error(tmp_path):
 
 
 DROPPED_STOP = """
-import os, signal
+import os, signal, time
 from flexfloor.launch.stop import StopSignals
 
 def poke(sig):
@@ -238,6 +238,7 @@ class Dropped:
 
 def dropped():
     Dropped()
+    time.sleep(60)  # the stop, delivered again, ends this
     return "went-on"
 
 def twice():
@@ -272,16 +273,17 @@ print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True
 def test_a_stop_signal_whose_exception_python_drops_is_still_kept():
     """A stop signal's handler runs wherever the main thread is, also inside a `__del__` (or an
     import's clean-up, as CI saw in the converter), where Python prints the exception as
-    "ignored" and the work goes on. `StopSignals` keeps the signal for the caller to read; the
-    first one stops `run`'s work, also one that came before it; a second one while the first
-    unwinds it, and any after it, cut nothing short; the work's own failure propagates."""
+    "ignored" and drops it. `StopSignals` delivers that stop again, so it still ends the work
+    (here a minute's sleep), and keeps each signal for the caller to read; the first one stops
+    `run`'s work, also one that came before it; a second one while the first unwinds it, and
+    any after it, cut nothing short; the work's own failure propagates."""
     proc = subprocess.run([PY, "-c", DROPPED_STOP], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr
     assert "Exception ignored" in proc.stderr and "Stopped: 15" in proc.stderr, proc.stderr
     term, hup = int(signal.SIGTERM), int(signal.SIGHUP)
     assert proc.stdout.splitlines() == [
-        f"dropped went-on [{term}] {term}",
+        f"dropped None [{term}] {term}",
         "unwound",
         f"twice None [{hup}, {term}] {hup}",
         f"before None [{hup}] {hup}",
@@ -545,8 +547,13 @@ def random_killer(seed: int, record: list, within_s: float):
     latest = max(1.5, min(15.0, 0.4 * within_s))
     first_after = rng.randint(1, STEPS - 1)
 
+    seen = [0, 0]  # the first attempt's lines read, step lines among them
+
     def steps_seen(lines) -> int:
-        return sum(bool(re.match(r"step\s+\d+ \|", t)) for _, t in list(lines))
+        for _, t in lines[seen[0]:]:
+            seen[0] += 1
+            seen[1] += bool(re.match(r"step\s+\d+ \|", t))
+        return seen[1]
 
     def run(popen, lines):
         dead = set()

@@ -49,7 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.launch.reaper import start_reaper  # noqa: E402
+from flexfloor.launch.reaper import remove_if_killed, start_reaper  # noqa: E402
 from flexfloor.launch.stop import StopSignals  # noqa: E402
 from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
 from flexfloor.rollout.metrics import chained_sha256, cpu_seconds_warning  # noqa: E402
@@ -287,6 +287,9 @@ def main(argv=None) -> int:
     # the workers write the report beside --out, renamed over it when they succeed: an earlier
     # report there stays until this run's replaces it, and a stale one never passes for it
     partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.partial")
+    # stopped, the workers outlive this process by a moment (the reaper ends them after its
+    # exit): one that writes the report then leaves it, so the reaper removes it after them
+    remove_if_killed([partial, partial + ".tmp"])
     with StopSignals((signal.SIGTERM,)) as stop:
         try:
             rc = stop.run(_launch, args, argv, lengths, out, partial)

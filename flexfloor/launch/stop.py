@@ -2,26 +2,32 @@
 
 Python runs a signal's handler between two bytecodes of the main thread, wherever that thread
 is: also inside a weakref callback, a `__del__` or an import lock's clean-up. An exception
-raised there is printed as "Exception ignored in ..." and dropped, and the work goes on as if
-no signal had come. So the handler also keeps each signal in `got`, which the caller reads when
-the work ends, however it ends:
+raised there is printed as "Exception ignored in ..." and dropped, and the work would go on as
+if no signal had come. So the handler keeps each signal in `got`, and a stop that Python
+dropped is raised again a moment later, where the main thread has gone on, so the work still
+stops:
 
     with StopSignals((signal.SIGTERM,)) as stop:
         result = stop.run(work)
         if stop.got:
             ...  # clean up, return 128 + stop.signum
 
-A signal is raised only inside `run`, and only the first: one that comes before the work
-(while the handlers are installed) stops it as it starts, a second one while the first unwinds
-the work is kept but cuts nothing short, and one after the work is ignored (the outcome is
-decided; the clean-up must not be cut short).
+A signal is raised only inside `run`: one that comes before the work (while the handlers are
+installed) stops it as it starts; a second one while the first unwinds the work is kept but
+cuts nothing short; one after the work is ignored (the outcome is decided, and the clean-up
+must not be cut short).
 """
 
 from __future__ import annotations
 
+import _thread
 import signal
+import sys
+import threading
+import time
 
 _BEFORE, _ARMED, _AFTER = range(3)
+AGAIN_AFTER_S = 0.005  # a dropped stop is raised again this long after (the hook has returned)
 
 
 class Stopped(KeyboardInterrupt):
@@ -38,43 +44,86 @@ class StopSignals:
         self.got: list[int] = []
         self._previous: dict = {}
         self._state = _BEFORE
+        self._in_flight = False  # a Stopped raised and not dropped: the work is unwinding
+        self._again = 0  # stops raised again (each is in `got` already)
+        self._in_hook = False  # in the unraisable hook: a Stopped raised there is lost
+        self._lock = threading.Lock()  # a stop raised again vs the handlers' restore
 
     def __enter__(self) -> "StopSignals":
         self._previous = {s: signal.signal(s, self._stop) for s in self.signals}
         return self
 
     def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        # signal.signal runs a pending handler first: one raised again just now meets `_stop`
+        # (and is ignored there), never the handler restored
+        with self._lock:
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
 
     def _stop(self, signum, _frame) -> None:
         if self._state == _AFTER:
             return
-        self.got.append(signum)
-        if self._state == _ARMED and len(self.got) == 1:
-            raise Stopped(signum)
+        if self._again:
+            self._again -= 1
+        else:
+            self.got.append(signum)
+        if self._state != _ARMED or self._in_flight:
+            return
+        if self._in_hook:
+            self._raise_again(signum)
+            return
+        self._in_flight = True
+        raise Stopped(signum)
+
+    def _raise_again(self, signum: int) -> None:
+        """Run `_stop` for `signum` once more, a moment from now, in the main thread: from a
+        thread it does not wait for (Thread.start waits: the handler would run in there), as a
+        simulated signal, which reaches only a Python handler (never SIG_IGN or SIG_DFL)."""
+        self._again += 1
+
+        def soon():
+            time.sleep(AGAIN_AFTER_S)
+            with self._lock:
+                if self._state == _ARMED:
+                    _thread.interrupt_main(signum)
+
+        _thread.start_new_thread(soon, ())
+
+    def _hook(self, previous):
+        def unraisable(info) -> None:
+            self._in_hook = True
+            try:
+                previous(info)  # Python's "Exception ignored in ..." lines, as without this
+                if isinstance(info.exc_value, Stopped) and self._state == _ARMED:
+                    self._in_flight = False
+                    self._raise_again(info.exc_value.args[0])
+            finally:
+                self._in_hook = False
+        return unraisable
 
     def run(self, work, *args):
         """`work(*args)`, stopped by the first signal: its result, or None where a signal's
-        exception ended it (`got` says whether a signal came, also one whose exception Python
-        dropped). An exception of the work's own propagates. Afterwards the signals are
-        ignored until exit."""
+        exception ended it (`got` says whether a signal came, also one that came as the work
+        ended). An exception of the work's own propagates. Afterwards the signals are ignored
+        until exit."""
+        previous = sys.unraisablehook
+        sys.unraisablehook = self._hook(previous)
         try:
-            self._state = _ARMED  # inside the try: a signal from here on is caught below
-            if self.got:  # came before the work began
-                raise Stopped(self.got[0])
-            result = work(*args)
-            self._state = _AFTER
-            return result
+            try:
+                self._state = _ARMED  # inside the try: a signal from here on is caught below
+                if self.got:  # came before the work began
+                    raise Stopped(self.got[0])
+                return work(*args)
+            finally:
+                self._state = _AFTER
         except BaseException:
-            self._state = _AFTER
             if not self.got:  # a failure, not a stop
                 raise
             return None
         finally:
-            self._state = _AFTER
             for s in self.signals:
                 signal.signal(s, signal.SIG_IGN)
+            sys.unraisablehook = previous
 
     @property
     def signum(self) -> int:

@@ -323,7 +323,7 @@ def linear_step_cost(priced, max_batch: int):
     is priced once per batch size up to `max_batch` at two contexts and interpolated; larger
     batches at `max_batch`'s. Each batch size is priced the first time it is asked for (a pace
     rule's shrink proposal asks for a few only). Elementwise over numpy arrays (or on plain
-    numbers)."""
+    numbers); a negative batch size is refused (ValueError)."""
     ref = 1 << 20
     table = np.zeros((max_batch + 1, 2))  # batch size -> (seconds at no context, per token)
     known = np.zeros(max_batch + 1, dtype=bool)

@@ -132,8 +132,9 @@ class Conductor:
             return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
     def hold(self, run) -> None:
-        """Before decoding. Replica 1: wait for replica 0's step LAG, then its leader stops
-        replica 0 and watches replica 1's own posts; replica 0's leader watches its inbox."""
+        """Before decoding. Replica 0 waits after its step LAG until it is stopped; replica 1
+        waits for replica 0's step LAG, then its leader stops replica 0 and watches replica 1's
+        own posts; replica 0's leader watches its inbox."""
         me, box = int(os.environ["RANK"]), run.membership.mailbox
         stopped_at_lag = box.key("test-stopped-at-lag", 0)
         if me in (0, 1):  # replica 0 waits after posting step LAG until rank 2 has stopped it:
