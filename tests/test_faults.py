@@ -535,6 +535,9 @@ def workers_of(popen) -> list[int]:
     return pids
 
 
+STEP_LINE = re.compile(r"step\s+\d+ \|")  # a training step's line in the job's output
+
+
 def random_killer(seed: int, record: list, within_s: float):
     """SIGKILL a random worker at a random time of each of the first RANDOM_KILLS attempts:
     set-up, rollout, training or a save, wherever the clock falls (fewer kills when the job
@@ -546,13 +549,12 @@ def random_killer(seed: int, record: list, within_s: float):
     rng = random.Random(seed)
     latest = max(1.5, min(15.0, 0.4 * within_s))
     first_after = rng.randint(1, STEPS - 1)
-
     seen = [0, 0]  # the first attempt's lines read, step lines among them
 
     def steps_seen(lines) -> int:
         for _, t in lines[seen[0]:]:
             seen[0] += 1
-            seen[1] += bool(re.match(r"step\s+\d+ \|", t))
+            seen[1] += bool(STEP_LINE.match(t))
         return seen[1]
 
     def run(popen, lines):
@@ -574,7 +576,7 @@ def random_killer(seed: int, record: list, within_s: float):
             if popen.poll() is not None or not workers:
                 break  # the job finished before this kill: the run is shorter than the clock
             victim = rng.choice(workers)
-            last = next((t for _, t in reversed(lines) if re.match(r"step\s+\d+ \|", t)), None)
+            last = next((t for _, t in reversed(lines) if STEP_LINE.match(t)), None)
             try:
                 os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
