@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Launch FlexFloor training on one machine (torchrun, NPROC workers); used by grpo_moe.sh and
-# ppo_moe.sh. Environment: CONFIG, NPROC (4), STEPS, RUN_DIR, MASTER_PORT, MAX_RESTARTS (0: a
-# lost worker ends the job; N: torchrun restarts it up to N times and it resumes from
-# checkpoint.dir, see docs/reliability.md); extra arguments are section.field=value overrides.
+# ppo_moe.sh. Environment: CONFIG, NPROC (4), STEPS, RUN_DIR, MASTER_PORT (unset: torchrun picks
+# a free one), MAX_RESTARTS (0: a lost worker ends the job; N: torchrun restarts it up to N times
+# and it resumes from checkpoint.dir, see docs/reliability.md); extra arguments are
+# section.field=value overrides.
 # Exit codes: 0 done, 2 a bad config (checked once, before any worker starts), 75 preempted
 # (SIGTERM/SIGINT: the step in progress was saved; run the same command again), 1 a failure.
 set -euo pipefail
@@ -13,6 +14,11 @@ positive() {  # NAME VALUE: a whole number >= 1, else one line naming NAME and e
 NPROC="${NPROC:-4}"
 positive NPROC "$NPROC"
 [ -z "${STEPS:-}" ] || positive STEPS "$STEPS"
+if [ -n "${MASTER_PORT:-}" ] && ! { [[ "$MASTER_PORT" =~ ^[1-9][0-9]*$ ]] && ((MASTER_PORT <= 65535)); }; then
+  echo "train_moe.sh: MASTER_PORT=$MASTER_PORT: must be a TCP port, 1-65535 (or leave it unset:" \
+    "torchrun then picks a free one)" >&2
+  exit 2
+fi
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/tools/setup_env.sh"
 cd "$FLEXFLOOR_ROOT"
 CONFIG="${CONFIG:?set CONFIG to a YAML file}"
@@ -24,6 +30,12 @@ args+=("$@")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # the config once, here: an error is printed once (not by every worker) and exits 2
 WORLD_SIZE="$NPROC" python -m flexfloor.train --check-config "${args[@]}" || exit $?
-exec python -m torch.distributed.run --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-0}" --master-addr 127.0.0.1 \
-  --master-port "${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}" \
-  -m flexfloor.train "${args[@]}"
+# MASTER_PORT unset: torchrun binds a free port itself (--standalone), so no other job can take
+# the port between its choice and its use
+if [ -n "${MASTER_PORT:-}" ]; then
+  rendezvous=(--master-addr 127.0.0.1 --master-port "$MASTER_PORT")
+else
+  rendezvous=(--standalone)
+fi
+exec python -m torch.distributed.run --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-0}" \
+  "${rendezvous[@]}" -m flexfloor.train "${args[@]}"

@@ -153,8 +153,8 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
     """init_process_group arguments that give this launch attempt, and each build of a world in
     it, its own keys in torchrun's agent store.
 
-    torchrun's static rendezvous (`--master-addr/--master-port`) keeps one store for the whole
-    job, and process groups name their keys by a counter that starts again in every attempt: after
+    torchrun's agent store (`--standalone` or the static `--master-addr/--master-port`) serves
+    the whole job, and process groups name their keys by a counter that starts again in every attempt: after
     a restart (`--max-restarts`) the new workers would read the dead ones' addresses and fail to
     connect (or wait out the timeout). A prefix with TORCHELASTIC_RESTART_COUNT separates them.
     The same holds inside one attempt when a process builds again after `Parallel.destroy()`

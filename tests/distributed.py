@@ -46,7 +46,7 @@ def one_rank_world():
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+                      MASTER_PORT="0")  # the one rank's store binds a free port itself
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -115,7 +115,7 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 600, check: b
     marker = env["FLEXFLOOR_TEST_JOB"] = f"{script}-{os.getpid()}-{time.monotonic_ns()}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        f"--nproc-per-node={nproc}", "--standalone",  # torchrun binds a free port itself
         os.path.join(REPO, "tests", "workers", script), *args,
     ]
     # Output goes to files, not pipes, and the launch gets its own session: a worker killed on

@@ -319,10 +319,9 @@ def test_entry_point_bad_data(tmp_path):
     empty = tmp_path / "empty.parquet"
     write_examples([], empty)
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    from distributed import free_port
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
-         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "flexfloor.train",
+         "--standalone", "-m", "flexfloor.train",
          "--config", os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml"),
          "parallel.world_size=1", "parallel.expert_parallel_size=1", "rollout.replicas=1",
          f"data.train_files=[{empty}]", f"logging.run_dir={tmp_path / 'run'}",

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from distributed import REPO, free_port, job_processes, run_worker
+from distributed import REPO, job_processes, run_worker
 
 PY = sys.executable
 
@@ -66,9 +66,8 @@ def test_a_rank_waiting_at_resync_runs_a_signal_handler_at_once():
 
     from flexfloor.rollout.elastic import _wait_for_every_rank
 
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    peer = dist.TCPStore("127.0.0.1", port, is_master=False)  # its own connection
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a free port
+    peer = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # its own connection
     seen = []
 
     def handler(signum, frame):
@@ -103,7 +102,7 @@ def stop(line):
     os._exit(1)
 
 Preemption(60, on_stop=stop).install()
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 print("waiting", flush=True)
 try:  # as a rendezvous waits for a peer that died in set-up
     store.wait(["the dead peer's address"], datetime.timedelta(seconds=120))
@@ -119,7 +118,7 @@ def test_launcher_sigterm_stops_a_worker_blocked_in_a_wait_for_a_dead_peer():
     of after the wait or torchrun's SIGKILL 30 s later."""
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", RANK="1",
                TORCHELASTIC_RESTART_COUNT="0", LOCAL_WORLD_SIZE="1000")  # a local peer is gone
-    proc = subprocess.Popen([PY, "-c", BLOCKED_WORKER, str(free_port())], env=env, text=True,
+    proc = subprocess.Popen([PY, "-c", BLOCKED_WORKER], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout.readline() == "waiting\n", proc.stderr.read()
@@ -322,8 +321,7 @@ def launch(base, name, *, fault="", max_restarts=0, timeout=420, during=None):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONUNBUFFERED="1", FLEXFLOOR_FAULT=fault, FLEXFLOOR_TEST_JOB=marker)
     cmd = [PY, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}",
-           f"--max-restarts={max_restarts}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "flexfloor.train", *JOB,
+           f"--max-restarts={max_restarts}", "--standalone", "-m", "flexfloor.train", *JOB,
            f"logging.run_dir={base}/{name}_run", f"checkpoint.dir={base}/{name}_ckpt"]
     lines = []
     popen = subprocess.Popen(cmd, env=env, cwd=str(base), stdout=subprocess.PIPE,

@@ -119,10 +119,13 @@ def test_plot_timeline_names_the_bad_report_or_the_bad_out(tmp_path, capsys):
     ({"NPROC": "0"}, "train_moe.sh: NPROC=0: must be"),
     ({"NPROC": "2", "STEPS": "1.5"}, "train_moe.sh: STEPS=1.5: must be a whole number >= 1"),
     ({"NPROC": "2", "STEPS": "-1"}, "train_moe.sh: STEPS=-1: must be"),
+    ({"NPROC": "2", "MASTER_PORT": "65536"},
+     "train_moe.sh: MASTER_PORT=65536: must be a TCP port, 1-65535 (or leave it unset"),
+    ({"NPROC": "2", "MASTER_PORT": "http"}, "train_moe.sh: MASTER_PORT=http: must be a TCP port"),
 ])
-def test_train_moe_sh_checks_nproc_and_steps(env, message):
+def test_train_moe_sh_checks_its_environment(env, message):
     """Checked before the environment is set up: one line, status 2."""
-    base = {k: v for k, v in os.environ.items() if k not in ("NPROC", "STEPS")}
+    base = {k: v for k, v in os.environ.items() if k not in ("NPROC", "STEPS", "MASTER_PORT")}
     proc = subprocess.run(["bash", "examples/train_moe.sh"], cwd=REPO, capture_output=True,
                           text=True, timeout=60,
                           env={**base, "CONFIG": "examples/configs/grpo_tiny.yaml", **env})

@@ -37,7 +37,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -307,7 +306,7 @@ def _launch(args, argv, lengths, out: str, partial: str) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+           "--standalone",  # torchrun binds a free port
            # "--": torchrun's own parser must not read the benchmark's flags (--nproc is a
            # prefix of its --nproc-per-node)
            os.path.abspath(__file__), "--", "--worker", *worker_argv]
@@ -337,12 +336,6 @@ def _launch(args, argv, lengths, out: str, partial: str) -> int:
         print(f"bench_rollout: the modes' responses DIFFER in epochs {bad}", file=sys.stderr)
         return EXIT_MISMATCH
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fmt(x, digits=3) -> str:

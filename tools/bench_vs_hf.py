@@ -265,10 +265,8 @@ def main(argv=None) -> int:
     clock = CLOCKS[args.clock]
     warnings.filterwarnings("ignore")
     if "RANK" not in os.environ:  # one process: its own one-rank gloo world
-        from tools.convert_checkpoint import free_port
-
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+                          MASTER_PORT="0")  # its store binds a free port
     import torch
 
     from flexfloor.convert.hf_reference import tiny_hf_model

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         return _launch(args, argv)
     if "RANK" not in os.environ:  # one process: its own one-rank gloo world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+                          MASTER_PORT="0")  # its store binds a free port
         return _alone(args)
     return _convert(args)
 
@@ -202,7 +202,7 @@ def _launch(args, argv) -> int:
         status = os.path.join(tmp, "status")
         os.mkdir(status)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ep}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+               "--standalone",  # torchrun binds a free port
                os.path.abspath(__file__), "--", *argv]
         # TMPDIR: torchrun's torchelastic_* log folders land in `tmp` too, and go with it
         env = {**os.environ, "OMP_NUM_THREADS": "1", STATUS_ENV: status, "TMPDIR": tmp}
@@ -268,15 +268,6 @@ def _signal_group(proc, signum: int) -> None:
         os.killpg(proc.pid, signum)
     except ProcessLookupError:  # the group has ended already
         pass
-
-
-def free_port() -> int:
-    """A free local TCP port (the master port of a local gloo world)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import sys
 import warnings
 
 import torch
-import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
