@@ -4,10 +4,11 @@
         [--cpus-per-worker C] [--gpus-per-worker G] [section.field=value ...]
 
 One bundle per worker ({"CPU": C} or {"CPU": C, "GPU": G}), PACK strategy, so workers fill a node
-before the next. Ranks follow the nodes (a node's workers hold consecutive ranks); rank 0 reports
-its node's IP and a free port, every worker sets the torchrun variables (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), initialises torch.distributed and builds
-a `Job`. The driver calls each phase on every worker (warm start, step, close) and reads rank 0's
+before the next. Ranks follow the nodes (a node's workers hold consecutive ranks); rank 0 serves
+the job's TCP store on a port the OS picks (as torchrun's agent does: no port is picked first and
+bound later, when another process may hold it) and reports its node's IP and that port; every
+worker sets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), initialises torch.distributed on that store and builds a `Job`. The driver calls each phase on every worker (warm start, step, close) and reads rank 0's
 metrics; a worker that dies or fails ends the run with an error naming its rank, and every wait
 has a timeout. Released workers are reported to the resource pool (`flexfloor.launch.pool`).
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,16 +46,24 @@ class Worker:
             "cpus": ctx.get_assigned_resources().get("CPU", 0.0),
         }
         self.job = None
+        self._store = None  # rank 0's: the job's TCP store (`host_store`)
         self._released = False
         self._reports = []  # pool updates in flight
 
     def locate(self) -> dict:
         return self.where
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def host_store(self, timeout_s: float) -> int:
+        """Serve the job's TCP store from this actor (rank 0's) on a port the OS picks; returns
+        the port."""
+        import datetime
+
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(self.where["node_ip"], 0, is_master=True,
+                                    wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return self._store.port
 
     def start(self, cfg, *, env: dict, cwd: str) -> dict:
         """torch.distributed among the workers, then the Job. Returns where the Job stands: its
@@ -81,7 +89,11 @@ class Worker:
             # Ray makes only this worker's accelerator visible, so it is device 0 whatever
             # LOCAL_RANK says; the launcher opens the world group so Job reuses it as is.
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+        store = self._store or dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                                             is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=int(env["RANK"]),
+                                world_size=int(env["WORLD_SIZE"]), timeout=timeout)
         self.job = Job(cfg)
         self.job.on_release_event = self._report
         return {"step": self.job.step_index, "warm_start": self.job.needs_warm_start(),
@@ -175,7 +187,8 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
             on_node = [r for r, o in enumerate(workers) if o["node_id"] == w["node_id"]]
             w.update(rank=rank, local_rank=on_node.index(rank), local_world_size=len(on_node))
         labels = {r: f"rank {r} (node {w['node_ip']}, pid {w['pid']})" for r, w in enumerate(workers)}
-        port = _gather({0: actors[0].free_port.remote()}, labels, "start-up", timeout_s)[0]
+        port = _gather({0: actors[0].host_store.remote(cfg.parallel.timeout_s)}, labels,
+                       "start-up", timeout_s)[0]
         for w in workers:
             say(f"rank {w['rank']}: node {w['node_ip']} ({w['node_id'][:8]}) pid {w['pid']} "
                 f"local rank {w['local_rank']} gpus {w['gpu_ids'] or '-'} cpus {w['cpus']:g}")
