@@ -14,7 +14,8 @@ positive() {  # NAME VALUE: a whole number >= 1, else one line naming NAME and e
 NPROC="${NPROC:-4}"
 positive NPROC "$NPROC"
 [ -z "${STEPS:-}" ] || positive STEPS "$STEPS"
-if [ -n "${MASTER_PORT:-}" ] && ! { [[ "$MASTER_PORT" =~ ^[1-9][0-9]*$ ]] && ((MASTER_PORT <= 65535)); }; then
+if [ -n "${MASTER_PORT:-}" ] &&
+   ! { [[ "$MASTER_PORT" =~ ^[1-9][0-9]*$ ]] && ((MASTER_PORT <= 65535)); }; then
   echo "train_moe.sh: MASTER_PORT=$MASTER_PORT: must be a TCP port, 1-65535 (or leave it unset:" \
     "torchrun then picks a free one)" >&2
   exit 2

@@ -154,13 +154,14 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
     it, its own keys in torchrun's agent store.
 
     torchrun's agent store (`--standalone` or the static `--master-addr/--master-port`) serves
-    the whole job, and process groups name their keys by a counter that starts again in every attempt: after
-    a restart (`--max-restarts`) the new workers would read the dead ones' addresses and fail to
-    connect (or wait out the timeout). A prefix with TORCHELASTIC_RESTART_COUNT separates them.
-    The same holds inside one attempt when a process builds again after `Parallel.destroy()`
-    (convert or evaluate two models in one script): gloo's connectFullMesh would dial the first
-    world's closed sockets. So the prefix also holds the build's number, which every rank reads
-    from the store (the k-th build of each rank is the k-th world: a build needs every rank).
+    the whole job, and process groups name their keys by a counter that starts again in every
+    attempt: after a restart (`--max-restarts`) the new workers would read the dead ones'
+    addresses and fail to connect (or wait out the timeout). A prefix with
+    TORCHELASTIC_RESTART_COUNT separates them. The same holds inside one attempt when a process
+    builds again after `Parallel.destroy()` (convert or evaluate two models in one script):
+    gloo's connectFullMesh would dial the first world's closed sockets. So the prefix also holds
+    the build's number, which every rank reads from the store (the k-th build of each rank is
+    the k-th world: a build needs every rank).
     Outside torchrun's agent store: {} (torch's own env:// rendezvous).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -187,7 +187,6 @@ def test_gpu_check_runs_every_section_on_cpu():
     import subprocess
     import sys
 
-
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="0", PYTHONWARNINGS="ignore")

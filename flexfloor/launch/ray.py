@@ -8,9 +8,10 @@ before the next. Ranks follow the nodes (a node's workers hold consecutive ranks
 the job's TCP store on a port the OS picks (as torchrun's agent does: no port is picked first and
 bound later, when another process may hold it) and reports its node's IP and that port; every
 worker sets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT), initialises torch.distributed on that store and builds a `Job`. The driver calls each phase on every worker (warm start, step, close) and reads rank 0's
-metrics; a worker that dies or fails ends the run with an error naming its rank, and every wait
-has a timeout. Released workers are reported to the resource pool (`flexfloor.launch.pool`).
+MASTER_PORT), initialises torch.distributed on that store and builds a `Job`. The driver calls
+each phase on every worker (warm start, step, close) and reads rank 0's metrics; a worker that
+dies or fails ends the run with an error naming its rank, and every wait has a timeout. Released
+workers are reported to the resource pool (`flexfloor.launch.pool`).
 """
 
 from __future__ import annotations
