@@ -38,5 +38,7 @@ if [ -n "${MASTER_PORT:-}" ]; then
 else
   rendezvous=(--standalone)
 fi
-exec python -m torch.distributed.run --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-0}" \
+# torchrun through flexfloor.launch.local: the exit code is the workers' (75 when a stop signal
+# had them save their step), with no torchrun traceback for a stop signal
+exec python -m flexfloor.launch.local --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-0}" \
   "${rendezvous[@]}" -m flexfloor.train "${args[@]}"

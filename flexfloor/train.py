@@ -20,6 +20,8 @@ import sys
 import traceback
 import warnings
 
+from flexfloor.launch.local import report_exit
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
@@ -73,6 +75,7 @@ def main(argv=None) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure ends the same way: one line, exit 1
         _fail(e)
     job.close()
+    report_exit(0)
     return 0
 
 
@@ -108,6 +111,7 @@ def _exit_now(code: int) -> None:
     """Exit without teardown: destroying process groups can wait on a dead peer, and a
     dist-checkpointing writer or a non-daemon thread would keep the process alive. Helper
     processes this worker started go first."""
+    report_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

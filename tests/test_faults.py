@@ -511,6 +511,74 @@ def test_no_process_of_the_job_outlives_it(runs):
     assert any("checkpoint.dir: took over the stale lock of pid" in t for _, t in runs["lines"])
 
 
+def test_the_launch_script_exits_75_on_a_stop_signal_without_a_traceback(runs, tmp_path):
+    """`bash examples/train_moe.sh` as a user runs it, SIGTERM to the launcher after step 1 (as
+    Slurm or a terminal's Ctrl-C signals torchrun): the workers finish the step and save it,
+    and the script exits 75 (torchrun itself would exit 1 with its own traceback); nothing of
+    the job is left. After `runs`: its warm start is cached."""
+    marker = f"script-{os.getpid()}-{time.monotonic_ns()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "MASTER_PORT")}
+    env.update(CONFIG=JOB[1], NPROC=str(NPROC), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
+               FLEXFLOOR_TEST_JOB=marker)
+    popen = subprocess.Popen(
+        ["bash", os.path.join(REPO, "examples", "train_moe.sh"), *JOB[2:], "trainer.steps=50",
+         f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    lines = []
+    try:
+        for line in popen.stdout:
+            lines.append(line.rstrip("\n"))
+            if STEP_LINE.search(line):
+                popen.send_signal(signal.SIGTERM)  # the launcher: bash exec'd it
+                break
+        lines += popen.stdout.read().splitlines()
+        popen.wait(timeout=120)
+    finally:
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        popen.wait()
+    out = "\n".join(lines)
+    assert popen.returncode == 75, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    (done,) = [t for t in lines if "preempted by SIGTERM" in t]
+    step = int(re.search(r"after step (\d+):", done).group(1))
+    assert os.path.isdir(tmp_path / "ckpt" / f"iter_{step:07d}")
+    deadline = time.monotonic() + 10
+    while job_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job_processes(marker) == []
+
+
+def test_the_launchers_exit_code_follows_the_last_attempts_workers(tmp_path):
+    """flexfloor.launch.local's decision, from the codes the workers report."""
+    from flexfloor.launch import local
+
+    folder = tmp_path / "status"
+    folder.mkdir()
+    env = dict(os.environ)
+    try:
+        os.environ[local.STATUS_ENV] = str(folder)
+        for attempt, rank, code in ((0, 0, 1), (0, 1, 75), (1, 0, 75), (1, 1, 75)):
+            os.environ.update(TORCHELASTIC_RESTART_COUNT=str(attempt), RANK=str(rank))
+            local.report_exit(code)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    (folder / "attempt_9.rank_0.tmp").write_text("0")  # a report cut short is not read
+    codes = local.last_attempt_codes(str(folder))
+    assert codes == {0: 75, 1: 75}
+    assert local.outcome(codes, 2, 1, 15) == 75  # preempted and saved: 75, whoever signalled
+    assert local.outcome(codes, 2, 1, None) == 75  # a worker signalled, torchrun reported 1
+    assert local.outcome({0: 75}, 2, 1, 15) == 128 + 15  # one worker did not save
+    assert local.outcome({0: 0, 1: 0}, 2, 1, 2) == 0  # signalled after the last step
+    assert local.outcome({}, 2, 1, None) == 1  # torchrun's own outcome
+    assert local.outcome({0: 1, 1: 75}, 2, 1, None) == 1
+    assert local.outcome({}, 2, 0, None) == 0
+
+
 # ------------------------------------------------------------------- random-kill soak
 
 RANDOM_KILLS = 3

@@ -1,0 +1,116 @@
+"""Local launcher: torchrun on this machine, with the job's exit code as the workers decided it.
+
+    python -m flexfloor.launch.local [torchrun options] -m flexfloor.train [train arguments]
+
+Run as `python -m torch.distributed.run`, torchrun answers a stop signal it receives (Ctrl-C in
+the terminal, a SIGTERM to the job) with its own traceback and exit code 1, even where every
+worker finished its step, saved it and exited 75 (preempted: run the same command again); and a
+worker's 75 reaches the caller as torchrun's 1. So `examples/train_moe.sh` runs torchrun's entry
+point in this process instead, and every worker reports its exit code into a folder of this
+launch (`STATUS_ENV`). The last launch attempt's codes decide the outcome:
+- every worker exited 75: exit 75 (a wrapper requeues exactly the preempted jobs);
+- every worker exited 0 (a stop signal after the last step): exit 0;
+- a stop signal, and the workers stopped before they saved: one line, exit 128 + the signal;
+- otherwise torchrun's own outcome (0, or 1 after its failure summary).
+No traceback is printed for a stop signal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+# set for the workers: the folder where each writes its exit code (flexfloor.train)
+STATUS_ENV = "FLEXFLOOR_LAUNCH_STATUS"
+PREEMPTED = 75  # flexfloor.preemption.PREEMPTED_EXIT_CODE (not imported: it loads torch's dist)
+
+
+def report_exit(code: int) -> None:
+    """In a worker: record `code` as this worker's exit code for the launcher (if any)."""
+    folder = os.environ.get(STATUS_ENV)
+    if not folder or not os.path.isdir(folder):
+        return
+    name = (f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            f".rank_{os.environ.get('RANK', '0')}")
+    try:
+        with open(os.path.join(folder, name + ".tmp"), "w") as f:
+            f.write(str(code))
+        os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+    except OSError:  # the launcher is gone: nobody reads it
+        pass
+
+
+def last_attempt_codes(folder: str) -> dict[int, int]:
+    """rank -> exit code of the newest attempt that reported any."""
+    by_attempt: dict[int, dict[int, int]] = {}
+    for name in os.listdir(folder):
+        m = re.fullmatch(r"attempt_(\d+)\.rank_(\d+)", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                code = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        by_attempt.setdefault(int(m.group(1)), {})[int(m.group(2))] = code
+    return by_attempt[max(by_attempt)] if by_attempt else {}
+
+
+def outcome(codes: dict[int, int], workers: int | None, torchrun_code: int,
+            signum: int | None) -> int:
+    """The job's exit code (module doc): `codes` from `last_attempt_codes`, `workers` the
+    attempt's worker count (None: as many as reported), `signum` the stop signal torchrun
+    received (None: none)."""
+    every = bool(codes) and (workers is None or len(codes) == workers)
+    if every and set(codes.values()) == {PREEMPTED}:
+        return PREEMPTED
+    if every and set(codes.values()) == {0}:
+        return 0
+    if signum is not None:
+        return 128 + signum
+    return torchrun_code
+
+
+def main(argv=None) -> int:
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import parse_args
+
+    from flexfloor.launch.reaper import forget, remove_if_killed, start_reaper
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)  # torchrun's own errors (exit 2) before anything is made
+    nproc, nnodes = str(args.nproc_per_node), str(args.nnodes).split(":")[-1]
+    workers = int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
+    start_reaper()  # after a SIGKILL of this launcher, its workers and the folder go too
+    status = tempfile.mkdtemp(prefix="flexfloor-launch-")
+    remove_if_killed([status])
+    os.environ[STATUS_ENV] = status
+    signum, code = None, 0
+    try:
+        try:
+            torchrun(argv)
+        except SignalException as e:  # torchrun has stopped its workers (they saved, or not)
+            signum = int(e.sigval)
+        except ChildFailedError:  # torchrun printed which worker failed and how
+            code = 1
+        codes = last_attempt_codes(status)
+    finally:
+        shutil.rmtree(status, ignore_errors=True)
+        forget([status])
+    result = outcome(codes, workers, code, signum)
+    if signum is not None and result == 128 + signum:
+        print(f"[flexfloor] stopped by {signal.Signals(signum).name} before every worker had "
+              "saved its step: run the same command again to resume from the newest checkpoint",
+              file=sys.stderr, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
