@@ -166,7 +166,7 @@ def test_torchrun_sbatch_on_four_nodes(fake_srun, capsys):
         # inside the step Slurm sets the node's own name and id; GPUs per node stay visible
         cmd = node_stage(srun, dict(env, **slurm_env("gpu[01-03,07]", 4, node, rank,
                                                      SLURM_GPUS_ON_NODE="8")), capsys)
-        assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert cmd[:3] == [sys.executable, "-m", "flexfloor.launch.local"]
         assert cmd[3:9] == ["--nnodes=4", f"--node-rank={rank}", "--nproc-per-node=8",
                             "--rdzv-backend=static", f"--rdzv-endpoint=gpu01:{port}",
                             "--rdzv-id=734512"]

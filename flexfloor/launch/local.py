@@ -1,4 +1,4 @@
-"""Local launcher: torchrun on this machine, with the job's exit code as the workers decided it.
+"""Local launcher: this node's torchrun, exiting as its workers decided.
 
     python -m flexfloor.launch.local [torchrun options] -m flexfloor.train [train arguments]
 
@@ -6,8 +6,9 @@ Run as `python -m torch.distributed.run`, torchrun answers a stop signal it rece
 the terminal, a SIGTERM to the job) with its own traceback and exit code 1, even where every
 worker finished its step, saved it and exited 75 (preempted: run the same command again); and a
 worker's 75 reaches the caller as torchrun's 1. So `examples/train_moe.sh` runs torchrun's entry
-point in this process instead, and every worker reports its exit code into a folder of this
-launch (`STATUS_ENV`). The last launch attempt's codes decide the outcome:
+point in this process instead (so does each node's task of `grpo_moe.sbatch`), and every worker
+of this node reports its exit code into a folder of this launch (`STATUS_ENV`). The last launch
+attempt's codes decide the outcome:
 - every worker exited 75: exit 75 (a wrapper requeues exactly the preempted jobs);
 - every worker exited 0 (a stop signal after the last step): exit 0;
 - a stop signal, and the workers stopped before they saved: one line, exit 128 + the signal;
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)  # torchrun's own errors (exit 2) before anything is made
-    nproc, nnodes = str(args.nproc_per_node), str(args.nnodes).split(":")[-1]
-    workers = int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
+    nproc = str(args.nproc_per_node)  # this node's workers: they report here
+    workers = int(nproc) if nproc.isdigit() else None
     start_reaper()  # after a SIGKILL of this launcher, its workers and the folder go too
     status = tempfile.mkdtemp(prefix="flexfloor-launch-")
     remove_if_killed([status])

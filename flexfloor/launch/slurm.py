@@ -141,9 +141,10 @@ def srun_command(alloc: Allocation, stage_args: list[str], python: str) -> list[
 
 
 def torchrun_command(alloc: Allocation, port: int, train_args: list[str], python: str) -> list[str]:
-    """This node's torchrun: static rendezvous at the first node, node rank = its place in the
-    node list, so ranks follow the nodes (rank 0 on the first) as in every run of the job."""
-    return [python, "-m", "torch.distributed.run", f"--nnodes={len(alloc.nodes)}",
+    """This node's torchrun (through `flexfloor.launch.local`: a preempted node exits 75, as its
+    workers do): static rendezvous at the first node, node rank = its place in the node list, so
+    ranks follow the nodes (rank 0 on the first) as in every run of the job."""
+    return [python, "-m", "flexfloor.launch.local", f"--nnodes={len(alloc.nodes)}",
             f"--node-rank={alloc.node_rank}", f"--nproc-per-node={alloc.procs_per_node}",
             "--rdzv-backend=static", f"--rdzv-endpoint={alloc.head}:{port}",
             f"--rdzv-id={alloc.job_id}", "-m", "flexfloor.train", *train_args,
