@@ -555,6 +555,9 @@ def test_the_launch_script_exits_75_on_a_stop_signal_without_a_traceback(runs, t
 def test_the_launchers_exit_code_follows_the_last_attempts_workers(tmp_path):
     """flexfloor.launch.local's decision, from the codes the workers report."""
     from flexfloor.launch import local
+    from flexfloor.preemption import PREEMPTED_EXIT_CODE
+
+    assert local.PREEMPTED == PREEMPTED_EXIT_CODE  # kept apart: the launcher's import is light
 
     folder = tmp_path / "status"
     folder.mkdir()
