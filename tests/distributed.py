@@ -89,6 +89,22 @@ def run_worker(script: str, nproc: int, out, *args: str, timeout: float = 600,
     return Launch(out, torchrun(script, nproc, str(out), *args, timeout=timeout, check=check))
 
 
+def end_job(popen: subprocess.Popen, marker: str | None = None) -> None:
+    """SIGKILL what is left of a launch started with `start_new_session=True`: its session, and
+    with `marker` every process that inherited it (the workers' own sessions, their helpers);
+    then reap the launch."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the session has ended already
+        pass
+    for pid in job_processes(marker) if marker else ():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    popen.wait()
+
+
 def job_processes(marker: str) -> list[int]:
     """Live processes (pids) whose environment carries FLEXFLOOR_TEST_JOB=marker: the launcher, the
     workers and every helper they started (they inherit it)."""
@@ -130,16 +146,7 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 600, check: b
         except subprocess.TimeoutExpired:
             timed_out = True  # killed below, then a failure with its output
         finally:
-            try:
-                os.killpg(popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            popen.wait()
-            for pid in job_processes(marker):  # in a session of their own (a worker's helpers)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            end_job(popen, marker)  # workers run in sessions of their own, and their helpers
         out.seek(0)
         err.seek(0)
         proc = subprocess.CompletedProcess(cmd, popen.returncode, out.read(), err.read())

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from distributed import REPO, job_processes, run_worker
+from distributed import REPO, end_job, job_processes, run_worker
 
 PY = sys.executable
 
@@ -344,16 +344,7 @@ def launch(base, name, *, fault="", max_restarts=0, timeout=420, during=None):
             time.sleep(0.2)
         left = job_processes(marker)
     finally:
-        try:  # whatever is left: end the whole session (and the leftovers)
-            os.killpg(popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for pid in job_processes(marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        popen.wait()
+        end_job(popen, marker)  # whatever is left: the whole session and the leftovers
         reader.join(timeout=10)
     with open(os.path.join(base, f"{name}.log"), "w") as f:
         f.write("\n".join(text for _, text in lines))
@@ -535,11 +526,7 @@ def test_the_launch_script_exits_75_on_a_stop_signal_without_a_traceback(runs, t
         lines += popen.stdout.read().splitlines()
         popen.wait(timeout=120)
     finally:
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        popen.wait()
+        end_job(popen)
     out = "\n".join(lines)
     assert popen.returncode == 75, out[-4000:]
     assert "Traceback" not in out, out[-4000:]

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from distributed import REPO, free_port
+from distributed import REPO, end_job, free_port
 
 from flexfloor.launch.pool import ResourcePool
 from flexfloor.launch.slurm import Allocation, expand_hostlist, ray_auth_env
@@ -142,11 +142,7 @@ def sbatch(script: str, env: dict, *args: str, timeout: float = 300) -> subproce
     try:
         out, _ = popen.communicate(timeout=timeout)
     finally:  # a real torchrun leaves nothing behind, even when the test fails
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        popen.wait()
+        end_job(popen)
     return subprocess.CompletedProcess(cmd, popen.returncode, out, "")
 
 
