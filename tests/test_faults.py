@@ -14,6 +14,9 @@
    state at the last step equal an uninterrupted run's bit for bit. Detection and recovery
    times are printed (docs/reliability.md), not asserted. Once torchrun exits, no process of
    the job is left and its output pipe closes (the dead workers' helpers are reaped).
+3. `bash examples/train_moe.sh` signalled with SIGTERM after step 1 saves that step and exits 75
+   with no traceback (flexfloor.launch.local), and the launcher's exit code follows the codes
+   its workers report.
 """
 
 import json
