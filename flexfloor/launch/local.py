@@ -34,12 +34,17 @@ def report_exit(code: int) -> None:
     folder = os.environ.get(STATUS_ENV)
     if not folder or not os.path.isdir(folder):
         return
+    from flexfloor.outputs import write_whole
+
     name = (f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
             f".rank_{os.environ.get('RANK', '0')}")
-    try:
-        with open(os.path.join(folder, name + ".tmp"), "w") as f:
+
+    def write(tmp):
+        with open(tmp, "w") as f:
             f.write(str(code))
-        os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+
+    try:  # whole or not at all: the launcher reads no half-written code
+        write_whole(os.path.join(folder, name), write)
     except OSError:  # the launcher is gone: nobody reads it
         pass
 
