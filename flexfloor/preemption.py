@@ -154,7 +154,9 @@ def _local_peer_gone() -> bool:
     with SIGTERM before it restarts the group (or gives up); that is no preemption, and waiting
     for a peer that is gone would only make torchrun kill this worker 30 s later."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or not local:
+    # torchrun's agent sets its run id (the Ray launcher sets only the restart count: there the
+    # parent is Ray's, not a launcher of this node's workers)
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not local:
         return False
     import psutil
 

@@ -120,7 +120,8 @@ def test_launcher_sigterm_stops_a_worker_blocked_in_a_wait_for_a_dead_peer():
     C++ wait (Python runs no handler there) stops at once all the same, with its line, instead
     of after the wait or torchrun's SIGKILL 30 s later."""
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore", RANK="1",
-               TORCHELASTIC_RESTART_COUNT="0", LOCAL_WORLD_SIZE="1000")  # a local peer is gone
+               TORCHELASTIC_RUN_ID="test", TORCHELASTIC_RESTART_COUNT="0",
+               LOCAL_WORLD_SIZE="1000")  # as under torchrun, and a local peer is gone
     proc = subprocess.Popen([PY, "-c", BLOCKED_WORKER], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

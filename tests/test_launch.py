@@ -341,6 +341,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def assert_same_steps(ours: list[dict], ref: list[dict]) -> None:
+    """Steps 1 and 2 of two runs of the tiny job: the same tokens, rewards, losses."""
+    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [1, 2]
+    for a, b in zip(ours, ref):
+        a, b = deterministic(a), deterministic(b)
+        assert a.keys() == b.keys() and len(a) >= 10
+        assert all(same_numbers(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a
+                                                          if a[k] != b[k]}
+
+
 def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchrun_run, tmp_path):
     import ray
 
@@ -383,12 +393,8 @@ def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchru
     assert all(w["cpus"] == 1.0 and w["gpu_ids"] == [] for w in result.workers)
 
     # the same job under torchrun: the same tokens, rewards, losses, step for step
-    ours, ref = result.metrics, torchrun_run["metrics"]
-    assert [m["step"] for m in ours] == [1, 2]
-    for a, b in zip(ours, ref):
-        a, b = deterministic(a), deterministic(b)
-        assert a.keys() == b.keys() and len(a) >= 10
-        assert all(same_numbers(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+    ref = torchrun_run["metrics"]
+    assert_same_steps(result.metrics, ref)
 
     # the pool saw the ranks that left early (fewer engine steps than the last one, in the
     # torchrun run of the same tokens) released in both steps, each back at its step's resync
@@ -413,6 +419,63 @@ def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchru
     assert lent["cpus"] == 1.0 and lent["step"] in (1, 2)
     claimed = [e for e in result.pool_events if e["event"] == "claimed"]
     assert [(e["rank"], e["lease"]) for e in claimed] == [(lent["rank"], lent["lease"])]
+
+
+def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, torchrun_run,
+                                                                 tmp_path):
+    """`max_restarts` under Ray: rank 1's process is killed after step 1 (its checkpoint saved).
+    Every worker is started again, the new Job resumes from step 1's checkpoint, and the run's
+    metrics equal the uninterrupted torchrun run's, step for step."""
+    import ray
+
+    from flexfloor.config import load_config
+    from flexfloor.launch.pool import NAMESPACE
+    from flexfloor.launch.ray import launch
+
+    cluster, pids = ray_cluster
+    ray.init(address=cluster.address, namespace=NAMESPACE)
+    lines: list[str] = []
+    started: list[tuple[int, int]] = []  # (rank, pid) of every attempt's workers, in order
+    victim = []
+
+    def say(text: str) -> None:
+        lines.append(text)
+        m = re.match(r"rank (\d+): .* pid (\d+) ", text)
+        if m:
+            started.append((int(m[1]), int(m[2])))
+        if text.startswith("step 1/") and not victim:  # the first attempt's step 1 is saved
+            victim.append(dict(started)[1])
+            os.kill(victim[0], signal.SIGKILL)
+
+    cfg = load_config(CONFIG, TINY + [f"logging.run_dir={tmp_path}/run",
+                                      f"checkpoint.dir={tmp_path}/ckpt",
+                                      "checkpoint.save_interval=1"]).resolve_world(4)
+    try:
+        result = launch(cfg, num_workers=4, timeout_s=300, pool_name="restart-pool",
+                        max_restarts=1, say=say)
+    finally:
+        pids += [pid for _, pid in started]
+        ray.shutdown()
+
+    assert result.restarts == 1 and victim, lines
+    (restart,) = [x for x in lines if "restart 1 of 1" in x]
+    assert re.match(rf"rank 1 \(node [0-9.]+, pid {victim[0]}\) died during step 2", restart)
+    first, second = started[:4], started[4:]
+    assert [r for r, _ in first] == [r for r, _ in second] == [0, 1, 2, 3]
+    assert not {p for _, p in first} & {p for _, p in second}  # new processes
+    # the second attempt resumed: it ran step 2 alone (from scratch it would run step 1 again)
+    assert [x.split()[1] for x in lines if x.startswith("step ")] == ["1/2", "2/2"]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(x)["step"] for x in f] == [1, 2]
+    assert_same_steps(result.metrics, torchrun_run["metrics"])
+
+
+def test_ray_launcher_refuses_a_negative_max_restarts():
+    proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.ray", "--config", CONFIG,
+                           "--num-workers", "2", "--max-restarts", "-1"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert "--max-restarts -1: must be 0 or more" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):

@@ -1,7 +1,7 @@
 """Ray launcher: workers as Ray actors in a placement group, this process drives the step loop.
 
     python -m flexfloor.launch.ray --config FILE --num-workers N [--address HOST:PORT]
-        [--cpus-per-worker C] [--gpus-per-worker G] [section.field=value ...]
+        [--cpus-per-worker C] [--gpus-per-worker G] [--max-restarts N] [section.field=value ...]
 
 One bundle per worker ({"CPU": C} or {"CPU": C, "GPU": G}), PACK strategy, so workers fill a node
 before the next. Ranks follow the nodes (a node's workers hold consecutive ranks); rank 0 serves
@@ -10,8 +10,9 @@ bound later, when another process may hold it) and reports its node's IP and tha
 worker sets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), initialises torch.distributed on that store and builds a `Job`. The driver calls
 each phase on every worker (warm start, step, close) and reads rank 0's metrics; a worker that
-dies or fails ends the run with an error naming its rank, and every wait has a timeout. Released
-workers are reported to the resource pool (`flexfloor.launch.pool`).
+dies or fails ends the run with an error naming its rank (with `--max-restarts N`, every worker
+is started again and resumes from `checkpoint.dir`, up to N times), and every wait has a timeout.
+Released workers are reported to the resource pool (`flexfloor.launch.pool`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from flexfloor.launch.reaper import start_reaper
 
 
 class LaunchError(RuntimeError):
-    pass
+    """The run cannot go on. `worker_lost`: a worker died or raised (a restart may resume the
+    run), not a placement or a timeout."""
+
+    def __init__(self, message: str, worker_lost: bool = False):
+        super().__init__(message)
+        self.worker_lost = worker_lost
 
 
 class Worker:
@@ -144,26 +150,32 @@ class RunResult:
     metrics: list[dict]                  # rank 0's metrics, one dict per step
     workers: list[dict]                  # by rank: node_id, node_ip, pid, gpu_ids, cpus, local_rank
     pool_events: list[dict] = field(default_factory=list)  # the pool's record (pool.events())
+    restarts: int = 0                    # attempts after the first (`max_restarts`)
 
 
 def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
            gpus_per_worker: float | None = None, timeout_s: float = 1800.0,
-           pool_name: str = POOL_NAME, say=print) -> RunResult:
+           pool_name: str = POOL_NAME, max_restarts: int = 0, say=print) -> RunResult:
     """Run the job on `num_workers` Ray actors of the cluster `ray.init` connected to.
 
     `cfg` is resolved for `num_workers` (`Config.resolve_world`). `gpus_per_worker=None`: one GPU
     each when the cluster has GPUs, none otherwise. Every wait is bounded by `timeout_s`.
+    `max_restarts`: when a worker dies or raises, every worker of the attempt is ended and a new
+    set started, up to this many times (as `torchrun --max-restarts`); each new Job resumes from
+    the newest complete checkpoint in `checkpoint.dir` (`checkpoint.resume=auto`), else starts
+    again at step 0. The metrics of steps the resumed run does again are replaced.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts}: must be >= 0 (0: a lost worker ends "
+                         "the run)")
     if gpus_per_worker is None:
         gpus_per_worker = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     pool = ray.remote(num_cpus=0)(ResourcePool).options(name=pool_name, namespace=NAMESPACE).remote()
     pg = placement_group([bundle] * num_workers, strategy="PACK")
-    actors = []
     try:
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
@@ -171,6 +183,36 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 f"the cluster could not place {num_workers} workers of {bundle} within "
                 f"{timeout_s:.0f} s; it has {ray.cluster_resources()}: add nodes, or lower "
                 "--num-workers / --cpus-per-worker / --gpus-per-worker")
+        history: list[dict] = []
+        for attempt in range(max_restarts + 1):
+            try:
+                workers = _attempt(cfg, pg, pool, pool_name, num_workers, cpus_per_worker,
+                                   gpus_per_worker, timeout_s, attempt, history, say)
+                return RunResult(metrics=history, workers=workers, restarts=attempt,
+                                 pool_events=ray.get(pool.events.remote(), timeout=timeout_s))
+            except LaunchError as e:
+                if not e.worker_lost or attempt == max_restarts:
+                    raise
+                say(f"{e}; restart {attempt + 1} of {max_restarts}: every worker is started "
+                    "again and resumes from the newest checkpoint in checkpoint.dir "
+                    f"({cfg.checkpoint.dir or 'not set: from step 0'})")
+        raise AssertionError("unreachable")  # the last attempt returned or raised
+    finally:
+        ray.kill(pool)
+        remove_placement_group(pg)
+
+
+def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: float,
+             gpus_per_worker: float, timeout_s: float, attempt: int, history: list,
+             say) -> list[dict]:
+    """One launch attempt: `num_workers` actors in `pg`'s bundles run the job to its end.
+    `history` (rank 0's metrics so far) is extended, a resumed step replacing what an earlier
+    attempt logged for it. Returns the workers by rank; the actors are ended in every case."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actors = []
+    try:
         actor_cls = ray.remote(Worker)
         actors = [actor_cls.options(
             num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
@@ -193,10 +235,11 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         for w in workers:
             say(f"rank {w['rank']}: node {w['node_ip']} ({w['node_id'][:8]}) pid {w['pid']} "
                 f"local rank {w['local_rank']} gpus {w['gpu_ids'] or '-'} cpus {w['cpus']:g}")
-        def env(w):  # what torchrun would set for this worker
+        def env(w):  # what torchrun would set for this worker (the attempt too)
             return {"RANK": str(w["rank"]), "WORLD_SIZE": str(num_workers),
                     "LOCAL_RANK": str(w["local_rank"]), "LOCAL_WORLD_SIZE": str(w["local_world_size"]),
-                    "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port)}
+                    "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port),
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt)}
 
         job = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
                        for r, a in enumerate(actors)}, labels, "start-up", timeout_s)[0]
@@ -208,7 +251,8 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         # Job.run's loop, each phase called on every worker
         if job["warm_start"]:
             every("warm_start", "warm start")
-        history, step, done = [], job["step"], job["done"]
+        step, done = job["step"], job["done"]
+        history[:] = [m for m in history if m["step"] <= step]  # a resumed run does the rest again
         while not done:
             t0 = time.perf_counter()
             m, done = every("step", f"step {step + 1}")[0]
@@ -221,13 +265,26 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 f"released ranks {lent or '-'} (lent to the pool until resync) | "
                 f"{time.perf_counter() - t0:.1f}s")
         every("finish", "close")
-        return RunResult(metrics=history, workers=workers,
-                         pool_events=ray.get(pool.events.remote(), timeout=timeout_s))
+        return workers
     finally:
         for a in actors:
             ray.kill(a)
-        ray.kill(pool)
-        remove_placement_group(pg)
+        _wait_ended(actors, timeout_s)  # their bundles are free again for the next attempt
+
+
+def _wait_ended(actors: list, timeout_s: float) -> None:
+    """Wait until each of `actors` (killed) is dead, up to `timeout_s` in all."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    for a in actors:
+        try:  # a dead actor answers with RayActorError at once
+            ray.get(a.locate.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except RayActorError:
+            continue
+        except GetTimeoutError:
+            return
 
 
 def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
@@ -266,7 +323,8 @@ def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
         others = sorted(k for k in failures if k != first)
         raise LaunchError(
             f"{labels[first]} {what} during {phase}: {_reason(failures[first])}"
-            + (f" (then also: {', '.join(labels[k] for k in others)})" if others else ""))
+            + (f" (then also: {', '.join(labels[k] for k in others)})" if others else ""),
+            worker_lost=True)
     return results
 
 
@@ -309,8 +367,14 @@ def main(argv=None) -> int:
                         help="longest wait for placement, start-up or one step")
     parser.add_argument("--pool-name", default=POOL_NAME,
                         help=f"name of the resource pool actor (namespace '{NAMESPACE}')")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="when a worker dies or fails, start every worker again up to N "
+                        "times, resuming from checkpoint.dir (default 0: the run ends)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     args = parser.parse_args(argv)
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more (0: a lost worker "
+                     "ends the run)")
 
     from flexfloor.config import ConfigError, load_config
 
@@ -336,14 +400,15 @@ def main(argv=None) -> int:
     try:
         result = launch(cfg, num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
                         gpus_per_worker=args.gpus_per_worker, timeout_s=args.timeout_s,
-                        pool_name=args.pool_name, say=say)
+                        pool_name=args.pool_name, max_restarts=args.max_restarts, say=say)
     except LaunchError as e:
         print(f"[flexfloor.launch.ray] error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         ray.shutdown()
     lent = sum(e["event"] == "released" for e in result.pool_events)
-    say(f"done: {len(result.metrics)} steps, {lent} releases lent to the pool")
+    say(f"done: {len(result.metrics)} steps, {lent} releases lent to the pool"
+        + (f", {result.restarts} restart{'s' * (result.restarts > 1)}" if result.restarts else ""))
     return 0
 
 
