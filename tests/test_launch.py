@@ -303,6 +303,28 @@ def test_resource_pool_lends_until_rejoin():
                                        ("rejoined", 3, 1, "eval")]
 
 
+def test_resource_pool_withdraw_ends_every_lease():
+    """A restart of every worker ends the leases of the lost attempt: a borrower's
+    `wait_rejoined` returns, nothing stays free, and the record says why."""
+    async def scenario():
+        pool = ResourcePool()
+        entry = {"step": 2, "node_id": "n1", "node_ip": "10.0.0.2", "gpu_ids": [], "cpus": 1.0,
+                 "engine_step": 0, "release_s": 0.01}
+        for rank in (2, 3):
+            await pool.released(dict(entry, rank=rank))
+        lent = await pool.claim("eval")
+        back = asyncio.create_task(pool.wait_rejoined(lent["lease"]))
+        await asyncio.sleep(0)
+        assert not back.done()
+        assert await pool.withdraw("restart 1") == 2
+        assert await back is True and await pool.free() == []
+        assert await pool.withdraw("restart 2") == 0
+        return [(e["event"], e["rank"], e.get("reason")) for e in await pool.events()
+                if e["event"] == "withdrawn"]
+
+    assert asyncio.run(scenario()) == [("withdrawn", 2, "restart 1"), ("withdrawn", 3, "restart 1")]
+
+
 # -------------------------------------------------------------------------------------- Ray
 
 
@@ -468,6 +490,11 @@ def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, t
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == [1, 2]
     assert_same_steps(result.metrics, torchrun_run["metrics"])
+    # every lease ended: at its rank's rejoin, or withdrawn at the restart
+    leases = {e["lease"]: e["event"] for e in result.pool_events if e["event"] != "claimed"}
+    released = {e["lease"] for e in result.pool_events if e["event"] == "released"}
+    ended = [e["lease"] for e in result.pool_events if e["event"] in ("rejoined", "withdrawn")]
+    assert released and sorted(ended) == sorted(released), leases
 
 
 def test_ray_launcher_refuses_a_negative_max_restarts():

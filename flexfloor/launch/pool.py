@@ -11,8 +11,9 @@ named Ray actor holding this class; other Ray work finds it by name and borrows 
     ...                                                  # use lent["gpu_ids"] on lent["node_ip"]
     ray.get(pool.wait_rejoined.remote(lent["lease"]))    # returns when that rank is back
 
-"Use until resync": a lease ends when its rank rejoins the job at resync, and the job never waits
-for borrowers; a borrower runs short, preemptible work and stops when `wait_rejoined` returns.
+"Use until resync": a lease ends when its rank rejoins the job at resync (or when the launcher
+restarts every worker after one was lost: `withdraw`), and the job never waits for borrowers; a
+borrower runs short, preemptible work and stops when `wait_rejoined` returns.
 The pool is an actor (not a file or a key in the GCS) so that borrowers can wait for a release or
 a rejoin without polling, and every update comes in order through one mailbox.
 
@@ -66,6 +67,18 @@ class ResourcePool:
                     self._events.append(self._event("rejoined", dict(entry, step=step)))
             self._changed.notify_all()
 
+    async def withdraw(self, reason: str) -> int:
+        """The job lost its workers (a restart of every worker): each open lease ends now, as a
+        rejoin ends it, so no borrower keeps a device that the next attempt's worker takes.
+        Returns how many ended."""
+        async with self._changed:
+            for _, entry in sorted(self._free.items()):
+                self._events.append(dict(self._event("withdrawn", entry), reason=reason))
+            n = len(self._free)
+            self._free.clear()
+            self._changed.notify_all()
+            return n
+
     async def free(self) -> list[dict]:
         """The released workers now, claimed or not, by rank."""
         return sorted((dict(e) for e in self._free.values()), key=lambda e: e["rank"])
@@ -97,7 +110,7 @@ class ResourcePool:
             return True
 
     async def events(self) -> list[dict]:
-        """Every released / claimed / rejoined event so far, in order."""
+        """Every released / claimed / rejoined / withdrawn event so far, in order."""
         return list(self._events)
 
     @staticmethod

@@ -193,6 +193,9 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
             except LaunchError as e:
                 if not e.worker_lost or attempt == max_restarts:
                     raise
+                # the lost attempt's releases end: their workers are gone, and the new ones
+                # take the same devices
+                ray.get(pool.withdraw.remote(f"restart {attempt + 1}"), timeout=timeout_s)
                 say(f"{e}; restart {attempt + 1} of {max_restarts}: every worker is started "
                     "again and resumes from the newest checkpoint in checkpoint.dir "
                     f"({cfg.checkpoint.dir or 'not set: from step 0'})")
