@@ -416,13 +416,28 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+# set by a launcher that restarts every worker: JSON {"host": ..., "pid": ...} of the previous
+# attempt's rank 0, which it ended (its lock is this job's, wherever the new rank 0 runs)
+PREDECESSOR_ENV = "FLEXFLOOR_LOCK_PREDECESSOR"
+
+
+def _predecessor() -> Optional[tuple]:
+    try:
+        got = json.loads(os.environ.get(PREDECESSOR_ENV) or "null")
+        return (str(got["host"]), int(got["pid"])) if got else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 def lock_checkpoint_dir(directory: str, say) -> DirLock:
     """Create `directory`, prove that it takes a file (write, fsync, delete) and take its lock.
 
     Runs on one process (rank 0) before the first step, so a directory that cannot hold a
     checkpoint fails at start-up, not at the first save. A lock whose process is gone (a killed
     job, the previous attempt of a restarted one) is taken over, and `say` logs it; a live one
-    (or one of another host, whose process cannot be checked) refuses the start, naming it.
+    (or one of another host, whose process cannot be checked) refuses the start, naming it,
+    unless the launcher names it as this job's rank 0 of an attempt it ended
+    (`PREDECESSOR_ENV`: the Ray launcher's restart may place rank 0 on another host).
     """
     import socket
     import time
@@ -453,6 +468,11 @@ def lock_checkpoint_dir(directory: str, say) -> DirLock:
             who = f"pid {owner['pid']} on host {owner['host']}, started {owner['started']}"
             if (owner["host"], owner["pid"]) == (me.host, me.pid):  # an earlier Job of ours
                 os.remove(me.path)
+                continue
+            if (owner["host"], owner["pid"]) == _predecessor():
+                os.remove(me.path)
+                say(f"checkpoint.dir: took over the lock of {who}: this job's rank 0 of the "
+                    "launch attempt before, ended by the launcher")
                 continue
             if owner["host"] not in (me.host, "?"):
                 raise CheckpointError(

@@ -567,8 +567,10 @@ def test_checkpoint_dir_not_writable_refused_at_start(tmp_path):
     assert os.listdir(made) == []
 
 
-def test_second_job_on_a_checkpoint_dir_is_refused_and_a_stale_lock_taken_over(tmp_path):
-    from flexfloor.checkpoint import CheckpointError, lock_checkpoint_dir
+def test_second_job_on_a_checkpoint_dir_is_refused_and_a_stale_lock_taken_over(tmp_path,
+                                                                               monkeypatch):
+    from flexfloor.checkpoint import PREDECESSOR_ENV, CheckpointError, lock_checkpoint_dir
+    from flexfloor.launch import ray as ray_launcher
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -594,6 +596,16 @@ def test_second_job_on_a_checkpoint_dir_is_refused_and_a_stale_lock_taken_over(t
         lock_checkpoint_dir(str(tmp_path), print)
     mine.release()  # not ours any more: left alone
     assert lock.exists()
+    # the Ray launcher's restart names the rank 0 it ended, which may have run on another host
+    assert ray_launcher.PREDECESSOR_ENV == PREDECESSOR_ENV
+    monkeypatch.setenv(PREDECESSOR_ENV, json.dumps({"host": "elsewhere", "pid": 2}))
+    with pytest.raises(CheckpointError, match="locked by another job .pid 1 on host elsewhere"):
+        lock_checkpoint_dir(str(tmp_path), print)  # another process of that host: refused
+    monkeypatch.setenv(PREDECESSOR_ENV, json.dumps({"host": "elsewhere", "pid": 1}))
+    said = []
+    lock_checkpoint_dir(str(tmp_path), said.append).release()
+    assert said == ["checkpoint.dir: took over the lock of pid 1 on host elsewhere, started x: "
+                    "this job's rank 0 of the launch attempt before, ended by the launcher"]
 
 
 def test_checkpoint_write_failure_is_one_error_naming_rank_phase_step(job_errors):

@@ -443,10 +443,12 @@ def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchru
     assert [(e["rank"], e["lease"]) for e in claimed] == [(lent["rank"], lent["lease"])]
 
 
+@pytest.mark.parametrize("resume", [True, False], ids=["from_checkpoint", "no_checkpoint_dir"])
 def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, torchrun_run,
-                                                                 tmp_path):
-    """`max_restarts` under Ray: rank 1's process is killed after step 1 (its checkpoint saved).
-    Every worker is started again, the new Job resumes from step 1's checkpoint, and the run's
+                                                                 tmp_path, resume):
+    """`max_restarts` under Ray: rank 1's process is killed after step 1. Every worker is
+    started again; the new Job resumes from step 1's checkpoint (or, with no checkpoint.dir,
+    starts again at step 0, and the metrics of the lost attempt are replaced), and the run's
     metrics equal the uninterrupted torchrun run's, step for step."""
     import ray
 
@@ -469,11 +471,11 @@ def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, t
             victim.append(dict(started)[1])
             os.kill(victim[0], signal.SIGKILL)
 
-    cfg = load_config(CONFIG, TINY + [f"logging.run_dir={tmp_path}/run",
-                                      f"checkpoint.dir={tmp_path}/ckpt",
-                                      "checkpoint.save_interval=1"]).resolve_world(4)
+    saving = [f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.save_interval=1"] if resume else []
+    cfg = load_config(CONFIG, TINY + [f"logging.run_dir={tmp_path}/run", *saving]
+                      ).resolve_world(4)
     try:
-        result = launch(cfg, num_workers=4, timeout_s=300, pool_name="restart-pool",
+        result = launch(cfg, num_workers=4, timeout_s=300, pool_name=f"restart-pool-{resume}",
                         max_restarts=1, say=say)
     finally:
         pids += [pid for _, pid in started]
@@ -482,11 +484,14 @@ def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, t
     assert result.restarts == 1 and victim, lines
     (restart,) = [x for x in lines if "restart 1 of 1" in x]
     assert re.match(rf"rank 1 \(node [0-9.]+, pid {victim[0]}\) died during step 2", restart)
+    assert restart.endswith(f"resumes from the newest checkpoint in checkpoint.dir ({tmp_path}/ckpt)"
+                            if resume else "starts at step 0 (no checkpoint.dir to resume from)")
     first, second = started[:4], started[4:]
     assert [r for r, _ in first] == [r for r, _ in second] == [0, 1, 2, 3]
     assert not {p for _, p in first} & {p for _, p in second}  # new processes
-    # the second attempt resumed: it ran step 2 alone (from scratch it would run step 1 again)
-    assert [x.split()[1] for x in lines if x.startswith("step ")] == ["1/2", "2/2"]
+    # resumed, the second attempt runs step 2 alone; from step 0, both steps again
+    assert [x.split()[1] for x in lines if x.startswith("step ")] == (
+        ["1/2", "2/2"] if resume else ["1/2", "1/2", "2/2"])
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == [1, 2]
     assert_same_steps(result.metrics, torchrun_run["metrics"])

@@ -18,13 +18,17 @@ Released workers are reported to the resource pool (`flexfloor.launch.pool`).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
 from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
+
+PREDECESSOR_ENV = "FLEXFLOOR_LOCK_PREDECESSOR"  # flexfloor.checkpoint's (not imported: torch)
 from flexfloor.launch.reaper import start_reaper
 
 
@@ -48,6 +52,7 @@ class Worker:
         self.where = {
             "node_id": ctx.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
             "pid": os.getpid(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "cpus": ctx.get_assigned_resources().get("CPU", 0.0),
@@ -184,10 +189,15 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 f"{timeout_s:.0f} s; it has {ray.cluster_resources()}: add nodes, or lower "
                 "--num-workers / --cpus-per-worker / --gpus-per-worker")
         history: list[dict] = []
+        rank0: dict = {}  # the attempt's rank 0: its host and pid (`_attempt` fills it in)
         for attempt in range(max_restarts + 1):
+            # the lock of checkpoint.dir names the last attempt's rank 0, which this launcher
+            # ended: the new rank 0 takes it over, on whichever host it runs
+            predecessor = dict(rank0)
             try:
                 workers = _attempt(cfg, pg, pool, pool_name, num_workers, cpus_per_worker,
-                                   gpus_per_worker, timeout_s, attempt, history, say)
+                                   gpus_per_worker, timeout_s, attempt, history, say,
+                                   rank0, predecessor)
                 return RunResult(metrics=history, workers=workers, restarts=attempt,
                                  pool_events=ray.get(pool.events.remote(), timeout=timeout_s))
             except LaunchError as e:
@@ -197,20 +207,31 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 # take the same devices
                 ray.get(pool.withdraw.remote(f"restart {attempt + 1}"), timeout=timeout_s)
                 say(f"{e}; restart {attempt + 1} of {max_restarts}: every worker is started "
-                    "again and resumes from the newest checkpoint in checkpoint.dir "
-                    f"({cfg.checkpoint.dir or 'not set: from step 0'})")
+                    f"again and {_resumes(cfg)}")
         raise AssertionError("unreachable")  # the last attempt returned or raised
     finally:
         ray.kill(pool)
         remove_placement_group(pg)
 
 
+def _resumes(cfg) -> str:
+    """Where a restarted Job starts, as its config says (`Job` decides; this only words it)."""
+    if not cfg.checkpoint.dir:
+        return "starts at step 0 (no checkpoint.dir to resume from)"
+    if cfg.checkpoint.resume.value == "auto":
+        return f"resumes from the newest checkpoint in checkpoint.dir ({cfg.checkpoint.dir})"
+    return ("starts as checkpoint.resume=off says (checkpoint.load, checkpoint.init_from, or "
+            "step 0)")
+
+
 def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: float,
              gpus_per_worker: float, timeout_s: float, attempt: int, history: list,
-             say) -> list[dict]:
+             say, rank0: dict, predecessor: dict) -> list[dict]:
     """One launch attempt: `num_workers` actors in `pg`'s bundles run the job to its end.
     `history` (rank 0's metrics so far) is extended, a resumed step replacing what an earlier
-    attempt logged for it. Returns the workers by rank; the actors are ended in every case."""
+    attempt logged for it; `rank0` is set to this attempt's rank 0 (host, pid); `predecessor`
+    is the last attempt's (empty on the first). Returns the workers by rank; the actors are
+    ended in every case."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -233,6 +254,9 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
             on_node = [r for r, o in enumerate(workers) if o["node_id"] == w["node_id"]]
             w.update(rank=rank, local_rank=on_node.index(rank), local_world_size=len(on_node))
         labels = {r: f"rank {r} (node {w['node_ip']}, pid {w['pid']})" for r, w in enumerate(workers)}
+        rank0.clear()
+        rank0.update(host=workers[0]["host"], pid=workers[0]["pid"])
+        events_before = len(ray.get(pool.events.remote(), timeout=timeout_s))
         port = _gather({0: actors[0].host_store.remote(cfg.parallel.timeout_s)}, labels,
                        "start-up", timeout_s)[0]
         for w in workers:
@@ -242,7 +266,8 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
             return {"RANK": str(w["rank"]), "WORLD_SIZE": str(num_workers),
                     "LOCAL_RANK": str(w["local_rank"]), "LOCAL_WORLD_SIZE": str(w["local_world_size"]),
                     "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port),
-                    "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                    **({PREDECESSOR_ENV: json.dumps(predecessor)} if predecessor else {})}
 
         job = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
                        for r, a in enumerate(actors)}, labels, "start-up", timeout_s)[0]
@@ -262,7 +287,9 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
             step = m["step"]
             history.append(m)
             # a step with validation has two rollouts, and a rank may be lent in each: name it once
-            lent = sorted({e["rank"] for e in ray.get(pool.events.remote(), timeout=timeout_s)
+            # (this attempt's: a step done again after a restart was lent anew)
+            events = ray.get(pool.events.remote(), timeout=timeout_s)[events_before:]
+            lent = sorted({e["rank"] for e in events
                            if e["event"] == "released" and e["step"] == step})
             say(f"step {step}/{cfg.trainer.steps} | reward {m['reward/mean']:.3f} | "
                 f"released ranks {lent or '-'} (lent to the pool until resync) | "
@@ -272,22 +299,26 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
     finally:
         for a in actors:
             ray.kill(a)
-        _wait_ended(actors, timeout_s)  # their bundles are free again for the next attempt
+        _wait_ended(actors, timeout_s)
 
 
 def _wait_ended(actors: list, timeout_s: float) -> None:
-    """Wait until each of `actors` (killed) is dead, up to `timeout_s` in all."""
+    """Wait until Ray reports each of `actors` (killed) dead, up to `timeout_s` in all. (Its
+    process may still be exiting then; Ray frees the actor's bundle once it has, and a new
+    actor placed in that bundle starts after.)"""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
     deadline = time.monotonic() + timeout_s
     for a in actors:
-        try:  # a dead actor answers with RayActorError at once
-            ray.get(a.locate.remote(), timeout=max(0.1, deadline - time.monotonic()))
-        except RayActorError:
-            continue
-        except GetTimeoutError:
-            return
+        while time.monotonic() < deadline:
+            try:  # a killed actor may still answer a call or two before Ray reports it dead
+                ray.get(a.locate.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except RayActorError:
+                break
+            except GetTimeoutError:
+                return
+            time.sleep(0.05)
 
 
 def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
