@@ -243,6 +243,7 @@ class Job:
         if self.checkpoints.should_save(self.step_index):
             with self.phase("checkpoint save"):
                 self.save()                                  # checkpoint
+            inject(FaultPhase.SAVED, self.rank, self.step_index)
         return metrics
 
     def rollout(self, groups: list[PromptGroup], k: int) -> Rollout:

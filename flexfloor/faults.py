@@ -15,6 +15,7 @@ fault of the list, or none. Where each phase fires:
     write    while this rank's checkpoint writer processes run: right after the first is forked
              (its half of the write goes on without the worker)
     save     after this rank's shards of the checkpoint are written, before it is complete
+    saved    after the step's checkpoint is complete, before the step returns to its caller
     sigterm  where `rollout` fires, but sends SIGTERM once instead of SIGKILL: a preemption
              (flexfloor/preemption.py: the step finishes, is saved, the worker exits 75)
 """
@@ -38,6 +39,7 @@ class FaultPhase(enum.Enum):
     TRAIN = "train"
     WRITE = "write"  # fires at the first fork after `arm_at_fork`
     SAVE = "save"
+    SAVED = "saved"
     SIGTERM = "sigterm"  # at the rollout hook
 
 

@@ -443,13 +443,24 @@ def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchru
     assert [(e["rank"], e["lease"]) for e in claimed] == [(lent["rank"], lent["lease"])]
 
 
-@pytest.mark.parametrize("resume", [True, False], ids=["from_checkpoint", "no_checkpoint_dir"])
+# case -> (checkpoint.dir set, where rank 1 dies, its step, the step lines the driver prints)
+RESTARTS = {
+    # killed after step 1 returned: the new Jobs resume from its checkpoint and run step 2
+    "between_steps": (True, "step", 2, ["1/2", "2/2"]),
+    # with nothing to resume from, both steps again: the lost attempt's metrics are replaced
+    "no_checkpoint_dir": (False, "step", 2, ["1/2", "1/2", "2/2"]),
+    # killed once step 1's checkpoint is complete, before the step returned: its metrics come
+    # from metrics.jsonl (flexfloor.faults, phase `saved`)
+    "after_its_checkpoint": (True, "saved", 1, ["2/2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(RESTARTS))
 def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, torchrun_run,
-                                                                 tmp_path, resume):
-    """`max_restarts` under Ray: rank 1's process is killed after step 1. Every worker is
-    started again; the new Job resumes from step 1's checkpoint (or, with no checkpoint.dir,
-    starts again at step 0, and the metrics of the lost attempt are replaced), and the run's
-    metrics equal the uninterrupted torchrun run's, step for step."""
+                                                                 tmp_path, case, monkeypatch):
+    """`max_restarts` under Ray: rank 1's process is killed (`RESTARTS`). Every worker is
+    started again, the new Jobs resume from checkpoint.dir (or start again at step 0), and the
+    run's metrics equal the uninterrupted torchrun run's, step for step."""
     import ray
 
     from flexfloor.config import load_config
@@ -467,31 +478,35 @@ def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, t
         m = re.match(r"rank (\d+): .* pid (\d+) ", text)
         if m:
             started.append((int(m[1]), int(m[2])))
-        if text.startswith("step 1/") and not victim:  # the first attempt's step 1 is saved
-            victim.append(dict(started)[1])
+        if when == "step" and text.startswith("step 1/") and not victim:
+            victim.append(dict(started)[1])  # the first attempt's
             os.kill(victim[0], signal.SIGKILL)
 
+    resume, when, died_in, steps = RESTARTS[case]
+    if when == "saved":  # the driver passes the fault plan on to the workers
+        monkeypatch.setenv("FLEXFLOOR_FAULT", "saved:1:1")
     saving = [f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.save_interval=1"] if resume else []
     cfg = load_config(CONFIG, TINY + [f"logging.run_dir={tmp_path}/run", *saving]
                       ).resolve_world(4)
     try:
-        result = launch(cfg, num_workers=4, timeout_s=300, pool_name=f"restart-pool-{resume}",
+        result = launch(cfg, num_workers=4, timeout_s=300, pool_name=f"restart-pool-{case}",
                         max_restarts=1, say=say)
     finally:
         pids += [pid for _, pid in started]
         ray.shutdown()
 
+    if when == "saved":
+        victim.append(started[1][1])  # rank 1 of the first attempt
     assert result.restarts == 1 and victim, lines
     (restart,) = [x for x in lines if "restart 1 of 1" in x]
-    assert re.match(rf"rank 1 \(node [0-9.]+, pid {victim[0]}\) died during step 2", restart)
+    assert re.match(rf"rank 1 \(node [0-9.]+, pid {victim[0]}\) died during step {died_in}",
+                    restart), restart
     assert restart.endswith(f"resumes from the newest checkpoint in checkpoint.dir ({tmp_path}/ckpt)"
                             if resume else "starts at step 0 (no checkpoint.dir to resume from)")
     first, second = started[:4], started[4:]
     assert [r for r, _ in first] == [r for r, _ in second] == [0, 1, 2, 3]
     assert not {p for _, p in first} & {p for _, p in second}  # new processes
-    # resumed, the second attempt runs step 2 alone; from step 0, both steps again
-    assert [x.split()[1] for x in lines if x.startswith("step ")] == (
-        ["1/2", "2/2"] if resume else ["1/2", "1/2", "2/2"])
+    assert [x.split()[1] for x in lines if x.startswith("step ")] == steps
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == [1, 2]
     assert_same_steps(result.metrics, torchrun_run["metrics"])

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
 
 PREDECESSOR_ENV = "FLEXFLOOR_LOCK_PREDECESSOR"  # flexfloor.checkpoint's (not imported: torch)
+FAULT_ENV = "FLEXFLOOR_FAULT"  # flexfloor.faults.ENV
 from flexfloor.launch.reaper import start_reaper
 
 
@@ -108,8 +109,13 @@ class Worker:
                                 world_size=int(env["WORLD_SIZE"]), timeout=timeout)
         self.job = Job(cfg)
         self.job.on_release_event = self._report
+        logged = None  # rank 0: the metrics.jsonl lines the resumed run keeps (steps done)
+        if self.job.rank == 0 and os.path.exists(self.job.log.metrics_path):
+            from flexfloor.runlog import read_metrics
+
+            logged = read_metrics(self.job.log.metrics_path)
         return {"step": self.job.step_index, "warm_start": self.job.needs_warm_start(),
-                "done": self.job.done()}
+                "done": self.job.done(), "logged": logged}
 
     def warm_start(self) -> None:
         self.job.warm_start()
@@ -189,15 +195,17 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 f"{timeout_s:.0f} s; it has {ray.cluster_resources()}: add nodes, or lower "
                 "--num-workers / --cpus-per-worker / --gpus-per-worker")
         history: list[dict] = []
-        rank0: dict = {}  # the attempt's rank 0: its host and pid (`_attempt` fills it in)
+        # filled in by `_attempt`: the attempt's rank 0 (host, pid), the step the first one
+        # started from
+        state: dict = {}
         for attempt in range(max_restarts + 1):
             # the lock of checkpoint.dir names the last attempt's rank 0, which this launcher
             # ended: the new rank 0 takes it over, on whichever host it runs
-            predecessor = dict(rank0)
+            predecessor = dict(state.get("rank0", {}))
             try:
                 workers = _attempt(cfg, pg, pool, pool_name, num_workers, cpus_per_worker,
                                    gpus_per_worker, timeout_s, attempt, history, say,
-                                   rank0, predecessor)
+                                   state, predecessor)
                 return RunResult(metrics=history, workers=workers, restarts=attempt,
                                  pool_events=ray.get(pool.events.remote(), timeout=timeout_s))
             except LaunchError as e:
@@ -226,12 +234,13 @@ def _resumes(cfg) -> str:
 
 def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: float,
              gpus_per_worker: float, timeout_s: float, attempt: int, history: list,
-             say, rank0: dict, predecessor: dict) -> list[dict]:
+             say, state: dict, predecessor: dict) -> list[dict]:
     """One launch attempt: `num_workers` actors in `pg`'s bundles run the job to its end.
     `history` (rank 0's metrics so far) is extended, a resumed step replacing what an earlier
-    attempt logged for it; `rank0` is set to this attempt's rank 0 (host, pid); `predecessor`
-    is the last attempt's (empty on the first). Returns the workers by rank; the actors are
-    ended in every case."""
+    attempt logged for it; `state["rank0"]` is set to this attempt's rank 0 (host, pid) and
+    `state["first_step"]` to the step the first attempt started from; `predecessor` is the last
+    attempt's rank 0 (empty on the first). Returns the workers by rank; the actors are ended in
+    every case."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -254,8 +263,7 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
             on_node = [r for r, o in enumerate(workers) if o["node_id"] == w["node_id"]]
             w.update(rank=rank, local_rank=on_node.index(rank), local_world_size=len(on_node))
         labels = {r: f"rank {r} (node {w['node_ip']}, pid {w['pid']})" for r, w in enumerate(workers)}
-        rank0.clear()
-        rank0.update(host=workers[0]["host"], pid=workers[0]["pid"])
+        state["rank0"] = {"host": workers[0]["host"], "pid": workers[0]["pid"]}
         events_before = len(ray.get(pool.events.remote(), timeout=timeout_s))
         port = _gather({0: actors[0].host_store.remote(cfg.parallel.timeout_s)}, labels,
                        "start-up", timeout_s)[0]
@@ -267,6 +275,8 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
                     "LOCAL_RANK": str(w["local_rank"]), "LOCAL_WORLD_SIZE": str(w["local_world_size"]),
                     "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port),
                     "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                    # the reliability tests' fault plan (flexfloor.faults), as torchrun passes it
+                    **({FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}),
                     **({PREDECESSOR_ENV: json.dumps(predecessor)} if predecessor else {})}
 
         job = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
@@ -280,7 +290,10 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
         if job["warm_start"]:
             every("warm_start", "warm start")
         step, done = job["step"], job["done"]
-        history[:] = [m for m in history if m["step"] <= step]  # a resumed run does the rest again
+        first = state.setdefault("first_step", step)
+        if attempt:  # this launch's steps the resumed run keeps, as metrics.jsonl has them: also
+            # a step whose checkpoint was complete when a worker died, before it returned
+            history[:] = [m for m in job["logged"] or [] if first < m["step"] <= step]
         while not done:
             t0 = time.perf_counter()
             m, done = every("step", f"step {step + 1}")[0]
