@@ -60,6 +60,8 @@ class RunLog:
         self.run_dir = cfg.logging.run_dir
         self.cfg = cfg
         self.history: list[dict] = []
+        # rank 0: the lines of metrics.jsonl this run starts with (the steps it resumes past)
+        self.kept: list[dict] = []
         self.timelines: list[list[dict]] = []
         self.writer = None
         if rank != 0:
@@ -92,6 +94,7 @@ class RunLog:
         with open(tmp, "w") as f:
             f.writelines(json.dumps(m, allow_nan=False) + "\n" for m in keep)
         os.replace(tmp, self.metrics_path)
+        self.kept = keep
 
     def _set_aside(self) -> str:
         """Copy metrics.jsonl and config.json to the first free `superseded/N/`; its path."""

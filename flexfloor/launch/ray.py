@@ -26,11 +26,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from flexfloor import faults
 from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
+from flexfloor.launch.reaper import start_reaper
 
 PREDECESSOR_ENV = "FLEXFLOOR_LOCK_PREDECESSOR"  # flexfloor.checkpoint's (not imported: torch)
-FAULT_ENV = "FLEXFLOOR_FAULT"  # flexfloor.faults.ENV
-from flexfloor.launch.reaper import start_reaper
 
 
 class LaunchError(RuntimeError):
@@ -109,11 +109,9 @@ class Worker:
                                 world_size=int(env["WORLD_SIZE"]), timeout=timeout)
         self.job = Job(cfg)
         self.job.on_release_event = self._report
-        logged = None  # rank 0: the metrics.jsonl lines the resumed run keeps (steps done)
-        if self.job.rank == 0 and os.path.exists(self.job.log.metrics_path):
-            from flexfloor.runlog import read_metrics
-
-            logged = read_metrics(self.job.log.metrics_path)
+        # a restart's rank 0: the metrics.jsonl lines the resumed run keeps (steps done)
+        restarted = env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        logged = self.job.log.kept if restarted and self.job.rank == 0 else None
         return {"step": self.job.step_index, "warm_start": self.job.needs_warm_start(),
                 "done": self.job.done(), "logged": logged}
 
@@ -276,7 +274,8 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
                     "MASTER_ADDR": workers[0]["node_ip"], "MASTER_PORT": str(port),
                     "TORCHELASTIC_RESTART_COUNT": str(attempt),
                     # the reliability tests' fault plan (flexfloor.faults), as torchrun passes it
-                    **({FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}),
+                    **({faults.ENV: os.environ[faults.ENV]} if os.environ.get(faults.ENV)
+                       else {}),
                     **({PREDECESSOR_ENV: json.dumps(predecessor)} if predecessor else {})}
 
         job = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
