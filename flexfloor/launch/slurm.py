@@ -3,10 +3,14 @@
 The sbatch scripts (examples/slurm/) only call this module; each stage builds its command here
 and execs it, so what runs on a cluster is what the tests check:
 
-    python -m flexfloor.launch.slurm torchrun [--nproc-per-node P] [--port N] TRAIN_ARGS...
+    python -m flexfloor.launch.slurm torchrun [--nproc-per-node P] [--port N] [--max-restarts R]
+            TRAIN_ARGS...
         batch step: `srun` one task per node, each running the `torchrun-node` stage;
-    python -m flexfloor.launch.slurm torchrun-node --nproc-per-node P --port N TRAIN_ARGS...
-        on each node: `torchrun` with this node's rank and the first node as rendezvous endpoint;
+    python -m flexfloor.launch.slurm torchrun-node --nproc-per-node P --port N [--max-restarts R]
+            TRAIN_ARGS...
+        on each node: `torchrun` with the first node as rendezvous endpoint: static rendezvous
+        with this node's rank, or (R > 0) the c10d rendezvous, which restarts every node's
+        workers together up to R times;
     python -m flexfloor.launch.slurm ray [--nproc-per-node P] [--port N] LAUNCH_ARGS...
         batch step: `srun` the `ray-node` stage on every node (in the background), wait for the
         head, then the Ray driver (`python -m flexfloor.launch.ray --address HEAD:PORT ...`);
@@ -18,7 +22,8 @@ and execs it, so what runs on a cluster is what the tests check:
 passed through (`--config FILE section.field=value ...`; for `ray` also `--cpus-per-worker` etc.).
 Workers per node: `--nproc-per-node`, else SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE
 (one Slurm task slot per CPU worker), else 1. A stage that cannot go on (the Ray nodes' srun
-ended, no head answers) ends with a one-line error and exit status 1.
+ended, no head answers) ends with a one-line error and exit status 1. `--max-restarts` of the
+`ray` stage goes to the Ray driver.
 """
 
 from __future__ import annotations
@@ -140,15 +145,35 @@ def srun_command(alloc: Allocation, stage_args: list[str], python: str) -> list[
             "--kill-on-bad-exit=1", python, "-m", "flexfloor.launch.slurm", *stage_args]
 
 
-def torchrun_command(alloc: Allocation, port: int, train_args: list[str], python: str) -> list[str]:
+def torchrun_command(alloc: Allocation, port: int, train_args: list[str], python: str,
+                     max_restarts: int = 0) -> list[str]:
     """This node's torchrun (through `flexfloor.launch.local`: a preempted node exits 75, as its
-    workers do): static rendezvous at the first node, node rank = its place in the node list, so
-    ranks follow the nodes (rank 0 on the first) as in every run of the job."""
-    return [python, "-m", "flexfloor.launch.local", f"--nnodes={len(alloc.nodes)}",
-            f"--node-rank={alloc.node_rank}", f"--nproc-per-node={alloc.procs_per_node}",
-            "--rdzv-backend=static", f"--rdzv-endpoint={alloc.head}:{port}",
-            f"--rdzv-id={alloc.job_id}", "-m", "flexfloor.train", *train_args,
-            f"parallel.world_size={alloc.num_workers}"]
+    workers do), rendezvous at the first node.
+
+    `max_restarts` 0: static rendezvous, node rank = its place in the node list, so ranks follow
+    the nodes (rank 0 on the first) as in every run of the job. A static agent cannot make the
+    other nodes' agents restart with it, so `max_restarts` > 0 takes the c10d rendezvous, served
+    by the first node's agent (`is_host` from the node list, not from matching host names):
+    a failed worker makes every node's agent stop its workers and join a new round. c10d ranks
+    the nodes by sorted `--local-addr` (the Slurm node name), alike in every round of the job.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each round's workers a store of their own (rank
+    0's): in the agents' shared store they would name their keys by TORCHELASTIC_RESTART_COUNT
+    (flexfloor.parallel), which differs between nodes after a restart (an agent restarting its
+    healthy workers for another node's failure does not count it): the new round's workers
+    would not find each other.
+    """
+    nnodes = f"--nnodes={len(alloc.nodes)}"
+    rest = ["-m", "flexfloor.train", *train_args, f"parallel.world_size={alloc.num_workers}"]
+    if max_restarts == 0:
+        return [python, "-m", "flexfloor.launch.local", nnodes, f"--node-rank={alloc.node_rank}",
+                f"--nproc-per-node={alloc.procs_per_node}", "--rdzv-backend=static",
+                f"--rdzv-endpoint={alloc.head}:{port}", f"--rdzv-id={alloc.job_id}", *rest]
+    return ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", python, "-m", "flexfloor.launch.local",
+            nnodes, f"--nproc-per-node={alloc.procs_per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={alloc.head}:{port}", f"--rdzv-id={alloc.job_id}",
+            f"--rdzv-conf=is_host={int(alloc.node_rank == 0)}",
+            f"--local-addr={alloc.nodes[alloc.node_rank]}", f"--max-restarts={max_restarts}",
+            *rest]
 
 
 def ray_node_command(alloc: Allocation, port: int, head_ip: str, ray_bin: str) -> list[str]:
@@ -225,8 +250,16 @@ def main(argv=None) -> int:
                         help="rendezvous / Ray head port (default: derived from SLURM_JOB_ID)")
     parser.add_argument("--head-timeout-s", type=float, default=300.0,
                         help="how long nodes and the driver wait for the Ray head")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="torchrun: when a worker fails, restart every node's workers up to N "
+                        "times, resuming from checkpoint.dir (default 0: the job ends); ray: "
+                        "passed to the driver")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     args, rest = parser.parse_known_args(argv)
+    if args.max_restarts is not None and args.max_restarts < 0:
+        print(f"slurm: --max-restarts {args.max_restarts}: must be 0 or more (0: a failed worker "
+              "ends the job)", file=sys.stderr)
+        return 2
     try:
         alloc = Allocation.from_env(procs_per_node=args.nproc_per_node)
     except ValueError as e:
@@ -243,13 +276,18 @@ def _stage(args, rest: list[str], alloc: Allocation) -> int:
     python = sys.executable
     ray_bin = os.path.join(os.path.dirname(python), "ray")
     stage_opts = [f"--nproc-per-node={alloc.procs_per_node}"]
+    restarts = args.max_restarts or 0
     if args.stage == "torchrun":
         port = args.port or alloc.port(TORCHRUN_PORT_BASE)
+        if restarts:
+            stage_opts.append(f"--max-restarts={restarts}")
         return _run(srun_command(alloc, ["torchrun-node", *stage_opts, f"--port={port}", *rest],
                                  python), args.dry_run)
     if args.stage == "torchrun-node":
         port = args.port or alloc.port(TORCHRUN_PORT_BASE)
-        return _run(torchrun_command(alloc, port, rest, python), args.dry_run)
+        return _run(torchrun_command(alloc, port, rest, python, restarts), args.dry_run)
+    if args.max_restarts is not None:  # the Ray driver's option (this parser took it)
+        rest = [f"--max-restarts={args.max_restarts}", *rest]
     port = args.port or alloc.port(RAY_PORT_BASE)
     if args.stage == "ray-node":
         head_ip = _ip(alloc.head, args.dry_run)
