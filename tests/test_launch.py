@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from distributed import REPO, end_job, free_port
+from distributed import REPO, end_job, free_port, job_processes
 
 from flexfloor.launch.pool import ResourcePool
 from flexfloor.launch.slurm import Allocation, expand_hostlist, ray_auth_env
@@ -170,6 +170,71 @@ def test_torchrun_sbatch_on_four_nodes(fake_srun, capsys):
                            "trainer.steps=3", "parallel.world_size=32"]
 
 
+def test_torchrun_sbatch_max_restarts_on_four_nodes(fake_srun, capsys):
+    """MAX_RESTARTS=0 builds the commands of a job without it, exactly (static rendezvous, node
+    rank = place in the node list); MAX_RESTARTS=2 gives every node's torchrun the c10d
+    rendezvous at the first node (no fixed node rank: c10d numbers the nodes) and the restarts."""
+    env, log = fake_srun
+    nodes = ["gpu01", "gpu02", "gpu03", "gpu07"]
+    batch = dict(env, **slurm_env("gpu[01-03,07]", 4, "gpu01", 0, SLURM_GPUS_ON_NODE="8",
+                                  SLURM_NTASKS_PER_NODE="1", SLURM_CPUS_PER_TASK="32"))
+    plans = {}
+    for value in (None, "0", "2"):
+        log.unlink(missing_ok=True)
+        extra = {} if value is None else {"MAX_RESTARTS": value}
+        proc = sbatch("grpo_moe.sbatch", dict(batch, **extra), "trainer.steps=3")
+        assert proc.returncode == 0, proc.stdout
+        (srun,) = [json.loads(line) for line in log.read_text().splitlines()]
+        plans[value] = (srun, [node_stage(srun, dict(env, **slurm_env(
+            "gpu[01-03,07]", 4, node, rank, SLURM_GPUS_ON_NODE="8")), capsys)
+            for rank, node in enumerate(nodes)])
+    assert plans["0"] == plans[None]  # 0: nothing changes
+    assert "--rdzv-backend=static" in plans["0"][1][0]
+    srun, cmds = plans["2"]
+    stage = srun[srun.index("flexfloor.launch.slurm") + 1:]
+    assert stage[:3] == ["torchrun-node", "--nproc-per-node=8", "--max-restarts=2"]
+    port = 29500 + 734512 % 2000
+    for rank, (node, cmd) in enumerate(zip(nodes, cmds)):
+        assert cmd == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m",
+                       "flexfloor.launch.local", "--nnodes=4", "--nproc-per-node=8",
+                       "--rdzv-backend=c10d", f"--rdzv-endpoint=gpu01:{port}", "--rdzv-id=734512",
+                       f"--rdzv-conf=is_host={int(rank == 0)}", f"--local-addr={node}",
+                       "--max-restarts=2", "-m", "flexfloor.train", "--config",
+                       "examples/configs/grpo_tiny.yaml", "trainer.steps=3",
+                       "parallel.world_size=32"]
+
+
+@pytest.mark.parametrize("how", ["sbatch", "stage", "node"])
+def test_slurm_refuses_a_negative_max_restarts(how, fake_srun):
+    env, log = fake_srun
+    env = dict(env, **slurm_env("gpu[01-02]", 2, "gpu01", 0, SLURM_GPUS_ON_NODE="8"))
+    if how == "sbatch":
+        proc = sbatch("grpo_moe.sbatch", dict(env, MAX_RESTARTS="-1"), timeout=60)
+        err = proc.stdout
+    else:
+        stage = "torchrun" if how == "stage" else "torchrun-node"
+        proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.slurm", stage,
+                               "--max-restarts", "-1", "--config", CONFIG], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        err = proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    assert err.strip().splitlines() == [
+        "slurm: --max-restarts -1: must be 0 or more (0: a failed worker ends the job)"]
+    assert not log.exists()  # nothing started
+
+
+def test_ray_stage_passes_max_restarts_to_the_driver(fake_srun):
+    env, _ = fake_srun
+    env = dict(env, **slurm_env("gpu[01-02]", 2, "gpu01", 0, SLURM_GPUS_ON_NODE="8"))
+    proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.slurm", "ray", "--dry-run",
+                           "--max-restarts", "2", "--config", "my.yaml", "trainer.steps=3"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    driver = json.loads(proc.stdout)["driver"]
+    assert driver[4:] == ["--num-workers=16", "--max-restarts=2", "--config", "my.yaml",
+                          "trainer.steps=3", "parallel.world_size=16"]
+
+
 def test_ray_sbatch_on_four_nodes(fake_srun, capsys):
     env, _ = fake_srun
     batch = dict(env, **slurm_env("gpu[01-03,07]", 4, "gpu01", 0, SLURM_GPUS_ON_NODE="8",
@@ -265,6 +330,44 @@ def test_torchrun_sbatch_runs_on_one_node(torchrun_run):
     assert "--nproc-per-node=4" in srun  # from SLURM_NTASKS_PER_NODE
     assert [m["step"] for m in torchrun_run["metrics"]] == [1, 2]
     assert "--rdzv-endpoint=localhost:" in torchrun_run["stdout"]  # the command it printed
+
+
+def test_torchrun_nodes_restart_together_after_a_worker_dies(tmp_path):
+    """Two nodes on this machine (each `torchrun-node --max-restarts 1` for real, c10d at
+    127.0.0.1, one worker each): rank 1, on the second node, is killed in step 2 (SIGKILL,
+    FLEXFLOOR_FAULT); both nodes' agents start their workers again, which resume from step 1's
+    checkpoint, and the job ends well on both nodes with every step logged once."""
+    port, marker = free_port(), f"c10d-{os.getpid()}-{time.monotonic_ns()}"
+    args = [*TINY, "parallel.expert_parallel_size=2", f"logging.run_dir={tmp_path}/run",
+            f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.save_interval=1"]
+    jobs, t0 = [], time.perf_counter()
+    try:
+        for rank, node in enumerate(["127.0.0.1", "localhost"]):  # both name this machine
+            env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                       FLEXFLOOR_FAULT="train:1:2", FLEXFLOOR_TEST_JOB=marker,
+                       **slurm_env("127.0.0.1,localhost", 2, node, rank,
+                                   SLURM_NTASKS_PER_NODE="1"))
+            out = open(tmp_path / f"node{rank}.log", "w")
+            jobs.append(subprocess.Popen(
+                [sys.executable, "-m", "flexfloor.launch.slurm", "torchrun-node",
+                 f"--port={port}", "--max-restarts=1", "--config", CONFIG, *args],
+                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            out.close()
+        codes = [job.wait(timeout=180) for job in jobs]
+    finally:
+        for job in jobs:
+            end_job(job, marker)
+    seconds = time.perf_counter() - t0
+    logs = [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
+    assert codes == [0, 0], "\n".join(log[-4000:] for log in logs)
+    assert all("--rdzv-backend=c10d" in log for log in logs)
+    # c10d ranked the nodes by sorted --local-addr: rank 1 is the second node's
+    assert "fault injection: SIGKILL rank 1 in phase 'train', step 2" in logs[1]
+    assert logs[0].count("resumed from iter_0000001") == 1, logs[0][-4000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(x)["step"] for x in f] == [1, 2]
+    assert wait_gone(job_processes(marker), 10) == []
+    print(f"2 nodes, a worker killed, both restarted: {seconds:.1f} s")
 
 
 def wait_gone(pids: list[int], timeout_s: float = 60) -> list[int]:
