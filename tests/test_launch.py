@@ -4,7 +4,9 @@ launcher on a real local Ray cluster of two CPU nodes.
 One tiny GRPO job (4 workers, 2 steps) runs twice: once through examples/slurm/grpo_moe.sbatch on
 one node (a stand-in `srun` that records its arguments and starts the one task, as Slurm would on
 a one-node allocation; the torchrun it starts is real), once on Ray. Both must give the same
-metrics, and the resource pool must have seen the released ranks.
+metrics, and the resource pool must have seen the released ranks. Two `torchrun-node` stages
+with `--max-restarts` act as two nodes on this machine (c10d rendezvous) and restart together
+after a worker of one is killed.
 """
 
 from __future__ import annotations
