@@ -141,6 +141,10 @@ def test_list_and_bad_scenario():
     (["--sweep", "--sweep-sigmas", "nan,inf"], "--sweep-sigmas 'nan,inf': write positive floats"),
     (["--sweep", "--sweep-gpus", "16,12"], "--sweep-gpus 12: replicas=8 must divide gpus=12"),
     (["--plot", "PLOT.xyz"], "--plot PLOT.xyz: cannot write a .xyz image"),
+    (["--dense-replicas", "9"], "--dense-replicas 9: must be at most replicas (8)"),
+    (["--dense-replicas", "0"], "--dense-replicas 0: must be at least 1"),
+    (["--lane-requests", "5"], "--lane-requests 5: the lanes are the replicas past the first "
+                               "dense_replicas; set dense_replicas below replicas (8)"),
 ])
 def test_bad_sweep_and_plot_fail_before_the_run(tmp_path, flags, message, capsys):
     """Refused before the simulation (seconds to minutes), not after it; nothing written."""
@@ -268,6 +272,49 @@ def test_elastic_rollout_is_no_longer_than_static(seed):
     assert any("consolidated" in t for t in entry["elastic"]["timeline"])
     assert entry["elastic"]["rollout_wall_seconds"] <= entry["static"]["rollout_wall_seconds"]
     assert rep["ratios"]["tokens_per_occupied_worker_second"] >= 1.3
+
+
+def test_two_tiers_puts_the_longest_on_the_lanes_and_the_rest_on_the_dense_replicas():
+    """The analysis placement: the N longest round robin over the lanes (the replicas past the
+    first K), the rest over the first K, every request once, each rank's longest first."""
+    from flexfloor.rollout.scheduler import PromptGroup
+    from flexfloor.rollout.types import Request
+    from flexfloor.sim.scenarios import two_tiers
+
+    lengths = [[300, 40, 900, 75], [5, 610, 220, 1000], [130, 130, 860, 12]]
+    groups = [PromptGroup(uid, tuple(Request(prompt_uid=uid, sample_index=i, prompt_ids=(1, 2),
+                                             max_new_tokens=1024, target_len=n)
+                                     for i, n in enumerate(ls)))
+              for uid, ls in enumerate(lengths)]
+    replicas = [(0, 1), (2, 3), (4, 5)]
+    out = two_tiers(groups, replicas, 2, 3, lambda q: q.target_len)
+    got = {r: [q.target_len for q in reqs] for r, reqs in out.items()}
+    assert sorted(n for ns in got.values() for n in ns) == sorted(sum(lengths, []))
+    assert got[4] == [1000, 860] and got[5] == [900]  # the 3 longest, round robin
+    dense = {r: got[r] for r in (0, 1, 2, 3)}
+    assert max(map(len, dense.values())) - min(map(len, dense.values())) <= 1
+    assert all(ns == sorted(ns, reverse=True) for ns in got.values())
+    # round robin over the dense replicas first, then their ranks: 610 (next longest) on
+    # replica 0's first rank, 300 on replica 1's first rank
+    assert got[0][0] == 610 and got[2][0] == 300
+    # no lanes: every request on the first K replicas, the others given nothing
+    out = two_tiers(groups, replicas, 1, 0, lambda q: q.target_len)
+    assert len(out[0]) + len(out[1]) == 12 and not any(out[r] for r in (2, 3, 4, 5))
+
+
+def test_two_tiers_replaces_the_elastic_placement_and_keeps_the_tokens():
+    """`dense_replicas` places the elastic mode's requests on the first K replicas: the others
+    are released at once, holding nothing, and every response is the same as static's."""
+    sc = SCENARIOS["paper-like"].with_overrides(seed=1, **SMALL)
+    rep = run(sc.with_overrides(dense_replicas=2))
+    for entry in rep["per_epoch"]:
+        assert entry["elastic"]["responses_sha256"] == entry["static"]["responses_sha256"]
+        idle = [x for x in entry["elastic"]["per_rank"] if x["rank"] >= 8]
+        assert len(idle) == 8 and all(x["tokens"] == 0 and x["release_s"] == 0 for x in idle)
+    lanes = run(sc.with_overrides(oracle=True, dense_replicas=3, lane_requests=6))
+    entry = lanes["per_epoch"][-1]
+    assert entry["elastic"]["responses_sha256"] == entry["static"]["responses_sha256"]
+    assert sum(x["tokens"] > 0 for x in entry["elastic"]["per_rank"] if x["rank"] >= 12) >= 4
 
 
 def test_a_shrink_inside_a_replica_keeps_the_pace_rule_and_the_planned_groups():

@@ -61,6 +61,10 @@ OVERRIDES = {  # flag -> (Scenario field, type)
     "taker_hedge": ("taker_hedge", float),
     "oracle": ("oracle", switch),  # 1: elastic told every length (a ceiling)
     "gather": ("gather", switch),  # 1: no history: gather known-long work
+    # an analysis placement (docs/simulator.md, "Two tiers"): the elastic mode's requests on
+    # the first K replicas, the --lane-requests N longest (by its estimates; exact with
+    # --oracle 1) on the others
+    "dense_replicas": ("dense_replicas", int), "lane_requests": ("lane_requests", int),
     # 1: where the history proves wrong in a rollout, a leaving replica hands over only to
     # ranks no denser than its fullest (`ConsolidationRules.no_denser`); 0: never
     "no_denser": ("no_denser", switch),

@@ -116,6 +116,13 @@ class Scenario:
     # does (`Scheduler.distrust_wrong_history`, its default; plans by modelled seconds only);
     # False: it packs anyway
     distrust: bool = True
+    # an analysis placement, not the policy (docs/simulator.md, "Two tiers"): the elastic
+    # mode's requests longest first by the plan's estimates (each length exact with `oracle`),
+    # the `lane_requests` longest round robin over the replicas past the first
+    # `dense_replicas` (the lanes), the rest over those first ones; the plan's end to keep and
+    # the consolidation as they are. None: the policy's own placement
+    dense_replicas: Optional[int] = None
+    lane_requests: int = 0
     # shrinking inside a replica (a floor below its size) on an accelerator: the pace rule
     # refuses a shrink whose survivors, hosting more experts, would end their replica later,
     # unless they still end within the end to keep and the shrink saves occupied seconds
@@ -192,7 +199,7 @@ class _Topology:
 _AT_LEAST = {"gpus": 1, "num_prompts": 1, "samples_per_prompt": 1, "epochs": 1, "max_len": 1,
              "max_batch_size": 1, "kv_budget_tokens": 1, "kv_block_tokens": 1,
              "dataset_prompts": 1, "min_active_ranks": 1, "migrate_max_requests": 0, "seed": 0,
-             "taker_hedge": 1.0}
+             "taker_hedge": 1.0, "dense_replicas": 1, "lane_requests": 0}
 _POSITIVE = ("max_share", "load_cap", "pace_margin")
 _FRACTIONS = ("history_correlation", "cap_fraction")
 
@@ -253,6 +260,13 @@ def check_scenario(sc: Scenario) -> None:
     if sc.replicas < 1 or sc.gpus % sc.replicas:
         raise ValueError(f"replicas={sc.replicas} must divide gpus={sc.gpus} (EP size per "
                          "replica = gpus / replicas)")
+    if sc.dense_replicas is not None and sc.dense_replicas > sc.replicas:
+        raise ValueError(f"dense_replicas={sc.dense_replicas}: must be at most replicas "
+                         f"({sc.replicas})")
+    if sc.lane_requests and (sc.dense_replicas or sc.replicas) >= sc.replicas:
+        raise ValueError(f"lane_requests={sc.lane_requests}: the lanes are the replicas past "
+                         f"the first dense_replicas; set dense_replicas below replicas "
+                         f"({sc.replicas})")
 
 
 def run(sc: Scenario, *, params: CostParams = CostParams(),
@@ -339,6 +353,11 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
         else:
             plan = flexfloor.plan(groups, range(sc.gpus), replicas=replicated,
                                   step_cost=step_cost)
+        if sc.dense_replicas is not None:
+            estimate = ((lambda q: q.target_len) if sc.oracle else
+                        (lambda q, est=plan.per_request: est.get(q.request_id, 0.0)))
+            plan = dataclasses.replace(plan, assignment=two_tiers(
+                groups, replicated, sc.dense_replicas, sc.lane_requests, estimate))
         routed = route_least_outstanding(groups, replicated)
         assignments = {Mode.STATIC: routed, Mode.REPLICA_RELEASE: routed,
                        Mode.STATIC_CHUNKS: chunks.plan(groups, range(sc.gpus)).assignment,
@@ -414,6 +433,21 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
     if sc.targets:
         report["targets"] = check_targets(report, sc.targets)
     return report
+
+
+def two_tiers(groups, replicas, dense: int, lanes: int, estimate) -> dict[int, list[Request]]:
+    """The two-tier placement (`Scenario.dense_replicas`): the requests longest first by
+    `estimate` (request -> length), the `lanes` longest round robin over `replicas[dense:]`, the
+    rest over `replicas[:dense]`, each round robin over the replicas, then their ranks. A
+    replica given nothing leaves at once. Returns rank -> requests, longest first."""
+    reqs = sorted((q for g in groups for q in g.requests),
+                  key=lambda q: (-estimate(q), q.prompt_uid, q.sample_index))
+    out: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
+    for part, over in ((reqs[:lanes], replicas[dense:]), (reqs[lanes:], replicas[:dense])):
+        for i, q in enumerate(part):
+            ranks = over[i % len(over)]
+            out[ranks[(i // len(over)) % len(ranks)]].append(q)
+    return out
 
 
 def oracle_plan(scheduler: Scheduler, groups, ranks, **kw):
