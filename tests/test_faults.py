@@ -229,7 +229,10 @@ def test_with_its_reaper_gone_a_process_names_paths_without_an_error(tmp_path):
 
 DROPPED_STOP = """
 import os, signal, time
+from flexfloor.launch import stop as stop_module
 from flexfloor.launch.stop import StopSignals
+
+stop_module.AGAIN_AFTER_S = 0.5  # raised again once the work is surely asleep
 
 def poke(sig):
     os.kill(os.getpid(), sig)
@@ -241,7 +244,7 @@ class Dropped:
 
 def dropped():
     Dropped()
-    time.sleep(60)  # the stop, delivered again, ends this
+    time.sleep(600)  # the stop, delivered again, ends this (past the test's timeout if not)
     return "went-on"
 
 def twice():
@@ -276,8 +279,9 @@ print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True
 def test_a_stop_signal_whose_exception_python_drops_is_still_kept():
     """A stop signal's handler runs wherever the main thread is, also inside a `__del__` (or an
     import's clean-up, as CI saw in the converter), where Python prints the exception as
-    "ignored" and drops it. `StopSignals` delivers that stop again, so it still ends the work
-    (here a minute's sleep), and keeps each signal for the caller to read; the first one stops
+    "ignored" and drops it. `StopSignals` delivers that stop again, as a real signal, so it
+    still ends the work (here a ten-minute sleep, which a simulated signal left to run to its end,
+    past the two-minute timeout), and keeps each signal for the caller to read; the first one stops
     `run`'s work, also one that came before it; a second one while the first unwinds it, and
     any after it, cut nothing short; the work's own failure propagates."""
     proc = subprocess.run([PY, "-c", DROPPED_STOP], capture_output=True, text=True, timeout=120,

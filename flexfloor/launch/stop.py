@@ -78,14 +78,19 @@ class StopSignals:
     def _raise_again(self, signum: int) -> None:
         """Run `_stop` for `signum` once more, a moment from now, in the main thread: from a
         thread it does not wait for (Thread.start waits: the handler would run in there), as a
-        simulated signal, which reaches only a Python handler (never SIG_IGN or SIG_DFL)."""
+        real signal to the main thread, so that a blocking call there (a sleep, a wait on a
+        process) ends as it would for the first; `_thread.interrupt_main` only simulates one,
+        which such a call does not see until it returns (a minute's sleep ran to its end). Sent
+        under the lock while armed: the handlers are restored only under it (`__exit__`), so it
+        meets `_stop`, never a restored SIG_DFL; one that meets `run`'s SIG_IGN is dropped."""
         self._again += 1
+        main = threading.main_thread().ident
 
         def soon():
             time.sleep(AGAIN_AFTER_S)
             with self._lock:
                 if self._state == _ARMED:
-                    _thread.interrupt_main(signum)
+                    signal.pthread_kill(main, signum)
 
         _thread.start_new_thread(soon, ())
 
