@@ -317,6 +317,24 @@ def test_two_tiers_replaces_the_elastic_placement_and_keeps_the_tokens():
     assert sum(x["tokens"] > 0 for x in entry["elastic"]["per_rank"] if x["rank"] >= 12) >= 4
 
 
+def test_simulate_says_when_elastic_is_the_two_tier_placement(tmp_path, capsys):
+    from tools.simulate import main
+
+    small = ["--gpus", "16", "--replicas", "4", "--num-prompts", "16", "--max-len", "2048",
+             "--length-median", "400", "--epochs", "1"]
+    assert main(["--scenario", "paper-like", *small, "--oracle", "1", "--dense-replicas", "3",
+                 "--lane-requests", "6", "--out", str(tmp_path / "a.json")]) == 0
+    assert ("note: elastic is the two-tier analysis placement, not FlexFloor's: the 6 longest "
+            "requests (by their exact lengths) on the last 1 replica, the rest on the first 3"
+            in capsys.readouterr().out)
+    assert main(["--scenario", "paper-like", *small, "--dense-replicas", "2",
+                 "--out", str(tmp_path / "b.json")]) == 0
+    assert ("every request on the first 2 replicas, the others released at once"
+            in capsys.readouterr().out)
+    assert main(["--scenario", "paper-like", *small, "--out", str(tmp_path / "c.json")]) == 0
+    assert "two-tier" not in capsys.readouterr().out
+
+
 def test_a_shrink_inside_a_replica_keeps_the_pace_rule_and_the_planned_groups():
     """A floor below the replica's 4 ranks (`--min-active-ranks 1`), seed 2, step 2: every shrink
     the floor allows leaves a survivor hosting more experts, and the rollout ends a third after

@@ -259,6 +259,16 @@ def main(argv=None) -> int:
                   "it needs the replicas simulated together (--replicas > 1 with "
                   "--consolidate 1); every shrink the floor (--min-active-ranks) allows is made",
                   flush=True)
+        if sc.dense_replicas is not None:
+            where = (f"the {sc.lane_requests} longest requests (by "
+                     f"{'their exact lengths' if sc.oracle else 'the estimates'}) on the last "
+                     f"{sc.replicas - sc.dense_replicas} replica"
+                     f"{'' if sc.replicas - sc.dense_replicas == 1 else 's'}, the rest on the first "
+                     f"{sc.dense_replicas}" if sc.lane_requests else
+                     f"every request on the first {sc.dense_replicas} replicas, the others "
+                     "released at once")
+            print(f"note: elastic is the two-tier analysis placement, not FlexFloor's: {where} "
+                  "(docs/simulator.md, \"Two tiers\")", flush=True)
         if pace_rule_moot(sc):
             print("note: the pace rule (--shrink-pace) never refuses a shrink here: under UnitCost "
                   "(no accelerator) every step costs 1 whatever a rank hosts, so no shrink slows "
