@@ -145,6 +145,10 @@ def test_list_and_bad_scenario():
     (["--dense-replicas", "0"], "--dense-replicas 0: must be at least 1"),
     (["--lane-requests", "5"], "--lane-requests 5: the lanes are the replicas past the first "
                                "dense_replicas; set dense_replicas below replicas (8)"),
+    (["--dense-replicas", "6", "--lane-requests", "4096"],
+     "--lane-requests 4096: must be fewer than a step's requests (num_prompts x "
+     "samples_per_prompt = 4096), so that the dense replicas hold the rest"),
+    (["--sweep", "--dense-replicas", "6"], "--sweep with --dense-replicas: the sweep scales"),
 ])
 def test_bad_sweep_and_plot_fail_before_the_run(tmp_path, flags, message, capsys):
     """Refused before the simulation (seconds to minutes), not after it; nothing written."""
@@ -331,6 +335,13 @@ def test_simulate_says_when_elastic_is_the_two_tier_placement(tmp_path, capsys):
                  "--out", str(tmp_path / "b.json")]) == 0
     assert ("every request on the first 2 replicas, the others released at once"
             in capsys.readouterr().out)
+    assert main(["--scenario", "paper-like", *small, "--dense-replicas", "1", "--lane-requests",
+                 "9", "--out", str(tmp_path / "d.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(by the estimates) on the last 3 replicas, the rest on the first replica" in out
+    rep = json.load(open(tmp_path / "d.json"))
+    plan = rep["per_epoch"][0]["plan"]  # not the policy's placement's predicted ends
+    assert plan["placement"] == "two_tiers" and "replica_end_s" not in plan
     assert main(["--scenario", "paper-like", *small, "--out", str(tmp_path / "c.json")]) == 0
     assert "two-tier" not in capsys.readouterr().out
 

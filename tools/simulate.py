@@ -241,6 +241,10 @@ def main(argv=None) -> int:
             raise ValueError(flag_named(str(e), args)) from None
         params = params_of(args)
         ignored = [sc.gpus] if pace_rule_ignored(sc) else []
+        if args.sweep and sc.dense_replicas is not None:
+            raise ValueError("--sweep with --dense-replicas: the sweep scales the prompts with "
+                             "the GPU count, not the replicas' tiers; run each cluster size with "
+                             "its own --gpus instead")
         if args.sweep:
             for s in sweep_scenarios(sc, args.sweep_gpus, args.sweep_sigmas):
                 try:
@@ -260,13 +264,13 @@ def main(argv=None) -> int:
                   "--consolidate 1); every shrink the floor (--min-active-ranks) allows is made",
                   flush=True)
         if sc.dense_replicas is not None:
+            k, lanes = sc.dense_replicas, sc.replicas - sc.dense_replicas
+            first = "the first replica" if k == 1 else f"the first {k} replicas"
             where = (f"the {sc.lane_requests} longest requests (by "
                      f"{'their exact lengths' if sc.oracle else 'the estimates'}) on the last "
-                     f"{sc.replicas - sc.dense_replicas} replica"
-                     f"{'' if sc.replicas - sc.dense_replicas == 1 else 's'}, the rest on the first "
-                     f"{sc.dense_replicas}" if sc.lane_requests else
-                     f"every request on the first {sc.dense_replicas} replicas, the others "
-                     "released at once")
+                     f"{lanes} replica{'' if lanes == 1 else 's'}, the rest on {first}"
+                     if sc.lane_requests else f"every request on {first}"
+                     + (", the others released at once" if lanes else ""))
             print(f"note: elastic is the two-tier analysis placement, not FlexFloor's: {where} "
                   "(docs/simulator.md, \"Two tiers\")", flush=True)
         if pace_rule_moot(sc):

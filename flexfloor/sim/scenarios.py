@@ -120,7 +120,8 @@ class Scenario:
     # mode's requests longest first by the plan's estimates (each length exact with `oracle`),
     # the `lane_requests` longest round robin over the replicas past the first
     # `dense_replicas` (the lanes), the rest over those first ones; the plan's end to keep and
-    # the consolidation as they are. None: the policy's own placement
+    # the consolidation as they are, no groups built ahead from the plan's predicted ends
+    # (those of its own placement). None: the policy's own placement
     dense_replicas: Optional[int] = None
     lane_requests: int = 0
     # shrinking inside a replica (a floor below its size) on an accelerator: the pace rule
@@ -267,6 +268,11 @@ def check_scenario(sc: Scenario) -> None:
         raise ValueError(f"lane_requests={sc.lane_requests}: the lanes are the replicas past "
                          f"the first dense_replicas; set dense_replicas below replicas "
                          f"({sc.replicas})")
+    requests = sc.num_prompts * sc.samples_per_prompt
+    if sc.lane_requests >= requests:
+        raise ValueError(f"lane_requests={sc.lane_requests}: must be fewer than a step's "
+                         f"requests (num_prompts x samples_per_prompt = {requests}), so that the "
+                         "dense replicas hold the rest")
 
 
 def run(sc: Scenario, *, params: CostParams = CostParams(),
@@ -353,7 +359,8 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
         else:
             plan = flexfloor.plan(groups, range(sc.gpus), replicas=replicated,
                                   step_cost=step_cost)
-        if sc.dense_replicas is not None:
+        two_tier = sc.dense_replicas is not None
+        if two_tier:
             estimate = ((lambda q: q.target_len) if sc.oracle else
                         (lambda q, est=plan.per_request: est.get(q.request_id, 0.0)))
             plan = dataclasses.replace(plan, assignment=two_tiers(
@@ -365,10 +372,13 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
                        Mode.ELASTIC: plan.assignment}
         entry, outs = {"epoch": epoch, "prediction_sources": dict(plan.sources)}, {}
         if step_cost is not None:  # the plan's predicted seconds, to set against what happened
-            entry["plan"] = {"finish_bound_s": plan.finish_bound, "distrusted": plan.distrusted,
-                             "replica_end_s": [max(plan.expected_finish[r] for r in g)
-                                               for g in replicated],
-                             "leaving_order": plan.leaving_order(replicated)}
+            entry["plan"] = {"finish_bound_s": plan.finish_bound, "distrusted": plan.distrusted}
+            if two_tier:  # the plan's predicted ends are its own placement's, not the one run
+                entry["plan"]["placement"] = "two_tiers"
+            else:
+                entry["plan"].update(replica_end_s=[max(plan.expected_finish[r] for r in g)
+                                                    for g in replicated],
+                                     leaving_order=plan.leaving_order(replicated))
         tails = None
         if replicas_together(sc):
             tails = tail_consolidation(sc, cost, params, topo_r, step_cost, plan,
@@ -376,7 +386,7 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
         for mode in Mode:
             out = simulate_mode(mode, assignments[mode], topo[mode], cost, sc,
                                 tails if mode == Mode.ELASTIC else None,
-                                expected_finish=plan.expected_finish,
+                                expected_finish=None if two_tier else plan.expected_finish,
                                 kept_groups=kept_groups if mode == Mode.ELASTIC else None)
             m = mode_metrics(out, sc, lengths_sha256(out.lengths))
             m["timeline"] = out.timeline
