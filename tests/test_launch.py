@@ -200,7 +200,8 @@ def test_torchrun_sbatch_max_restarts_on_four_nodes(fake_srun, capsys):
         assert cmd == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m",
                        "flexfloor.launch.local", "--nnodes=4", "--nproc-per-node=8",
                        "--rdzv-backend=c10d", f"--rdzv-endpoint=gpu01:{port}", "--rdzv-id=734512",
-                       f"--rdzv-conf=is_host={int(rank == 0)}", f"--local-addr={node}",
+                       f"--rdzv-conf=is_host={int(rank == 0)},read_timeout=600",
+                       f"--local-addr={node}",
                        "--max-restarts=2", "-m", "flexfloor.train", "--config",
                        "examples/configs/grpo_tiny.yaml", "trainer.steps=3",
                        "parallel.world_size=32"]

@@ -131,6 +131,9 @@ def _count(value) -> int:
 
 
 TORCHRUN_PORT_BASE = 29500  # torchrun's default port and the 2000 above it
+# how long a node's agent waits for the first node's c10d store (torch's default, 60 s, would
+# end the job where the first node starts a minute late; the static rendezvous waits 600 s)
+C10D_READ_TIMEOUT_S = 600
 RAY_PORT_BASE = 6379        # Ray's default GCS port and the 2000 above it
 
 
@@ -171,7 +174,7 @@ def torchrun_command(alloc: Allocation, port: int, train_args: list[str], python
     return ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", python, "-m", "flexfloor.launch.local",
             nnodes, f"--nproc-per-node={alloc.procs_per_node}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={alloc.head}:{port}", f"--rdzv-id={alloc.job_id}",
-            f"--rdzv-conf=is_host={int(alloc.node_rank == 0)}",
+            f"--rdzv-conf=is_host={int(alloc.node_rank == 0)},read_timeout={C10D_READ_TIMEOUT_S}",
             f"--local-addr={alloc.nodes[alloc.node_rank]}", f"--max-restarts={max_restarts}",
             *rest]
 
