@@ -81,8 +81,9 @@ class StopSignals:
         real signal to the main thread, so that a blocking call there (a sleep, a wait on a
         process) ends as it would for the first; `_thread.interrupt_main` only simulates one,
         which such a call does not see until it returns (a minute's sleep ran to its end). Sent
-        under the lock while armed: the handlers are restored only under it (`__exit__`), so it
-        meets `_stop`, never a restored SIG_DFL; one that meets `run`'s SIG_IGN is dropped."""
+        under the lock while armed: the handlers are restored only under it (`__exit__`), after
+        `run` has set SIG_IGN, which drops one still pending; so it meets `_stop` (which ignores it
+        once the work is over) or SIG_IGN, never a restored SIG_DFL."""
         self._again += 1
         main = threading.main_thread().ident
 
