@@ -20,7 +20,7 @@ import sys
 import traceback
 import warnings
 
-from flexfloor.launch.local import report_exit
+from flexfloor.launch.local import clear_report, report_exit
 
 
 def main(argv=None) -> int:
@@ -34,6 +34,7 @@ def main(argv=None) -> int:
                         help="validate the config for WORLD_SIZE workers and exit (0 or 2)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     args = parser.parse_args(argv)
+    clear_report()  # a code an earlier round left under this worker's name is not its own
     warnings.filterwarnings("ignore", module="megatron")
 
     from flexfloor.config import ConfigError, load_config

@@ -568,6 +568,19 @@ def test_the_launchers_exit_code_follows_the_last_attempts_workers(tmp_path):
     (folder / "attempt_9.rank_0.tmp").write_text("0")  # a report cut short is not read
     codes = local.last_attempt_codes(str(folder))
     assert codes == {0: 75, 1: 75}
+    # a worker of a later round with the same count (c10d, restarted for another node's
+    # failure) clears its predecessor's report as it starts: killed before it reports, it
+    # leaves none, not the 75
+    try:
+        os.environ.update({local.STATUS_ENV: str(folder), "TORCHELASTIC_RESTART_COUNT": "1",
+                           "RANK": "1"})
+        local.clear_report()
+        local.clear_report()  # nothing left to clear: no error
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    assert local.last_attempt_codes(str(folder)) == {0: 75}
+    assert local.outcome({0: 75}, 2, 1, None) == 1  # not every worker saved: not preempted
     assert local.outcome(codes, 2, 1, 15) == 75  # preempted and saved: 75, whoever signalled
     assert local.outcome(codes, 2, 1, None) == 75  # a worker signalled, torchrun reported 1
     assert local.outcome({0: 75}, 2, 1, 15) == 128 + 15  # one worker did not save

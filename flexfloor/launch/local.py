@@ -29,22 +29,42 @@ STATUS_ENV = "FLEXFLOOR_LAUNCH_STATUS"
 PREEMPTED = 75  # flexfloor.preemption.PREEMPTED_EXIT_CODE (not imported: it loads torch's dist)
 
 
-def report_exit(code: int) -> None:
-    """In a worker: record `code` as this worker's exit code for the launcher (if any)."""
+def _report_path() -> str | None:
+    """This worker's report file in the launch's folder, or None outside this launcher."""
     folder = os.environ.get(STATUS_ENV)
     if not folder or not os.path.isdir(folder):
+        return None
+    return os.path.join(folder, f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+                                f".rank_{os.environ.get('RANK', '0')}")
+
+
+def clear_report() -> None:
+    """In a worker, as it starts: remove the report an earlier round of the same attempt number
+    left. Under the c10d rendezvous (a multi-node job with restarts) a node whose workers were
+    restarted for another node's failure keeps its count, so its new workers report under the
+    old names; one killed before it reports would leave its predecessor's code (a 75, say)
+    standing for it."""
+    path = _report_path()
+    if path is not None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def report_exit(code: int) -> None:
+    """In a worker: record `code` as this worker's exit code for the launcher (if any)."""
+    path = _report_path()
+    if path is None:
         return
     from flexfloor.outputs import write_whole
-
-    name = (f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-            f".rank_{os.environ.get('RANK', '0')}")
 
     def write(tmp):
         with open(tmp, "w") as f:
             f.write(str(code))
 
     try:  # whole or not at all: the launcher reads no half-written code
-        write_whole(os.path.join(folder, name), write)
+        write_whole(path, write)
     except OSError:  # the launcher is gone: nobody reads it
         pass
 
