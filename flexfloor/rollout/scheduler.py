@@ -676,8 +676,8 @@ def _longest_first(groups: Sequence[PromptGroup], per_request: dict[str, float])
     return reqs
 
 
-def _round_robin(reqs: Sequence[Request], replicas: Sequence[Sequence[int]]
-                 ) -> dict[int, list[Request]]:
+def round_robin(reqs: Sequence[Request], replicas: Sequence[Sequence[int]]
+                ) -> dict[int, list[Request]]:
     """`reqs` in order round robin over the replicas, then over each replica's ranks (least
     outstanding routing of a batch submitted at once). Returns rank -> requests."""
     out: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
@@ -883,7 +883,7 @@ class Scheduler:
         # static routes the samples in their own order (routed longest first, as the oracle's
         # plan holds them, its bound was static's end with every prompt's longest sample on the
         # first replica: 1.5x static's with a tenth of them at the cap)
-        static = _round_robin(_in_sample_order(groups), replicas)
+        static = round_robin(_in_sample_order(groups), replicas)
         static_ends = [ends([static[r] for r in g]) for g in replicas]
         static_end = tuple(max((e[k] for e in static_ends), default=0.0) for k in (0, 1))
         static_grouped = max((end([static[r] for r in g], grouped) for g in replicas),
@@ -901,7 +901,7 @@ class Scheduler:
         # a prompt with no history has nothing to concentrate by: its samples go as static's
         # do (round robin over the replicas, then their ranks), which keeps the replicas'
         # loads alike; the prompts with history are placed around them
-        start = _round_robin([q for g in groups if not self.history.last(g.uid)
+        start = round_robin([q for g in groups if not self.history.last(g.uid)
                               for q in g.requests], replicas)
         order = [g for g in order if self.history.last(g.uid)]
 
@@ -909,7 +909,7 @@ class Scheduler:
             """g's samples round robin over the first k replicas, then their ranks, beside
             what is placed there: (rank -> requests, the latest of those replicas' `ends`)."""
             trial = {r: start[r] + reqs
-                     for r, reqs in _round_robin(_in_sample_order([g]), replicas[:k]).items()}
+                     for r, reqs in round_robin(_in_sample_order([g]), replicas[:k]).items()}
             return trial, max(ends([trial[r] for r in ranks], grouped)
                               for ranks in replicas[:k])
 

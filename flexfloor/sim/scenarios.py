@@ -41,7 +41,7 @@ from flexfloor.rollout.replicas import (  # noqa: F401  (Mode, MODES, ...: re-ex
     BASELINES, HELD, MODES, Mode, route_least_outstanding,
 )
 from flexfloor.rollout.scheduler import (
-    LengthHistory, MemoryModel, PromptGroup, Scheduler, evidence_accuracy,
+    LengthHistory, MemoryModel, PromptGroup, Scheduler, evidence_accuracy, round_robin,
 )
 from flexfloor.rollout.types import Request
 from flexfloor.rollout.workload import dataset_batches, make_lengths, make_prompts, tail_stats
@@ -448,16 +448,13 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
 def two_tiers(groups, replicas, dense: int, lanes: int, estimate) -> dict[int, list[Request]]:
     """The two-tier placement (`Scenario.dense_replicas`): the requests longest first by
     `estimate` (request -> length), the `lanes` longest round robin over `replicas[dense:]`, the
-    rest over `replicas[:dense]`, each round robin over the replicas, then their ranks. A
-    replica given nothing leaves at once. Returns rank -> requests, longest first."""
+    rest over `replicas[:dense]`, each round robin over the replicas, then their ranks
+    (`scheduler.round_robin`). A replica given nothing leaves at once. Returns rank -> requests,
+    longest first."""
     reqs = sorted((q for g in groups for q in g.requests),
                   key=lambda q: (-estimate(q), q.prompt_uid, q.sample_index))
-    out: dict[int, list[Request]] = {r: [] for g in replicas for r in g}
-    for part, over in ((reqs[:lanes], replicas[dense:]), (reqs[lanes:], replicas[:dense])):
-        for i, q in enumerate(part):
-            ranks = over[i % len(over)]
-            out[ranks[(i // len(over)) % len(ranks)]].append(q)
-    return out
+    return {**round_robin(reqs[lanes:], replicas[:dense]),
+            **round_robin(reqs[:lanes], replicas[dense:])}
 
 
 def oracle_plan(scheduler: Scheduler, groups, ranks, **kw):
