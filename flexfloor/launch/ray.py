@@ -197,13 +197,9 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         # started from
         state: dict = {}
         for attempt in range(max_restarts + 1):
-            # the lock of checkpoint.dir names the last attempt's rank 0, which this launcher
-            # ended: the new rank 0 takes it over, on whichever host it runs
-            predecessor = dict(state.get("rank0", {}))
             try:
                 workers = _attempt(cfg, pg, pool, pool_name, num_workers, cpus_per_worker,
-                                   gpus_per_worker, timeout_s, attempt, history, say,
-                                   state, predecessor)
+                                   gpus_per_worker, timeout_s, attempt, history, say, state)
                 return RunResult(metrics=history, workers=workers, restarts=attempt,
                                  pool_events=ray.get(pool.events.remote(), timeout=timeout_s))
             except LaunchError as e:
@@ -232,16 +228,18 @@ def _resumes(cfg) -> str:
 
 def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: float,
              gpus_per_worker: float, timeout_s: float, attempt: int, history: list,
-             say, state: dict, predecessor: dict) -> list[dict]:
+             say, state: dict) -> list[dict]:
     """One launch attempt: `num_workers` actors in `pg`'s bundles run the job to its end.
     `history` (rank 0's metrics so far) is extended, a resumed step replacing what an earlier
     attempt logged for it; `state["rank0"]` is set to this attempt's rank 0 (host, pid) and
-    `state["first_step"]` to the step the first attempt started from; `predecessor` is the last
-    attempt's rank 0 (empty on the first). Returns the workers by rank; the actors are ended in
-    every case."""
+    `state["first_step"]` to the step the first attempt started from. Returns the workers by
+    rank; the actors are ended in every case."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    # the lock of checkpoint.dir names the last attempt's rank 0, which this launcher ended:
+    # the new rank 0 takes it over, on whichever host it runs (none on the first attempt)
+    predecessor = dict(state.get("rank0", {}))
     actors = []
     try:
         actor_cls = ray.remote(Worker)
