@@ -443,8 +443,11 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 2, "include_dashboard": False})
+    # a crashed node is found dead after 3 missed health checks, 1 s apart (Ray's default
+    # takes about 15 s)
+    checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False, "_system_config": checks})
     pids = []
     try:
         cluster.add_node(num_cpus=2)
@@ -551,8 +554,9 @@ def test_ray_job_equals_torchrun_and_lends_released_workers(ray_cluster, torchru
 
 # case -> (checkpoint.dir set, where rank 1 dies, its step, the step lines the driver prints)
 RESTARTS = {
-    # killed after step 1 returned: the new Jobs resume from its checkpoint and run step 2
-    "between_steps": (True, "step", 2, ["1/2", "2/2"]),
+    # after step 1 returned, the node of ranks 2 and 3 (or 0 and 1) is lost: the restart waits
+    # until a new node takes their bundles, and the new Jobs resume from step 1's checkpoint
+    "node_lost": (True, "node", 2, ["1/2", "2/2"]),
     # with nothing to resume from, both steps again: the lost attempt's metrics are replaced
     "no_checkpoint_dir": (False, "step", 2, ["1/2", "1/2", "2/2"]),
     # killed once step 1's checkpoint is complete, before the step returned: its metrics come
@@ -564,9 +568,10 @@ RESTARTS = {
 @pytest.mark.parametrize("case", list(RESTARTS))
 def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, torchrun_run,
                                                                  tmp_path, case, monkeypatch):
-    """`max_restarts` under Ray: rank 1's process is killed (`RESTARTS`). Every worker is
-    started again, the new Jobs resume from checkpoint.dir (or start again at step 0), and the
-    run's metrics equal the uninterrupted torchrun run's, step for step."""
+    """`max_restarts` under Ray: rank 1's process is killed, or the other node is lost
+    (`RESTARTS`). Every worker is started again, the new Jobs resume from checkpoint.dir (or
+    start again at step 0), and the run's metrics equal the uninterrupted torchrun run's, step
+    for step."""
     import ray
 
     from flexfloor.config import load_config
@@ -578,15 +583,26 @@ def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, t
     lines: list[str] = []
     started: list[tuple[int, int]] = []  # (rank, pid) of every attempt's workers, in order
     victim = []
+    nodes: dict[int, str] = {}  # rank -> node id (its first 8 hex digits), the last attempt's
+    (other,) = cluster.worker_nodes  # the node that is not the head
+    added = []
 
     def say(text: str) -> None:
         lines.append(text)
-        m = re.match(r"rank (\d+): .* pid (\d+) ", text)
+        m = re.match(r"rank (\d+): node \S+ \((\w+)\) pid (\d+) ", text)
         if m:
-            started.append((int(m[1]), int(m[2])))
+            started.append((int(m[1]), int(m[3])))
+            nodes[int(m[1])] = m[2]
         if when == "step" and text.startswith("step 1/") and not victim:
             victim.append(dict(started)[1])  # the first attempt's
             os.kill(victim[0], signal.SIGKILL)
+        if when == "node" and text.startswith("step 1/") and not victim:
+            lost = sorted(r for r, n in nodes.items() if other.node_id.startswith(n))
+            victim.append({r: dict(started)[r] for r in lost})  # one of them is named
+            victim.append(lost)
+            cluster.remove_node(other, allow_graceful=False)  # a crash: SIGKILL to its raylet
+        if when == "node" and text.startswith("restart 1: waiting up to 300 s") and not added:
+            added.append(cluster.add_node(num_cpus=2))  # a new node, as an autoscaler adds
 
     resume, when, died_in, steps = RESTARTS[case]
     if when == "saved":  # the driver passes the fault plan on to the workers
@@ -605,8 +621,21 @@ def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, t
         victim.append(started[1][1])  # rank 1 of the first attempt
     assert result.restarts == 1 and victim, lines
     (restart,) = [x for x in lines if "restart 1 of 1" in x]
-    assert re.match(rf"rank 1 \(node [0-9.]+, pid {victim[0]}\) died during step {died_in}",
-                    restart), restart
+    named = victim[0] if when == "node" else {1: victim[0]}  # rank -> pid
+    assert any(re.match(rf"rank {r} \(node [0-9.]+, pid {pid}\) died during step {died_in}",
+                        restart) for r, pid in named.items()), restart
+    placing = [x for x in lines if x.startswith("restart 1: ")]
+    if when == "node":  # the restart waited for the lost bundles, then placed them on the new node
+        assert len(victim[1]) == 2 and added, lines
+        assert re.fullmatch(r"restart 1: waiting up to 300 s for Ray to place 2 of 4 workers "
+                            r"\(\{'CPU': 1\.0\} each; bundles \[\d, \d\], ranks "
+                            + re.escape(f"{victim[1]} before: their node is gone); the cluster "
+                                        "has 1 node alive, 0 CPU, 0 GPU free"), placing[0]), placing
+        assert re.fullmatch(r"restart 1: every worker's bundle is placed again after \d+ s",
+                            placing[1]), placing
+        assert {nodes[r] for r in victim[1]} == {added[0].node_id[:8]}
+    else:  # the node is there: nothing to wait for
+        assert not placing, placing
     assert restart.endswith(f"resumes from the newest checkpoint in checkpoint.dir ({tmp_path}/ckpt)"
                             if resume else "starts at step 0 (no checkpoint.dir to resume from)")
     first, second = started[:4], started[4:]
@@ -621,6 +650,36 @@ def test_ray_job_restarts_after_a_worker_dies_and_equals_torchrun(ray_cluster, t
     released = {e["lease"] for e in result.pool_events if e["event"] == "released"}
     ended = [e["lease"] for e in result.pool_events if e["event"] in ("rejoined", "withdrawn")]
     assert released and sorted(ended) == sorted(released), leases
+
+
+def test_ray_placement_that_never_comes_names_the_bundles_and_the_free_resources(ray_cluster):
+    """More workers than the cluster has CPUs: the wait says what it waits for, again while it
+    waits, and ends past its timeout naming the bundles, the free resources and the fix."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from flexfloor.launch.pool import NAMESPACE
+    from flexfloor.launch.ray import LaunchError, _wait_placed
+
+    cluster, _ = ray_cluster
+    ray.init(address=cluster.address, namespace=NAMESPACE)
+    lines: list[str] = []
+    pg = placement_group([{"CPU": 1.0}] * 5, strategy="PACK")  # the cluster has 4 CPUs
+    try:
+        with pytest.raises(LaunchError) as e:
+            _wait_placed(pg, {"CPU": 1.0}, 3, lines.append, "placement", quiet_s=1, every_s=1)
+    finally:
+        remove_placement_group(pg)
+        ray.shutdown()
+    free = "the cluster has 2 nodes alive, 4 CPU, 0 GPU free"
+    assert lines[0] == f"placement: waiting up to 3 s for Ray to place 5 of 5 workers ({{'CPU': 1.0}} each); {free}"
+    assert all(re.fullmatch(rf"placement: still waiting for 5 bundles \(\d of 3 s\); {free}", x)
+               for x in lines[1:]) and len(lines) >= 2, lines
+    assert str(e.value) == (
+        f"placement: Ray could not place 5 of 5 workers ({{'CPU': 1.0}} each, bundles [0, 1, 2, "
+        f"3, 4]) within 3 s; {free}: add a node (or let the autoscaler add one), or run again "
+        "with fewer --num-workers / --cpus-per-worker / --gpus-per-worker")
+    assert not e.value.worker_lost
 
 
 def test_ray_launcher_refuses_a_negative_max_restarts():

@@ -31,6 +31,7 @@ from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
 from flexfloor.launch.reaper import start_reaper
 
 PREDECESSOR_ENV = "FLEXFLOOR_LOCK_PREDECESSOR"  # flexfloor.checkpoint's (not imported: torch)
+HEAD_RESOURCE = "node:__internal_head__"  # the resource only Ray's head node has
 
 
 class LaunchError(RuntimeError):
@@ -176,6 +177,7 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts}: must be >= 0 (0: a lost worker ends "
@@ -183,15 +185,17 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
     if gpus_per_worker is None:
         gpus_per_worker = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
-    pool = ray.remote(num_cpus=0)(ResourcePool).options(name=pool_name, namespace=NAMESPACE).remote()
+    # the pool lives on the head node: the cluster ends with that node anyway, and a worker
+    # node lost with the pool on it would end the run that `max_restarts` could have saved
+    head = [n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and HEAD_RESOURCE in n.get("Resources", {})]
+    pool = ray.remote(num_cpus=0)(ResourcePool).options(
+        name=pool_name, namespace=NAMESPACE,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head[0], soft=False) if head
+        else "DEFAULT").remote()
     pg = placement_group([bundle] * num_workers, strategy="PACK")
     try:
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        if not ready:
-            raise LaunchError(
-                f"the cluster could not place {num_workers} workers of {bundle} within "
-                f"{timeout_s:.0f} s; it has {ray.cluster_resources()}: add nodes, or lower "
-                "--num-workers / --cpus-per-worker / --gpus-per-worker")
+        _wait_placed(pg, bundle, timeout_s, say, "placement", quiet_s=10)
         history: list[dict] = []
         # filled in by `_attempt`: the attempt's rank 0 (host, pid), the step the first one
         # started from
@@ -203,6 +207,10 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 return RunResult(metrics=history, workers=workers, restarts=attempt,
                                  pool_events=ray.get(pool.events.remote(), timeout=timeout_s))
             except LaunchError as e:
+                unplaced = _unplaced(pg)
+                if unplaced and not e.worker_lost:  # a wait that ended on a lost node's bundles
+                    raise LaunchError(f"{e} (the placement group has no node for the bundles "
+                                      f"of workers {unplaced}: their node was lost)") from e
                 if not e.worker_lost or attempt == max_restarts:
                     raise
                 # the lost attempt's releases end: their workers are gone, and the new ones
@@ -210,10 +218,94 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 ray.get(pool.withdraw.remote(f"restart {attempt + 1}"), timeout=timeout_s)
                 say(f"{e}; restart {attempt + 1} of {max_restarts}: every worker is started "
                     f"again and {_resumes(cfg)}")
+                # a node that crashed keeps its bundles until Ray finds it dead; then they wait
+                # for Ray to place them on another node
+                _settle(state.get("nodes", []), timeout_s)
+                _wait_placed(pg, bundle, timeout_s, say, f"restart {attempt + 1}",
+                             ranks=state.get("rank_of_bundle", {}))
         raise AssertionError("unreachable")  # the last attempt returned or raised
     finally:
         ray.kill(pool)
         remove_placement_group(pg)
+
+
+def _unplaced(pg) -> list[int]:
+    """The bundles of `pg` (one per worker, by index) that have no node now: none once it is
+    created; all while it waits for its first placement; those of a lost node while Ray
+    places them again (state RESCHEDULING)."""
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(pg)
+    if table["state"] == "CREATED":
+        return []
+    return sorted(i for i, node in table["bundles_to_node_id"].items() if not node)
+
+
+def _answer() -> bool:
+    return True
+
+
+def _settle(nodes: list[str], timeout_s: float) -> None:
+    """Wait until each of `nodes` that Ray still counts alive answers a task, or is found dead.
+    A node that crashed counts as alive, its bundles placed, until Ray's health checks find it
+    dead (seconds); a new worker placed there in between would die with it, at start-up."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    probe = ray.remote(num_cpus=0, max_retries=0)(_answer)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+            .remote() for n in nodes if n in alive]
+    if refs:  # an answer, or an error: settled
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
+def _free_resources() -> str:
+    """The alive nodes and the CPUs and GPUs they have free, e.g. `2 nodes, 1 CPU, 0 GPU
+    free` (placement-group shares left out: they are taken)."""
+    import ray
+
+    free = ray.available_resources()
+    alive = sum(n["Alive"] for n in ray.nodes())
+    return (f"{alive} node{'s' * (alive != 1)} alive, {free.get('CPU', 0):g} CPU, "
+            f"{free.get('GPU', 0):g} GPU free")
+
+
+def _wait_placed(pg, bundle: dict, timeout_s: float, say, what: str, quiet_s: float = 0.0,
+                 every_s: float = 60.0, ranks: dict | None = None) -> None:
+    """Wait until every bundle of `pg` has a node: its first placement, or Ray placing a lost
+    node's bundles again (`ranks`: the rank each bundle held, named in the lines). Past
+    `quiet_s` seconds it says what it waits for, and again every `every_s` seconds; past
+    `timeout_s` in all it raises a LaunchError naming the bundles and the free resources."""
+    start = time.monotonic()
+    if quiet_s > 0 and pg.wait(math.ceil(min(quiet_s, timeout_s))):
+        return
+    unplaced = _unplaced(pg)
+    if not unplaced:
+        return
+    n = len(pg.bundle_specs)
+    lost = (f"; bundles {unplaced}, ranks {sorted(ranks[i] for i in unplaced)} before: their "
+            "node is gone" if ranks else "")
+    say(f"{what}: waiting up to {timeout_s:.0f} s for Ray to place {len(unplaced)} of {n} "
+        f"workers ({bundle} each{lost}); the cluster has {_free_resources()}")
+    while True:
+        left = timeout_s - (time.monotonic() - start)
+        if left > 0 and pg.wait(max(1, math.ceil(min(every_s, left)))):  # whole seconds
+            if what != "placement":
+                say(f"{what}: every worker's bundle is placed again after "
+                    f"{time.monotonic() - start:.0f} s")
+            return
+        unplaced, waited = _unplaced(pg), time.monotonic() - start
+        if not unplaced:  # placed right as the wait ended
+            return
+        if waited >= timeout_s:
+            raise LaunchError(
+                f"{what}: Ray could not place {len(unplaced)} of {n} workers ({bundle} each, "
+                f"bundles {unplaced}) within {timeout_s:.0f} s; the cluster has "
+                f"{_free_resources()}: add a node (or let the autoscaler add one), or run "
+                "again with fewer --num-workers / --cpus-per-worker / --gpus-per-worker")
+        say(f"{what}: still waiting for {len(unplaced)} bundles ({waited:.0f} of "
+            f"{timeout_s:.0f} s); the cluster has {_free_resources()}")
 
 
 def _resumes(cfg) -> str:
@@ -232,8 +324,9 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
     """One launch attempt: `num_workers` actors in `pg`'s bundles run the job to its end.
     `history` (rank 0's metrics so far) is extended, a resumed step replacing what an earlier
     attempt logged for it; `state["rank0"]` is set to this attempt's rank 0 (host, pid) and
-    `state["first_step"]` to the step the first attempt started from. Returns the workers by
-    rank; the actors are ended in every case."""
+    `state["first_step"]` to the step the first attempt started from and
+    `state["rank_of_bundle"]` to each bundle's rank and `state["nodes"]` to the nodes it runs
+    on. Returns the workers by rank; the actors are ended in every case."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -260,6 +353,8 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
             w.update(rank=rank, local_rank=on_node.index(rank), local_world_size=len(on_node))
         labels = {r: f"rank {r} (node {w['node_ip']}, pid {w['pid']})" for r, w in enumerate(workers)}
         state["rank0"] = {"host": workers[0]["host"], "pid": workers[0]["pid"]}
+        state["rank_of_bundle"] = {i: rank for rank, i in enumerate(order)}
+        state["nodes"] = nodes
         events_before = len(ray.get(pool.events.remote(), timeout=timeout_s))
         port = _gather({0: actors[0].host_store.remote(cfg.parallel.timeout_s)}, labels,
                        "start-up", timeout_s)[0]
