@@ -32,6 +32,10 @@ from flexfloor.launch.reaper import start_reaper
 
 PREDECESSOR_ENV = "FLEXFLOOR_LOCK_PREDECESSOR"  # flexfloor.checkpoint's (not imported: torch)
 HEAD_RESOURCE = "node:__internal_head__"  # the resource only Ray's head node has
+# after a worker's call fails, how long its peers' calls may take to fail too, so that a worker
+# that died is named, not a peer that failed for it: a crashed node's workers are reported
+# dead once Ray's health checks find the node dead (about 15 s by default)
+DEATH_GRACE_S = 30.0
 
 
 class LaunchError(RuntimeError):
@@ -195,7 +199,8 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         else "DEFAULT").remote()
     pg = placement_group([bundle] * num_workers, strategy="PACK")
     try:
-        _wait_placed(pg, bundle, timeout_s, say, "placement", quiet_s=10)
+        _wait_placed(pg, bundle, time.monotonic() + timeout_s, timeout_s, say, "placement",
+                     quiet_s=10)
         history: list[dict] = []
         # filled in by `_attempt`: the attempt's rank 0 (host, pid), the step the first one
         # started from
@@ -219,9 +224,10 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 say(f"{e}; restart {attempt + 1} of {max_restarts}: every worker is started "
                     f"again and {_resumes(cfg)}")
                 # a node that crashed keeps its bundles until Ray finds it dead; then they wait
-                # for Ray to place them on another node
-                _settle(state.get("nodes", []), timeout_s)
-                _wait_placed(pg, bundle, timeout_s, say, f"restart {attempt + 1}",
+                # for Ray to place them on another node (one --timeout-s for both)
+                deadline, what = time.monotonic() + timeout_s, f"restart {attempt + 1}"
+                _settle(pg, deadline, say, what)
+                _wait_placed(pg, bundle, deadline, timeout_s, say, what,
                              ranks=state.get("rank_of_bundle", {}))
         raise AssertionError("unreachable")  # the last attempt returned or raised
     finally:
@@ -229,35 +235,54 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         remove_placement_group(pg)
 
 
+def _placement(pg) -> tuple[str, dict]:
+    """`pg`'s state (PENDING, PREPARED, CREATED, RESCHEDULING, REMOVED) and each bundle's node
+    id, by bundle index ('' for a bundle without a node)."""
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(pg)
+    return table["state"], dict(table["bundles_to_node_id"])
+
+
 def _unplaced(pg) -> list[int]:
     """The bundles of `pg` (one per worker, by index) that have no node now: none once it is
     created; all while it waits for its first placement; those of a lost node while Ray
     places them again (state RESCHEDULING)."""
-    from ray.util.placement_group import placement_group_table
-
-    table = placement_group_table(pg)
-    if table["state"] == "CREATED":
+    state, nodes = _placement(pg)
+    if state == "CREATED":
         return []
-    return sorted(i for i, node in table["bundles_to_node_id"].items() if not node)
+    return sorted(i for i, node in nodes.items() if not node)
 
 
 def _answer() -> bool:
     return True
 
 
-def _settle(nodes: list[str], timeout_s: float) -> None:
-    """Wait until each of `nodes` that Ray still counts alive answers a task, or is found dead.
-    A node that crashed counts as alive, its bundles placed, until Ray's health checks find it
-    dead (seconds); a new worker placed there in between would die with it, at start-up."""
+def _settle(pg, deadline: float, say, what: str, quiet_s: float = 10.0) -> None:
+    """Wait, up to `deadline` (time.monotonic), until each node that holds a bundle of `pg`
+    answers a task or is found dead. A node that crashed holds its bundles until Ray's health
+    checks find it dead (seconds); a new worker placed there before would die with it at
+    start-up. Says what it waits for past `quiet_s` seconds."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    held = sorted({n for n in _placement(pg)[1].values() if n} & alive)
     probe = ray.remote(num_cpus=0, max_retries=0)(_answer)
-    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-            .remote() for n in nodes if n in alive]
-    if refs:  # an answer, or an error: settled
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    refs = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+            .remote(): n for n in held}
+    pending = list(refs)
+    wait = min(quiet_s, deadline - time.monotonic())
+    if pending and wait > 0:  # an answer, or an error: settled
+        pending = ray.wait(pending, num_returns=len(pending), timeout=wait)[1]
+    if pending and deadline > time.monotonic():
+        say(f"{what}: waiting up to {deadline - time.monotonic():.0f} s more for "
+            f"{len(pending)} node(s) to answer or be found dead by Ray: "
+            + ", ".join(refs[r][:8] for r in pending))
+        pending = ray.wait(pending, num_returns=len(pending),
+                           timeout=max(0.0, deadline - time.monotonic()))[1]
+    for ref in pending:  # past the deadline: the placement's wait says the rest
+        ray.cancel(ref)
 
 
 def _free_resources() -> str:
@@ -271,41 +296,59 @@ def _free_resources() -> str:
             f"{free.get('GPU', 0):g} GPU free")
 
 
-def _wait_placed(pg, bundle: dict, timeout_s: float, say, what: str, quiet_s: float = 0.0,
-                 every_s: float = 60.0, ranks: dict | None = None) -> None:
-    """Wait until every bundle of `pg` has a node: its first placement, or Ray placing a lost
-    node's bundles again (`ranks`: the rank each bundle held, named in the lines). Past
-    `quiet_s` seconds it says what it waits for, and again every `every_s` seconds; past
-    `timeout_s` in all it raises a LaunchError naming the bundles and the free resources."""
-    start = time.monotonic()
-    if quiet_s > 0 and pg.wait(math.ceil(min(quiet_s, timeout_s))):
+def _wait_placed(pg, bundle: dict, deadline: float, timeout_s: float, say, what: str,
+                 quiet_s: float = 0.0, every_s: float = 60.0, ranks: dict | None = None) -> None:
+    """Wait until `pg` is created, every bundle on a node: its first placement, or Ray placing
+    a lost node's bundles again (`ranks`: the rank each bundle held, named in the lines). Past
+    `quiet_s` seconds it says what it waits for, and again every `every_s` seconds; at
+    `deadline` (time.monotonic; `timeout_s`, the wait it ends, is named) it raises a
+    LaunchError naming the bundles and the free resources, as it does for a removed group."""
+    start, n = time.monotonic(), len(pg.bundle_specs)
+
+    def created(wait_s: float) -> bool:
+        state = _placement(pg)[0]
+        if state == "REMOVED":
+            raise LaunchError(f"{what}: the placement group of the {n} workers was removed "
+                              "(by another driver or `ray` command?); run again")
+        if state == "CREATED" or wait_s <= 0:
+            return state == "CREATED"
+        try:
+            return pg.wait(max(1, math.ceil(wait_s)))  # whole seconds
+        except Exception as e:  # Ray raises a bare Exception for a group removed meanwhile
+            if _placement(pg)[0] == "REMOVED":
+                raise LaunchError(f"{what}: the placement group of the {n} workers was removed "
+                                  f"while it waited ({e}); run again") from e
+            raise
+
+    if created(min(quiet_s, deadline - start)):
         return
-    unplaced = _unplaced(pg)
-    if not unplaced:
-        return
-    n = len(pg.bundle_specs)
+
+    def late() -> LaunchError:
+        unplaced = _unplaced(pg) or list(range(n))
+        return LaunchError(
+            f"{what}: Ray could not place {len(unplaced)} of {n} workers ({bundle} each, "
+            f"bundles {unplaced}) within {timeout_s:g} s; the cluster has "
+            f"{_free_resources()}: add a node (or let the autoscaler add one), or run again "
+            "with fewer --num-workers / --cpus-per-worker / --gpus-per-worker")
+
+    if time.monotonic() >= deadline:
+        raise late()
+    unplaced = _unplaced(pg) or list(range(n))
     lost = (f"; bundles {unplaced}, ranks {sorted(ranks[i] for i in unplaced)} before: their "
             "node is gone" if ranks else "")
-    say(f"{what}: waiting up to {timeout_s:.0f} s for Ray to place {len(unplaced)} of {n} "
-        f"workers ({bundle} each{lost}); the cluster has {_free_resources()}")
+    say(f"{what}: waiting up to {deadline - time.monotonic():.0f} s for Ray to place "
+        f"{len(unplaced)} of {n} workers ({bundle} each{lost}); the cluster has "
+        f"{_free_resources()}")
     while True:
-        left = timeout_s - (time.monotonic() - start)
-        if left > 0 and pg.wait(max(1, math.ceil(min(every_s, left)))):  # whole seconds
+        if created(min(every_s, deadline - time.monotonic())):
             if what != "placement":
                 say(f"{what}: every worker's bundle is placed again after "
                     f"{time.monotonic() - start:.0f} s")
             return
-        unplaced, waited = _unplaced(pg), time.monotonic() - start
-        if not unplaced:  # placed right as the wait ended
-            return
-        if waited >= timeout_s:
-            raise LaunchError(
-                f"{what}: Ray could not place {len(unplaced)} of {n} workers ({bundle} each, "
-                f"bundles {unplaced}) within {timeout_s:.0f} s; the cluster has "
-                f"{_free_resources()}: add a node (or let the autoscaler add one), or run "
-                "again with fewer --num-workers / --cpus-per-worker / --gpus-per-worker")
-        say(f"{what}: still waiting for {len(unplaced)} bundles ({waited:.0f} of "
-            f"{timeout_s:.0f} s); the cluster has {_free_resources()}")
+        if time.monotonic() >= deadline:
+            raise late()
+        say(f"{what}: still waiting for {len(_unplaced(pg)) or n} bundles "
+            f"({time.monotonic() - start:.0f} s); the cluster has {_free_resources()}")
 
 
 def _resumes(cfg) -> str:
@@ -325,8 +368,8 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
     `history` (rank 0's metrics so far) is extended, a resumed step replacing what an earlier
     attempt logged for it; `state["rank0"]` is set to this attempt's rank 0 (host, pid) and
     `state["first_step"]` to the step the first attempt started from and
-    `state["rank_of_bundle"]` to each bundle's rank and `state["nodes"]` to the nodes it runs
-    on. Returns the workers by rank; the actors are ended in every case."""
+    `state["rank_of_bundle"]` to each bundle's rank. Returns the workers by rank; the actors are
+    ended in every case."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -354,7 +397,6 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
         labels = {r: f"rank {r} (node {w['node_ip']}, pid {w['pid']})" for r, w in enumerate(workers)}
         state["rank0"] = {"host": workers[0]["host"], "pid": workers[0]["pid"]}
         state["rank_of_bundle"] = {i: rank for rank, i in enumerate(order)}
-        state["nodes"] = nodes
         events_before = len(ray.get(pool.events.remote(), timeout=timeout_s))
         port = _gather({0: actors[0].host_store.remote(cfg.parallel.timeout_s)}, labels,
                        "start-up", timeout_s)[0]
@@ -448,14 +490,25 @@ def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
             except Exception as e:  # noqa: BLE001 - reported below with the worker's name
                 failures[key] = e
     if failures:
-        # peers of a dead worker fail in their collectives first; give Ray a moment to report
-        # the death itself so the message names the cause, not a symptom
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=10.0)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except Exception as e:  # noqa: BLE001
-                failures[pending[ref]] = e
+        # peers of a dead worker may fail in their collectives first: wait (up to
+        # DEATH_GRACE_S) until Ray reports a death, so the message names the cause, not a
+        # symptom; then a second for the calls that fail with it
+        grace = time.monotonic() + DEATH_GRACE_S
+        while pending:
+            died = any(isinstance(e, RayActorError) for e in failures.values())
+            left = min(grace, time.monotonic() + 1.0) if died else grace
+            ready, _ = ray.wait(list(pending), num_returns=1,
+                                timeout=max(0.0, left - time.monotonic()))
+            if not ready:
+                if died or time.monotonic() >= grace:
+                    break
+                continue
+            for ref in ready:
+                key = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001
+                    failures[key] = e
         dead = [k for k, e in failures.items() if isinstance(e, RayActorError)]
         first = min(dead) if dead else min(failures)
         what = "died" if dead else "failed"
