@@ -126,27 +126,32 @@ class Preemption:
     def finish(self, job) -> int:
         """Save the last finished step (unless its regular save did) and say how to resume.
         Returns the exit code."""
-        c = job.cfg.checkpoint
-        step = job.step_index
-        if not c.dir:
-            saved = "nothing saved (no checkpoint.dir; set it to resume a preempted run)"
-        else:
-            from flexfloor.checkpoint import CheckpointError, iter_name, read_meta
-
-            try:
-                have = read_meta(c.dir)["step"]
-            except CheckpointError:
-                have = None
-            if have != step and step > 0:
-                with job.phase("checkpoint save"):
-                    job.save()
-            saved = (f"checkpoint {iter_name(step)} in {c.dir}" if step > 0 else
-                     "no step finished yet, nothing to save")
+        saved = save_last_step(job)
         self._done.set()
-        job.log.say(f"preempted by {self.signal_name} after step {step}: {saved}, "
+        job.log.say(f"preempted by {self.signal_name} after step {job.step_index}: {saved}, "
                     f"{time.monotonic() - self.signalled_at:.1f} s after the signal; run the "
                     f"same command again to resume (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
+
+
+def save_last_step(job) -> str:
+    """Save `job`'s last finished step, unless its regular save did (every rank: the save is
+    collective). Returns what was saved, in words, for the line that says how to resume."""
+    c = job.cfg.checkpoint
+    step = job.step_index
+    if not c.dir:
+        return "nothing saved (no checkpoint.dir; set it to resume a preempted run)"
+    from flexfloor.checkpoint import CheckpointError, iter_name, read_meta
+
+    try:
+        have = read_meta(c.dir)["step"]
+    except CheckpointError:
+        have = None
+    if have != step and step > 0:
+        with job.phase("checkpoint save"):
+            job.save()
+    return (f"checkpoint {iter_name(step)} in {c.dir}" if step > 0 else
+            "no step finished yet, nothing to save")
 
 
 def _local_peer_gone() -> bool:

@@ -767,6 +767,76 @@ def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
     assert wait_gone(processes_matching(rf"(:|port=){port}\b")) == []
 
 
+def test_ray_sbatch_sigterm_saves_the_step_and_exits_75(tmp_path):
+    """A preemption of grpo_moe_ray.sbatch (Slurm's SIGTERM to the batch step, --signal=B:TERM):
+    the driver has every worker finish the step in progress and save it, the job exits 75 with
+    one line saying how to resume, and neither the Ray node nor any worker outlives it."""
+    from flexfloor import preemption
+    from flexfloor.launch import ray as ray_launcher, slurm
+
+    assert slurm.PREEMPTED_EXIT_CODE == ray_launcher.PREEMPTED_EXIT_CODE == \
+        preemption.PREEMPTED_EXIT_CODE
+    env, _ = stand_in_env(tmp_path)
+    port = free_port()
+    env.update(SRUN_RUN="1", PORT=str(port),
+               **slurm_env("localhost", 1, "localhost", 0, SLURM_NTASKS_PER_NODE="2",
+                           SLURM_CPUS_ON_NODE="2"))
+    ckpt = tmp_path / "ckpt"
+    cmd = ["bash", os.path.join(REPO, "examples", "slurm", "grpo_moe_ray.sbatch"), *TINY,
+           "trainer.steps=1000", "parallel.expert_parallel_size=2", f"logging.run_dir={tmp_path}/run",
+           f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1000"]  # only the stop's save
+    job = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    out: list[str] = []
+
+    def read():
+        for line in job.stdout:
+            out.append(line)
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    pids = []
+    deadline = time.monotonic() + 240
+    try:
+        while True:  # the job runs until a first step completes
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                tail = "".join(out)[-4000:]
+                assert reader.is_alive() or job.poll() is None, \
+                    f"the job ended (exit status {job.poll()}) before step 1:\n{tail}"
+                assert time.monotonic() < deadline, f"no step 1 within 240 s:\n{tail}"
+                continue
+            rank = re.search(r"\[flexfloor\.launch\.ray\] rank (\d+): .* pid (\d+) ", line)
+            if rank:
+                pids.append(int(rank[2]))
+            if "[flexfloor.launch.ray] step 1/" in line:
+                break
+        os.kill(job.pid, signal.SIGTERM)  # the batch step: the stage, which passes it on
+        rc = job.wait(timeout=180)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        reader.join(timeout=30)
+    text = "".join(out)
+    assert rc == 75, text[-4000:]
+    assert ("[flexfloor.launch.ray] SIGTERM: finishing the step in progress on every worker, "
+            "then saving a checkpoint (a second Ctrl-C stops at once)") in text
+    done = re.search(r"\[flexfloor\.launch\.ray\] preempted by SIGTERM after step (\d+): "
+                     rf"checkpoint iter_(\d+) in {re.escape(str(ckpt))}, [\d.]+ s after the "
+                     r"signal; run the same command again to resume \(exit code 75\)", text)
+    assert done and int(done[1]) == int(done[2]) >= 1, text[-4000:]
+    step = int(done[1])  # the step in progress when the signal came, or the one before
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{step:07d}"]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(x)["step"] for x in f] == list(range(1, step + 1))
+    assert len(pids) == 2 and wait_gone(pids) == []
+    assert wait_gone(processes_matching(rf"(:|port=){port}\b")) == []
+
+
 def processes_matching(pattern: str) -> list[int]:
     """Processes (other than this one) whose command line matches `pattern`."""
     pids = []

@@ -21,8 +21,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +34,7 @@ from flexfloor.launch.reaper import start_reaper
 
 PREDECESSOR_ENV = "FLEXFLOOR_LOCK_PREDECESSOR"  # flexfloor.checkpoint's (not imported: torch)
 HEAD_RESOURCE = "node:__internal_head__"  # the resource only Ray's head node has
+PREEMPTED_EXIT_CODE = 75  # flexfloor.preemption's (not imported: torch)
 # after a worker's call fails, how long its peers' calls may take to fail too, so that a worker
 # that died is named, not a peer that failed for it: a crashed node's workers are reported
 # dead once Ray's health checks find the node dead (about 15 s by default)
@@ -133,6 +136,14 @@ class Worker:
         self._reports = []
         return (metrics, self.job.done()) if self.job.rank == 0 else None
 
+    def save_last_step(self) -> str | None:
+        """After a stop signal at the driver: save the last finished step (every worker: the
+        save is collective); rank 0 returns what was saved, in words."""
+        from flexfloor.preemption import save_last_step
+
+        saved = save_last_step(self.job)
+        return saved if self.job.rank == 0 else None
+
     def finish(self) -> None:
         import torch.distributed as dist
 
@@ -165,11 +176,14 @@ class RunResult:
     workers: list[dict]                  # by rank: node_id, node_ip, pid, gpu_ids, cpus, local_rank
     pool_events: list[dict] = field(default_factory=list)  # the pool's record (pool.events())
     restarts: int = 0                    # attempts after the first (`max_restarts`)
+    # set when `stop` ended the run early: the last finished step and what was saved, in words
+    stopped: dict | None = None
 
 
 def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
            gpus_per_worker: float | None = None, timeout_s: float = 1800.0,
-           pool_name: str = POOL_NAME, max_restarts: int = 0, say=print) -> RunResult:
+           pool_name: str = POOL_NAME, max_restarts: int = 0, say=print,
+           stop: threading.Event | None = None) -> RunResult:
     """Run the job on `num_workers` Ray actors of the cluster `ray.init` connected to.
 
     `cfg` is resolved for `num_workers` (`Config.resolve_world`). `gpus_per_worker=None`: one GPU
@@ -178,6 +192,9 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
     set started, up to this many times (as `torchrun --max-restarts`); each new Job resumes from
     the newest complete checkpoint in `checkpoint.dir` (`checkpoint.resume=auto`), else starts
     again at step 0. The metrics of steps the resumed run does again are replaced.
+    `stop` (set by the driver's SIGTERM/SIGINT): the step in progress runs to its end, every
+    worker saves it (`preemption.save_last_step`) and closes, and the result's `stopped` says
+    so; no restart follows a stop.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -208,15 +225,17 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         for attempt in range(max_restarts + 1):
             try:
                 workers = _attempt(cfg, pg, pool, pool_name, num_workers, cpus_per_worker,
-                                   gpus_per_worker, timeout_s, attempt, history, say, state)
+                                   gpus_per_worker, timeout_s, attempt, history, say, state,
+                                   stop)
                 return RunResult(metrics=history, workers=workers, restarts=attempt,
-                                 pool_events=ray.get(pool.events.remote(), timeout=timeout_s))
+                                 pool_events=ray.get(pool.events.remote(), timeout=timeout_s),
+                                 stopped=state.get("stopped"))
             except LaunchError as e:
                 unplaced = _unplaced(pg)
                 if unplaced and not e.worker_lost:  # a wait that ended on a lost node's bundles
                     raise LaunchError(f"{e} (the placement group has no node for the bundles "
                                       f"of workers {unplaced}: their node was lost)") from e
-                if not e.worker_lost or attempt == max_restarts:
+                if not e.worker_lost or attempt == max_restarts or (stop and stop.is_set()):
                     raise
                 # the lost attempt's releases end: their workers are gone, and the new ones
                 # take the same devices
@@ -363,13 +382,14 @@ def _resumes(cfg) -> str:
 
 def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: float,
              gpus_per_worker: float, timeout_s: float, attempt: int, history: list,
-             say, state: dict) -> list[dict]:
+             say, state: dict, stop: threading.Event | None = None) -> list[dict]:
     """One launch attempt: `num_workers` actors in `pg`'s bundles run the job to its end.
     `history` (rank 0's metrics so far) is extended, a resumed step replacing what an earlier
     attempt logged for it; `state["rank0"]` is set to this attempt's rank 0 (host, pid) and
     `state["first_step"]` to the step the first attempt started from and
-    `state["rank_of_bundle"]` to each bundle's rank. Returns the workers by rank; the actors are
-    ended in every case."""
+    `state["rank_of_bundle"]` to each bundle's rank; once `stop` is set, after the step in
+    progress, every worker saves it and `state["stopped"]` says what. Returns the workers by
+    rank; the actors are ended in every case."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -429,6 +449,10 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
             # a step whose checkpoint was complete when a worker died, before it returned
             history[:] = [m for m in job["logged"] or [] if first < m["step"] <= step]
         while not done:
+            if stop is not None and stop.is_set():  # a stop signal: save this step, then close
+                saved = every("save_last_step", "the stop's save")[0]
+                state["stopped"] = {"step": step, "saved": saved}
+                break
             t0 = time.perf_counter()
             m, done = every("step", f"step {step + 1}")[0]
             step = m["step"]
@@ -543,6 +567,30 @@ def describe_ray_auth(env=None) -> str:
     return f"RAY_AUTH_MODE=token, token from {source}"
 
 
+def _stop_on_signals() -> tuple[threading.Event, dict]:
+    """SIGTERM (Slurm's, Kubernetes') or SIGINT (Ctrl-C) to the driver: the step in progress
+    runs to its end on every worker, they save it and close, and the driver exits
+    PREEMPTED_EXIT_CODE, as a torchrun job does (flexfloor.preemption). A second SIGINT stops
+    at once. Returns the event `launch` reads and the signal's name and time once it came."""
+    stop, signalled = threading.Event(), {}
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        signalled.update(name=signal.Signals(signum).name, at=time.monotonic())
+        stop.set()
+        # one unbuffered write: the main thread may be inside sys.stdout's own write
+        os.write(sys.stdout.fileno(), f"[flexfloor.launch.ray] {signalled['name']}: finishing "
+                 "the step in progress on every worker, then saving a checkpoint (a second "
+                 "Ctrl-C stops at once)\n".encode())
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop, signalled
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flexfloor.launch.ray",
@@ -587,17 +635,33 @@ def main(argv=None) -> int:
 
     local = {} if args.address else {
         "num_cpus": max(os.cpu_count() or 1, math.ceil(args.num_workers * args.cpus_per_worker))}
-    ray.init(address=args.address, namespace=NAMESPACE, include_dashboard=False, **local)
+    # without --address a new cluster here ("local"): Ray's default would join a cluster that
+    # `ray start` left on this machine, and refuse the CPU count given for a new one
+    ray.init(address=args.address or "local", namespace=NAMESPACE, include_dashboard=False,
+             **local)
+    stop, signalled = _stop_on_signals()  # after ray.init, which sets its own SIGTERM handler
 
     try:
         result = launch(cfg, num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
                         gpus_per_worker=args.gpus_per_worker, timeout_s=args.timeout_s,
-                        pool_name=args.pool_name, max_restarts=args.max_restarts, say=say)
+                        pool_name=args.pool_name, max_restarts=args.max_restarts, say=say,
+                        stop=stop)
     except LaunchError as e:
         print(f"[flexfloor.launch.ray] error: {e}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # the second Ctrl-C: the workers are ended where they are
+        print("[flexfloor.launch.ray] stopped at once (a second Ctrl-C): the workers were "
+              "ended; run the same command again to resume from the newest complete checkpoint",
+              file=sys.stderr, flush=True)
+        return 130
     finally:
         ray.shutdown()
+    if result.stopped is not None:
+        s = result.stopped
+        say(f"preempted by {signalled['name']} after step {s['step']}: {s['saved']}, "
+            f"{time.monotonic() - signalled['at']:.1f} s after the signal; run the same command "
+            f"again to resume (exit code {PREEMPTED_EXIT_CODE})")
+        return PREEMPTED_EXIT_CODE
     lent = sum(e["event"] == "released" for e in result.pool_events)
     say(f"done: {len(result.metrics)} steps, {lent} releases lent to the pool"
         + (f", {result.restarts} restart{'s' * (result.restarts > 1)}" if result.restarts else ""))

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -135,6 +136,7 @@ TORCHRUN_PORT_BASE = 29500  # torchrun's default port and the 2000 above it
 # end the job where the first node starts a minute late; the static rendezvous waits 600 s)
 C10D_READ_TIMEOUT_S = 600
 RAY_PORT_BASE = 6379        # Ray's default GCS port and the 2000 above it
+PREEMPTED_EXIT_CODE = 75    # flexfloor.preemption's (not imported: torch)
 
 
 def srun_command(alloc: Allocation, stage_args: list[str], python: str) -> list[str]:
@@ -306,10 +308,32 @@ def _stage(args, rest: list[str], alloc: Allocation) -> int:
         print(json.dumps({"nodes": nodes, "driver": driver}))
         return 0
     env = dict(os.environ, **ray_auth_env())
+    # a stop signal (the batch step's, sbatch --signal=B:TERM@120) goes to the driver alone: it
+    # has every worker finish the step and save it, then exits 75, and the Ray nodes stop after
+    # it (a SIGTERM to the Ray nodes' srun would end their workers before they saved)
+    running: dict = {}
+    early: list = []  # signals before the driver started
+
+    def forward(signum, frame):
+        running.setdefault("signal", signal.Signals(signum).name)
+        if "driver" in running:
+            running["driver"].send_signal(signum)
+        else:
+            early.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
     cluster = subprocess.Popen(nodes, env=env)
     try:
         wait_for_port(head_ip, port, args.head_timeout_s, nodes=cluster)
-        return subprocess.call(driver, env=env)
+        if "signal" in running:  # stopped before the driver started: nothing ran
+            print(f"[flexfloor.launch.slurm] {running['signal']} before the driver started: "
+                  f"stopping the Ray nodes (exit code {PREEMPTED_EXIT_CODE})", flush=True)
+            return PREEMPTED_EXIT_CODE
+        running["driver"] = subprocess.Popen(driver, env=env)
+        for signum in early[:1]:  # one that came while it started
+            running["driver"].send_signal(signum)
+        return running["driver"].wait()
     finally:
         cluster.terminate()  # srun passes it on: `ray start --block` stops its node
         try:
