@@ -699,6 +699,36 @@ def test_ray_launcher_refuses_a_negative_max_restarts():
     assert "--max-restarts -1: must be 0 or more" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_ray_driver_refuses_an_address_where_nothing_answers():
+    port = free_port()  # bound and closed: nothing listens there
+    for how in (["--address", f"127.0.0.1:{port}"], []):
+        env = dict(os.environ, RAY_ADDRESS=f"127.0.0.1:{port}") if not how else None
+        proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.ray", "--config", CONFIG,
+                               "--num-workers", "4", *how], capture_output=True, text=True,
+                              cwd=REPO, env=env, timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            f"[flexfloor.launch.ray] error: nothing answers at 127.0.0.1:{port} ("), proc.stderr
+
+
+def test_ray_driver_stopped_while_it_starts_exits_75_without_a_traceback(tmp_path):
+    """A SIGTERM before any worker started (while the driver imports, or Ray starts): exit 75
+    with one line, no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "flexfloor.launch.ray", "--config", CONFIG,
+                             "--num-workers", "4", *TINY, f"logging.run_dir={tmp_path}/run"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    first = proc.stdout.readline()  # said once the config is read, just before Ray starts
+    assert "[flexfloor.launch.ray] Ray auth: " in first, first
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    out = first + out
+    assert proc.returncode == 75, out[-3000:]
+    assert "Traceback" not in out
+    assert re.search(r"\[flexfloor\.launch\.ray\] (preempted by SIGTERM before a step ran|SIGTERM "
+                     r"while Ray started): nothing saved \(no worker had started\)", out), out[-3000:]
+
+
 def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
     """grpo_moe_ray.sbatch for real on one node (`ray start --head` through srun, the driver, 2
     workers); rank 1's process is killed after step 1: the job exits non-zero with an error

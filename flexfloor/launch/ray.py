@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -39,6 +40,11 @@ PREEMPTED_EXIT_CODE = 75  # flexfloor.preemption's (not imported: torch)
 # that died is named, not a peer that failed for it: a crashed node's workers are reported
 # dead once Ray's health checks find the node dead (about 15 s by default)
 DEATH_GRACE_S = 30.0
+
+
+class Stopped(Exception):
+    """A stop signal came while the launcher waited for the workers' placement or start-up,
+    with no step running: nothing to save."""
 
 
 class LaunchError(RuntimeError):
@@ -215,13 +221,14 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head[0], soft=False) if head
         else "DEFAULT").remote()
     pg = placement_group([bundle] * num_workers, strategy="PACK")
+    history: list[dict] = []
+    # filled in by `_attempt`: the attempt's rank 0 (host, pid), the step the first one
+    # started from
+    state: dict = {}
+    attempt = 0
     try:
         _wait_placed(pg, bundle, time.monotonic() + timeout_s, timeout_s, say, "placement",
-                     quiet_s=10)
-        history: list[dict] = []
-        # filled in by `_attempt`: the attempt's rank 0 (host, pid), the step the first one
-        # started from
-        state: dict = {}
+                     quiet_s=10, stop=stop)
         for attempt in range(max_restarts + 1):
             try:
                 workers = _attempt(cfg, pg, pool, pool_name, num_workers, cpus_per_worker,
@@ -245,10 +252,15 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 # a node that crashed keeps its bundles until Ray finds it dead; then they wait
                 # for Ray to place them on another node (one --timeout-s for both)
                 deadline, what = time.monotonic() + timeout_s, f"restart {attempt + 1}"
-                _settle(pg, deadline, say, what)
+                _settle(pg, deadline, say, what, stop=stop)
                 _wait_placed(pg, bundle, deadline, timeout_s, say, what,
-                             ranks=state.get("rank_of_bundle", {}))
+                             ranks=state.get("rank_of_bundle", {}), stop=stop)
         raise AssertionError("unreachable")  # the last attempt returned or raised
+    except Stopped as e:  # no step was running: the newest complete checkpoint stands
+        return RunResult(metrics=history, workers=[], restarts=attempt,
+                         stopped={"step": history[-1]["step"] if history else None,
+                                  "saved": f"nothing saved (no step was running: the signal "
+                                  f"came during the {e} wait)"})
     finally:
         ray.kill(pool)
         remove_placement_group(pg)
@@ -277,11 +289,13 @@ def _answer() -> bool:
     return True
 
 
-def _settle(pg, deadline: float, say, what: str, quiet_s: float = 10.0) -> None:
+def _settle(pg, deadline: float, say, what: str, quiet_s: float = 10.0,
+            stop: threading.Event | None = None) -> None:
     """Wait, up to `deadline` (time.monotonic), until each node that holds a bundle of `pg`
     answers a task or is found dead. A node that crashed holds its bundles until Ray's health
     checks find it dead (seconds); a new worker placed there before would die with it at
-    start-up. Says what it waits for past `quiet_s` seconds."""
+    start-up. Says what it waits for past `quiet_s` seconds. `stop` set: raises Stopped within
+    a second."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -290,18 +304,21 @@ def _settle(pg, deadline: float, say, what: str, quiet_s: float = 10.0) -> None:
     probe = ray.remote(num_cpus=0, max_retries=0)(_answer)
     refs = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
             .remote(): n for n in held}
-    pending = list(refs)
-    wait = min(quiet_s, deadline - time.monotonic())
-    if pending and wait > 0:  # an answer, or an error: settled
-        pending = ray.wait(pending, num_returns=len(pending), timeout=wait)[1]
-    if pending and deadline > time.monotonic():
-        say(f"{what}: waiting up to {deadline - time.monotonic():.0f} s more for "
-            f"{len(pending)} node(s) to answer or be found dead by Ray: "
-            + ", ".join(refs[r][:8] for r in pending))
-        pending = ray.wait(pending, num_returns=len(pending),
-                           timeout=max(0.0, deadline - time.monotonic()))[1]
-    for ref in pending:  # past the deadline: the placement's wait says the rest
-        ray.cancel(ref)
+    pending, start, said = list(refs), time.monotonic(), False
+    try:
+        while pending and time.monotonic() < deadline:  # an answer, or an error: settled
+            if stop is not None and stop.is_set():
+                raise Stopped(what)
+            if not said and time.monotonic() - start >= quiet_s:
+                say(f"{what}: waiting up to {deadline - time.monotonic():.0f} s more for "
+                    f"{len(pending)} node(s) to answer or be found dead by Ray: "
+                    + ", ".join(refs[r][:8] for r in pending))
+                said = True
+            pending = ray.wait(pending, num_returns=len(pending),
+                               timeout=max(0.0, min(1.0, deadline - time.monotonic())))[1]
+    finally:
+        for ref in pending:  # past the deadline: the placement's wait says the rest
+            ray.cancel(ref)
 
 
 def _free_resources() -> str:
@@ -316,12 +333,14 @@ def _free_resources() -> str:
 
 
 def _wait_placed(pg, bundle: dict, deadline: float, timeout_s: float, say, what: str,
-                 quiet_s: float = 0.0, every_s: float = 60.0, ranks: dict | None = None) -> None:
+                 quiet_s: float = 0.0, every_s: float = 60.0, ranks: dict | None = None,
+                 stop: threading.Event | None = None) -> None:
     """Wait until `pg` is created, every bundle on a node: its first placement, or Ray placing
     a lost node's bundles again (`ranks`: the rank each bundle held, named in the lines). Past
     `quiet_s` seconds it says what it waits for, and again every `every_s` seconds; at
     `deadline` (time.monotonic; `timeout_s`, the wait it ends, is named) it raises a
-    LaunchError naming the bundles and the free resources, as it does for a removed group."""
+    LaunchError naming the bundles and the free resources, as it does for a removed group.
+    `stop` set: raises Stopped within a second."""
     start, n = time.monotonic(), len(pg.bundle_specs)
 
     def created(wait_s: float) -> bool:
@@ -339,35 +358,40 @@ def _wait_placed(pg, bundle: dict, deadline: float, timeout_s: float, say, what:
                                   f"while it waited ({e}); run again") from e
             raise
 
-    if created(min(quiet_s, deadline - start)):
+    if created(0):
         return
-
-    def late() -> LaunchError:
-        unplaced = _unplaced(pg) or list(range(n))
-        return LaunchError(
-            f"{what}: Ray could not place {len(unplaced)} of {n} workers ({bundle} each, "
-            f"bundles {unplaced}) within {timeout_s:g} s; the cluster has "
-            f"{_free_resources()}: add a node (or let the autoscaler add one), or run again "
-            "with fewer --num-workers / --cpus-per-worker / --gpus-per-worker")
-
-    if time.monotonic() >= deadline:
-        raise late()
-    unplaced = _unplaced(pg) or list(range(n))
-    lost = (f"; bundles {unplaced}, ranks {sorted(ranks[i] for i in unplaced)} before: their "
-            "node is gone" if ranks else "")
-    say(f"{what}: waiting up to {deadline - time.monotonic():.0f} s for Ray to place "
-        f"{len(unplaced)} of {n} workers ({bundle} each{lost}); the cluster has "
-        f"{_free_resources()}")
+    said = None  # when it last said that it waits
     while True:
-        if created(min(every_s, deadline - time.monotonic())):
-            if what != "placement":
+        if stop is not None and stop.is_set():
+            raise Stopped(what)
+        now = time.monotonic()
+        if now >= deadline:
+            if created(0):
+                return
+            unplaced = _unplaced(pg) or list(range(n))
+            raise LaunchError(
+                f"{what}: Ray could not place {len(unplaced)} of {n} workers ({bundle} each, "
+                f"bundles {unplaced}) within {timeout_s:g} s; the cluster has "
+                f"{_free_resources()}: add a node (or let the autoscaler add one), or run again "
+                "with fewer --num-workers / --cpus-per-worker / --gpus-per-worker")
+        if said is None and now - start >= quiet_s:
+            unplaced = _unplaced(pg) or list(range(n))
+            lost = (f"; bundles {unplaced}, ranks {sorted(ranks[i] for i in unplaced)} before: "
+                    "their node is gone" if ranks else "")
+            say(f"{what}: waiting up to {deadline - now:.0f} s for Ray to place "
+                f"{len(unplaced)} of {n} workers ({bundle} each{lost}); the cluster has "
+                f"{_free_resources()}")
+            said = now
+        elif said is not None and now - said >= every_s:
+            say(f"{what}: still waiting for {len(_unplaced(pg)) or n} bundles "
+                f"({now - start:.0f} s); the cluster has {_free_resources()}")
+            said = now
+        chunk = min(start + quiet_s if said is None else said + every_s, deadline) - now
+        if created(min(chunk, 1.0) if stop is not None else chunk):
+            if said is not None and what != "placement":
                 say(f"{what}: every worker's bundle is placed again after "
                     f"{time.monotonic() - start:.0f} s")
             return
-        if time.monotonic() >= deadline:
-            raise late()
-        say(f"{what}: still waiting for {len(_unplaced(pg)) or n} bundles "
-            f"({time.monotonic() - start:.0f} s); the cluster has {_free_resources()}")
 
 
 def _resumes(cfg) -> str:
@@ -396,6 +420,8 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
     # the lock of checkpoint.dir names the last attempt's rank 0, which this launcher ended:
     # the new rank 0 takes it over, on whichever host it runs (none on the first attempt)
     predecessor = dict(state.get("rank0", {}))
+    if stop is not None and stop.is_set():  # before any worker of this attempt started
+        raise Stopped(f"restart {attempt}" if attempt else "start-up")
     actors = []
     try:
         actor_cls = ray.remote(Worker)
@@ -567,28 +593,48 @@ def describe_ray_auth(env=None) -> str:
     return f"RAY_AUTH_MODE=token, token from {source}"
 
 
-def _stop_on_signals() -> tuple[threading.Event, dict]:
+class StopSignals:
     """SIGTERM (Slurm's, Kubernetes') or SIGINT (Ctrl-C) to the driver: the step in progress
     runs to its end on every worker, they save it and close, and the driver exits
     PREEMPTED_EXIT_CODE, as a torchrun job does (flexfloor.preemption). A second SIGINT stops
-    at once. Returns the event `launch` reads and the signal's name and time once it came."""
-    stop, signalled = threading.Event(), {}
+    at once (KeyboardInterrupt). `event` is what `launch` reads; `name` and `at` say which
+    signal came, and when."""
 
-    def on_signal(signum, frame):
-        if stop.is_set():
+    def __init__(self):
+        self.event = threading.Event()
+        self.name: str | None = None
+        self.at: float | None = None
+
+    def install(self) -> "StopSignals":
+        """The handlers (again after ray.init, which sets its own for SIGTERM)."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def ignore(self) -> None:
+        """No more signals: the driver is closing down."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _on_signal(self, signum, frame):
+        if self.event.is_set():
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
-        signalled.update(name=signal.Signals(signum).name, at=time.monotonic())
-        stop.set()
-        # one unbuffered write: the main thread may be inside sys.stdout's own write
-        os.write(sys.stdout.fileno(), f"[flexfloor.launch.ray] {signalled['name']}: finishing "
-                 "the step in progress on every worker, then saving a checkpoint (a second "
-                 "Ctrl-C stops at once)\n".encode())
+        self.name, self.at = signal.Signals(signum).name, time.monotonic()
+        self.event.set()
+        try:  # one unbuffered write: the main thread may be inside sys.stdout's own write
+            os.write(sys.stdout.fileno(), f"[flexfloor.launch.ray] {self.name}: finishing the "
+                     "step in progress on every worker, then saving a checkpoint (a second "
+                     "Ctrl-C stops at once)\n".encode())
+        except (OSError, ValueError):
+            pass
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return stop, signalled
+    def line(self, when: str, saved: str) -> str:
+        """The driver's last line: `when` (e.g. "after step 3") and what was `saved`."""
+        return (f"preempted by {self.name} {when}: {saved}, {time.monotonic() - self.at:.1f} s "
+                f"after the signal; run the same command again to resume (exit code "
+                f"{PREEMPTED_EXIT_CODE})")
 
 
 def main(argv=None) -> int:
@@ -599,7 +645,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="YAML config (see examples/configs/)")
     parser.add_argument("--num-workers", type=int, required=True, help="workers (ranks)")
     parser.add_argument("--address", default=None,
-                        help="a running cluster (HOST:PORT or 'auto'); default: start one here")
+                        help="a running cluster (HOST:PORT or 'auto'); default: RAY_ADDRESS if "
+                        "set (as `ray job submit` sets it), else start one here")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--gpus-per-worker", type=float, default=None,
                         help="default: 1 when the cluster has GPUs, else 0")
@@ -612,9 +659,21 @@ def main(argv=None) -> int:
                         "times, resuming from checkpoint.dir (default 0: the run ends)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     args = parser.parse_args(argv)
+    args.parser = parser
+    signals = StopSignals().install()  # at once: a signal while the driver starts stops it too
+    try:
+        return _drive(args, signals)
+    except KeyboardInterrupt:  # the second Ctrl-C: the workers are ended where they are
+        print("[flexfloor.launch.ray] stopped at once (a second Ctrl-C): the workers were "
+              "ended; run the same command again to resume from the newest complete checkpoint",
+              file=sys.stderr, flush=True)
+        return 130
+
+
+def _drive(args, signals: StopSignals) -> int:
     if args.max_restarts < 0:
-        parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more (0: a lost worker "
-                     "ends the run)")
+        args.parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more (0: a lost "
+                          "worker ends the run)")
 
     from flexfloor.config import ConfigError, load_config
 
@@ -633,34 +692,64 @@ def main(argv=None) -> int:
 
     say(f"Ray auth: {describe_ray_auth()}")
 
-    local = {} if args.address else {
+    # --address, else RAY_ADDRESS (`ray job submit` sets it for its entrypoint), else a new
+    # cluster here ("local"): Ray's default would join a cluster that `ray start` left on this
+    # machine, and refuse the CPU count given for a new one
+    address = args.address or os.environ.get("RAY_ADDRESS") or "local"
+    local = {} if address != "local" else {
         "num_cpus": max(os.cpu_count() or 1, math.ceil(args.num_workers * args.cpus_per_worker))}
-    # without --address a new cluster here ("local"): Ray's default would join a cluster that
-    # `ray start` left on this machine, and refuse the CPU count given for a new one
-    ray.init(address=args.address or "local", namespace=NAMESPACE, include_dashboard=False,
-             **local)
-    stop, signalled = _stop_on_signals()  # after ray.init, which sets its own SIGTERM handler
+    nothing = "nothing saved (no worker had started)"
+    if signals.event.is_set():  # it came while the driver started
+        say(signals.line("before a step ran", nothing))
+        return PREEMPTED_EXIT_CODE
+    hostport = re.fullmatch(r"\[?([^\]/]+?)\]?:(\d+)", address)
+    if hostport:  # Ray would retry a silent address for minutes
+        try:
+            socket.create_connection((hostport[1], int(hostport[2])), timeout=10).close()
+        except OSError as e:
+            print(f"[flexfloor.launch.ray] error: nothing answers at {address} ({e}): start the "
+                  "cluster there first (`ray start --head --port PORT`), or check --address / "
+                  "RAY_ADDRESS", file=sys.stderr, flush=True)
+            return 1
+    try:
+        ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, **local)
+    except SystemExit:  # Ray's own SIGTERM handler, while it started: nothing ran
+        ray.shutdown()
+        say(f"SIGTERM while Ray started: {nothing} (exit code {PREEMPTED_EXIT_CODE})")
+        return PREEMPTED_EXIT_CODE
+    except (ConnectionError, RuntimeError) as e:  # e.g. no cluster there, or a token it wants
+        ray.shutdown()
+        first = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        print(f"[flexfloor.launch.ray] error: could not connect to the Ray cluster at {address}: "
+              f"{first.strip()[:300]}. Check the address; a cluster that `ray start` started "
+              "with token authentication (it turns it on where ~/.ray/auth_token exists) needs "
+              "RAY_AUTH_MODE=token here too (docs/launch.md)", file=sys.stderr, flush=True)
+        return 1
+    signals.install()  # again: ray.init set its own SIGTERM handler
 
     try:
-        result = launch(cfg, num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
-                        gpus_per_worker=args.gpus_per_worker, timeout_s=args.timeout_s,
-                        pool_name=args.pool_name, max_restarts=args.max_restarts, say=say,
-                        stop=stop)
+        if signals.event.is_set():  # it came while Ray started
+            result = RunResult(metrics=[], workers=[], stopped={"step": None, "saved": nothing})
+        else:
+            result = launch(cfg, num_workers=args.num_workers,
+                            cpus_per_worker=args.cpus_per_worker,
+                            gpus_per_worker=args.gpus_per_worker, timeout_s=args.timeout_s,
+                            pool_name=args.pool_name, max_restarts=args.max_restarts, say=say,
+                            stop=signals.event)
     except LaunchError as e:
+        if signals.event.is_set() and e.worker_lost:  # the preemption ended workers too
+            say(signals.line("during a step", f"workers lost before they saved ({e}); the "
+                             "newest complete checkpoint stands"))
+            return PREEMPTED_EXIT_CODE
         print(f"[flexfloor.launch.ray] error: {e}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:  # the second Ctrl-C: the workers are ended where they are
-        print("[flexfloor.launch.ray] stopped at once (a second Ctrl-C): the workers were "
-              "ended; run the same command again to resume from the newest complete checkpoint",
-              file=sys.stderr, flush=True)
-        return 130
     finally:
+        signals.ignore()
         ray.shutdown()
     if result.stopped is not None:
-        s = result.stopped
-        say(f"preempted by {signalled['name']} after step {s['step']}: {s['saved']}, "
-            f"{time.monotonic() - signalled['at']:.1f} s after the signal; run the same command "
-            f"again to resume (exit code {PREEMPTED_EXIT_CODE})")
+        step = result.stopped["step"]
+        say(signals.line(f"after step {step}" if step is not None else "before a step ran",
+                         result.stopped["saved"]))
         return PREEMPTED_EXIT_CODE
     lent = sum(e["event"] == "released" for e in result.pool_events)
     say(f"done: {len(result.metrics)} steps, {lent} releases lent to the pool"

@@ -225,11 +225,12 @@ class StageError(RuntimeError):
     """A stage cannot go on; main prints it as one line and exits 1."""
 
 
-def wait_for_port(host: str, port: int, timeout_s: float, nodes=None) -> None:
-    """Wait until something answers at host:port. `nodes`: the Popen of the srun that starts the
-    Ray nodes; when it has ended, nothing will answer: stop at once."""
+def wait_for_port(host: str, port: int, timeout_s: float, nodes=None,
+                  stopped=lambda: False) -> None:
+    """Wait until something answers at host:port, or `stopped()`. `nodes`: the Popen of the srun
+    that starts the Ray nodes; when it has ended, nothing will answer: stop at once."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    while not stopped():
         try:
             with socket.create_connection((host, port), timeout=5):
                 return
@@ -325,15 +326,19 @@ def _stage(args, rest: list[str], alloc: Allocation) -> int:
         signal.signal(sig, forward)
     cluster = subprocess.Popen(nodes, env=env)
     try:
-        wait_for_port(head_ip, port, args.head_timeout_s, nodes=cluster)
+        wait_for_port(head_ip, port, args.head_timeout_s, nodes=cluster,
+                      stopped=lambda: "signal" in running)
         if "signal" in running:  # stopped before the driver started: nothing ran
             print(f"[flexfloor.launch.slurm] {running['signal']} before the driver started: "
                   f"stopping the Ray nodes (exit code {PREEMPTED_EXIT_CODE})", flush=True)
             return PREEMPTED_EXIT_CODE
-        running["driver"] = subprocess.Popen(driver, env=env)
+        # its own process group: a Ctrl-C in the terminal (salloc) reaches it once, through
+        # `forward`, not twice (twice stops it at once, without a save)
+        running["driver"] = subprocess.Popen(driver, env=env, process_group=0)
         for signum in early[:1]:  # one that came while it started
             running["driver"].send_signal(signum)
-        return running["driver"].wait()
+        rc = running["driver"].wait()
+        return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's 128 + N
     finally:
         cluster.terminate()  # srun passes it on: `ray start --block` stops its node
         try:
