@@ -13,7 +13,7 @@ setup(
     "parallelism: ranks whose responses are done leave the rollout early",
     packages=find_packages(include=["flexfloor", "flexfloor.*", "megatron_ext", "megatron_ext.*"]),
     package_data={"flexfloor": ["data/assets/*"], "megatron_ext": ["csrc/*.c"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=requirements(),
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "apex"],

@@ -115,7 +115,10 @@ def stand_in_env(tmp) -> tuple[dict, object]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_LOG=str(log), HOME=str(home),
                PYTHON=sys.executable, PYTHONPATH=REPO, OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore", RAY_USAGE_STATS_ENABLED="0")
+               PYTHONWARNINGS="ignore", RAY_USAGE_STATS_ENABLED="0",
+               # every process of the job carries it: `end_job` finds them all (the Ray driver
+               # runs in a process group of its own)
+               FLEXFLOOR_TEST_JOB=f"{tmp}-{time.monotonic_ns()}")
     return env, log
 
 
@@ -709,6 +712,13 @@ def test_ray_driver_refuses_an_address_where_nothing_answers():
         assert proc.returncode == 1, proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith(
             f"[flexfloor.launch.ray] error: nothing answers at 127.0.0.1:{port} ("), proc.stderr
+    # one Ray cannot read: its own words, one line, no traceback
+    proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.ray", "--config", CONFIG,
+                           "--num-workers", "4", "--address", f"127.0.0.1:{port}/"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"[flexfloor.launch.ray] error: Ray cannot use the address '127.0.0.1:{port}/': "), proc.stderr
 
 
 def test_ray_driver_stopped_while_it_starts_exits_75_without_a_traceback(tmp_path):
@@ -778,8 +788,7 @@ def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
         rc = job.wait(timeout=180)
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+            end_job(job, env["FLEXFLOOR_TEST_JOB"])
         reader.join(timeout=30)
     text = "".join(out)
     assert rc == 1, text[-4000:]
@@ -848,8 +857,7 @@ def test_ray_sbatch_sigterm_saves_the_step_and_exits_75(tmp_path):
         rc = job.wait(timeout=180)
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+            end_job(job, env["FLEXFLOOR_TEST_JOB"])
         reader.join(timeout=30)
     text = "".join(out)
     assert rc == 75, text[-4000:]

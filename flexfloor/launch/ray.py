@@ -49,11 +49,12 @@ class Stopped(Exception):
 
 class LaunchError(RuntimeError):
     """The run cannot go on. `worker_lost`: a worker died or raised (a restart may resume the
-    run), not a placement or a timeout."""
+    run), not a placement or a timeout; `worker_died`: one died (its process or node is gone)."""
 
-    def __init__(self, message: str, worker_lost: bool = False):
+    def __init__(self, message: str, worker_lost: bool = False, worker_died: bool = False):
         super().__init__(message)
         self.worker_lost = worker_lost
+        self.worker_died = worker_died
 
 
 class Worker:
@@ -182,7 +183,7 @@ class RunResult:
     workers: list[dict]                  # by rank: node_id, node_ip, pid, gpu_ids, cpus, local_rank
     pool_events: list[dict] = field(default_factory=list)  # the pool's record (pool.events())
     restarts: int = 0                    # attempts after the first (`max_restarts`)
-    # set when `stop` ended the run early: the last finished step and what was saved, in words
+    # set when `stop` ended the run early: when ("after step 3") and what was saved, in words
     stopped: dict | None = None
 
 
@@ -257,10 +258,9 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                              ranks=state.get("rank_of_bundle", {}), stop=stop)
         raise AssertionError("unreachable")  # the last attempt returned or raised
     except Stopped as e:  # no step was running: the newest complete checkpoint stands
-        return RunResult(metrics=history, workers=[], restarts=attempt,
-                         stopped={"step": history[-1]["step"] if history else None,
-                                  "saved": f"nothing saved (no step was running: the signal "
-                                  f"came during the {e} wait)"})
+        return RunResult(metrics=history, workers=[], restarts=attempt, stopped={
+            "when": f"during the {e} wait", "saved": "nothing saved (no step was running; the "
+            "newest complete checkpoint stands)"})
     finally:
         ray.kill(pool)
         remove_placement_group(pg)
@@ -477,7 +477,7 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
         while not done:
             if stop is not None and stop.is_set():  # a stop signal: save this step, then close
                 saved = every("save_last_step", "the stop's save")[0]
-                state["stopped"] = {"step": step, "saved": saved}
+                state["stopped"] = {"when": f"after step {step}", "saved": saved}
                 break
             t0 = time.perf_counter()
             m, done = every("step", f"step {step + 1}")[0]
@@ -566,7 +566,7 @@ def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
         raise LaunchError(
             f"{labels[first]} {what} during {phase}: {_reason(failures[first])}"
             + (f" (then also: {', '.join(labels[k] for k in others)})" if others else ""),
-            worker_lost=True)
+            worker_lost=True, worker_died=bool(dead))
     return results
 
 
@@ -664,9 +664,8 @@ def main(argv=None) -> int:
     try:
         return _drive(args, signals)
     except KeyboardInterrupt:  # the second Ctrl-C: the workers are ended where they are
-        print("[flexfloor.launch.ray] stopped at once (a second Ctrl-C): the workers were "
-              "ended; run the same command again to resume from the newest complete checkpoint",
-              file=sys.stderr, flush=True)
+        print("[flexfloor.launch.ray] stopped at once (a second Ctrl-C); run the same command "
+              "again to resume from the newest complete checkpoint", file=sys.stderr, flush=True)
         return 130
 
 
@@ -695,7 +694,10 @@ def _drive(args, signals: StopSignals) -> int:
     # --address, else RAY_ADDRESS (`ray job submit` sets it for its entrypoint), else a new
     # cluster here ("local"): Ray's default would join a cluster that `ray start` left on this
     # machine, and refuse the CPU count given for a new one
-    address = args.address or os.environ.get("RAY_ADDRESS") or "local"
+    env_address = os.environ.get("RAY_ADDRESS", "")
+    if env_address.startswith(("http://", "https://")):  # the dashboard's, for `ray job` commands
+        env_address = ""
+    address = args.address or env_address or "local"
     local = {} if address != "local" else {
         "num_cpus": max(os.cpu_count() or 1, math.ceil(args.num_workers * args.cpus_per_worker))}
     nothing = "nothing saved (no worker had started)"
@@ -713,10 +715,16 @@ def _drive(args, signals: StopSignals) -> int:
             return 1
     try:
         ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, **local)
+        signals.install()  # again: ray.init set its own SIGTERM handler
     except SystemExit:  # Ray's own SIGTERM handler, while it started: nothing ran
         ray.shutdown()
         say(f"SIGTERM while Ray started: {nothing} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
+    except ValueError as e:  # an address Ray cannot read
+        print(f"[flexfloor.launch.ray] error: Ray cannot use the address {address!r}: {e} "
+              "(give HOST:PORT of the cluster's head, or `auto`, in --address or RAY_ADDRESS)",
+              file=sys.stderr, flush=True)
+        return 1
     except (ConnectionError, RuntimeError) as e:  # e.g. no cluster there, or a token it wants
         ray.shutdown()
         first = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
@@ -725,11 +733,11 @@ def _drive(args, signals: StopSignals) -> int:
               "with token authentication (it turns it on where ~/.ray/auth_token exists) needs "
               "RAY_AUTH_MODE=token here too (docs/launch.md)", file=sys.stderr, flush=True)
         return 1
-    signals.install()  # again: ray.init set its own SIGTERM handler
 
     try:
         if signals.event.is_set():  # it came while Ray started
-            result = RunResult(metrics=[], workers=[], stopped={"step": None, "saved": nothing})
+            result = RunResult(metrics=[], workers=[], stopped={"when": "before a step ran",
+                                                                "saved": nothing})
         else:
             result = launch(cfg, num_workers=args.num_workers,
                             cpus_per_worker=args.cpus_per_worker,
@@ -737,7 +745,7 @@ def _drive(args, signals: StopSignals) -> int:
                             pool_name=args.pool_name, max_restarts=args.max_restarts, say=say,
                             stop=signals.event)
     except LaunchError as e:
-        if signals.event.is_set() and e.worker_lost:  # the preemption ended workers too
+        if signals.event.is_set() and e.worker_died:  # the preemption ended workers too
             say(signals.line("during a step", f"workers lost before they saved ({e}); the "
                              "newest complete checkpoint stands"))
             return PREEMPTED_EXIT_CODE
@@ -747,9 +755,7 @@ def _drive(args, signals: StopSignals) -> int:
         signals.ignore()
         ray.shutdown()
     if result.stopped is not None:
-        step = result.stopped["step"]
-        say(signals.line(f"after step {step}" if step is not None else "before a step ran",
-                         result.stopped["saved"]))
+        say(signals.line(result.stopped["when"], result.stopped["saved"]))
         return PREEMPTED_EXIT_CODE
     lent = sum(e["event"] == "released" for e in result.pool_events)
     say(f"done: {len(result.metrics)} steps, {lent} releases lent to the pool"
