@@ -739,58 +739,75 @@ def test_ray_driver_stopped_while_it_starts_exits_75_without_a_traceback(tmp_pat
                      r"while Ray started): nothing saved \(no worker had started\)", out), out[-3000:]
 
 
-def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
-    """grpo_moe_ray.sbatch for real on one node (`ray start --head` through srun, the driver, 2
-    workers); rank 1's process is killed after step 1: the job exits non-zero with an error
-    naming rank 1, and neither the Ray node nor any worker outlives it."""
-    env, log = stand_in_env(tmp_path)
-    port = free_port()
-    env.update(SRUN_RUN="1", PORT=str(port),
-               **slurm_env("localhost", 1, "localhost", 0, SLURM_NTASKS_PER_NODE="2",
-                           SLURM_CPUS_ON_NODE="2"))
-    cmd = ["bash", os.path.join(REPO, "examples", "slurm", "grpo_moe_ray.sbatch"), *TINY,
-           "trainer.steps=1000", "parallel.expert_parallel_size=2", f"logging.run_dir={tmp_path}/run"]
-    job = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    out: list[str] = []
+class RaySbatchJob:
+    """grpo_moe_ray.sbatch for real on one node (the stand-in srun: `ray start --head`, then the
+    driver with 2 workers), its merged output read line by line while it runs."""
 
-    def read():
-        for line in job.stdout:
-            out.append(line)
-            lines.put(line)
+    def __init__(self, tmp_path, *overrides: str):
+        self.env, self.log = stand_in_env(tmp_path)
+        self.port = free_port()
+        self.env.update(SRUN_RUN="1", PORT=str(self.port),
+                        **slurm_env("localhost", 1, "localhost", 0, SLURM_NTASKS_PER_NODE="2",
+                                    SLURM_CPUS_ON_NODE="2"))
+        cmd = ["bash", os.path.join(REPO, "examples", "slurm", "grpo_moe_ray.sbatch"), *TINY,
+               "trainer.steps=1000", "parallel.expert_parallel_size=2",
+               f"logging.run_dir={tmp_path}/run", *overrides]
+        self.proc = subprocess.Popen(cmd, env=self.env, cwd="/", stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.out: list[str] = []
+        self._lines: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    pids, victim = [], None
-    deadline = time.monotonic() + 240
-    try:
-        while True:  # the job runs: the ranks' pids are printed, then a first step completes
+    def _read(self):
+        for line in self.proc.stdout:
+            self.out.append(line)
+            self._lines.put(line)
+
+    def until_step_1(self, timeout: float = 240) -> dict[int, int]:
+        """Read until the driver says step 1 is done; returns the ranks' pids."""
+        pids, deadline = {}, time.monotonic() + timeout
+        while True:
             try:
-                line = lines.get(timeout=1.0)
+                line = self._lines.get(timeout=1.0)
             except queue.Empty:  # fail fast when the job has ended (its output all read)
-                tail = "".join(out)[-4000:]
-                assert reader.is_alive() or job.poll() is None, \
-                    f"the job ended (exit status {job.poll()}) before step 1:\n{tail}"
-                assert time.monotonic() < deadline, f"no step 1 within 240 s:\n{tail}"
+                tail = self.text[-4000:]
+                assert self._reader.is_alive() or self.proc.poll() is None, \
+                    f"the job ended (exit status {self.proc.poll()}) before step 1:\n{tail}"
+                assert time.monotonic() < deadline, f"no step 1 within {timeout:.0f} s:\n{tail}"
                 continue
             # Ray prints a worker's line and its newline in two writes from its own thread, so the
             # driver's line may follow a worker's text on one line: look for it anywhere
             rank = re.search(r"\[flexfloor\.launch\.ray\] rank (\d+): .* pid (\d+) ", line)
             if rank:
-                pids.append(int(rank[2]))
-                if rank[1] == "1":
-                    victim = pids[-1]
+                pids[int(rank[1])] = int(rank[2])
             if "[flexfloor.launch.ray] step 1/" in line:
-                break
-        assert victim is not None, "".join(out)
+                return pids
+
+    def end(self) -> None:
+        """Whatever is left of the job ended (every process with its marker), its output read."""
+        if self.proc.poll() is None:
+            end_job(self.proc, self.env["FLEXFLOOR_TEST_JOB"])
+        self._reader.join(timeout=30)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.out)
+
+
+def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
+    """grpo_moe_ray.sbatch for real on one node (`ray start --head` through srun, the driver, 2
+    workers); rank 1's process is killed after step 1: the job exits non-zero with an error
+    naming rank 1, and neither the Ray node nor any worker outlives it."""
+    job = RaySbatchJob(tmp_path)
+    try:
+        pids = job.until_step_1()
+        victim = pids[1]
         os.kill(victim, signal.SIGKILL)
-        rc = job.wait(timeout=180)
+        rc = job.proc.wait(timeout=180)
     finally:
-        if job.poll() is None:
-            end_job(job, env["FLEXFLOOR_TEST_JOB"])
-        reader.join(timeout=30)
-    text = "".join(out)
+        job.end()
+    text, log, port = job.text, job.log, job.port
     assert rc == 1, text[-4000:]
     assert re.search(rf"error: rank 1 \(node [0-9.]+, pid {victim}\) died during step \d+", text), \
         text[-4000:]
@@ -801,7 +818,7 @@ def test_ray_sbatch_worker_death_ends_the_job_naming_the_rank(tmp_path):
     # token, and nothing lands in the (test's) home directory
     assert "[flexfloor.launch.ray] Ray auth: RAY_AUTH_MODE=token, token from RAY_AUTH_TOKEN" in text
     assert not (tmp_path / "home" / ".ray" / "auth_token").exists()
-    assert len(pids) == 2 and wait_gone(pids) == []
+    assert len(pids) == 2 and wait_gone(list(pids.values())) == []
     # the Ray node's own processes (ray start, GCS, raylet, ...) name its port: none may be left
     assert wait_gone(processes_matching(rf"(:|port=){port}\b")) == []
 
@@ -815,51 +832,16 @@ def test_ray_sbatch_sigterm_saves_the_step_and_exits_75(tmp_path):
 
     assert slurm.PREEMPTED_EXIT_CODE == ray_launcher.PREEMPTED_EXIT_CODE == \
         preemption.PREEMPTED_EXIT_CODE
-    env, _ = stand_in_env(tmp_path)
-    port = free_port()
-    env.update(SRUN_RUN="1", PORT=str(port),
-               **slurm_env("localhost", 1, "localhost", 0, SLURM_NTASKS_PER_NODE="2",
-                           SLURM_CPUS_ON_NODE="2"))
     ckpt = tmp_path / "ckpt"
-    cmd = ["bash", os.path.join(REPO, "examples", "slurm", "grpo_moe_ray.sbatch"), *TINY,
-           "trainer.steps=1000", "parallel.expert_parallel_size=2", f"logging.run_dir={tmp_path}/run",
-           f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1000"]  # only the stop's save
-    job = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    out: list[str] = []
-
-    def read():
-        for line in job.stdout:
-            out.append(line)
-            lines.put(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    pids = []
-    deadline = time.monotonic() + 240
+    job = RaySbatchJob(tmp_path, f"checkpoint.dir={ckpt}",
+                       "checkpoint.save_interval=1000")  # only the stop's save
     try:
-        while True:  # the job runs until a first step completes
-            try:
-                line = lines.get(timeout=1.0)
-            except queue.Empty:
-                tail = "".join(out)[-4000:]
-                assert reader.is_alive() or job.poll() is None, \
-                    f"the job ended (exit status {job.poll()}) before step 1:\n{tail}"
-                assert time.monotonic() < deadline, f"no step 1 within 240 s:\n{tail}"
-                continue
-            rank = re.search(r"\[flexfloor\.launch\.ray\] rank (\d+): .* pid (\d+) ", line)
-            if rank:
-                pids.append(int(rank[2]))
-            if "[flexfloor.launch.ray] step 1/" in line:
-                break
-        os.kill(job.pid, signal.SIGTERM)  # the batch step: the stage, which passes it on
-        rc = job.wait(timeout=180)
+        pids = job.until_step_1()
+        os.kill(job.proc.pid, signal.SIGTERM)  # the batch step: the stage, which passes it on
+        rc = job.proc.wait(timeout=180)
     finally:
-        if job.poll() is None:
-            end_job(job, env["FLEXFLOOR_TEST_JOB"])
-        reader.join(timeout=30)
-    text = "".join(out)
+        job.end()
+    text = job.text
     assert rc == 75, text[-4000:]
     assert ("[flexfloor.launch.ray] SIGTERM: finishing the step in progress on every worker, "
             "then saving a checkpoint (a second Ctrl-C stops at once)") in text
@@ -871,8 +853,8 @@ def test_ray_sbatch_sigterm_saves_the_step_and_exits_75(tmp_path):
     assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{step:07d}"]
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == list(range(1, step + 1))
-    assert len(pids) == 2 and wait_gone(pids) == []
-    assert wait_gone(processes_matching(rf"(:|port=){port}\b")) == []
+    assert len(pids) == 2 and wait_gone(list(pids.values())) == []
+    assert wait_gone(processes_matching(rf"(:|port=){job.port}\b")) == []
 
 
 def processes_matching(pattern: str) -> list[int]:
