@@ -30,19 +30,19 @@ import time
 from dataclasses import dataclass, field
 
 from flexfloor import faults
+from flexfloor.launch.local import PREEMPTED as PREEMPTED_EXIT_CODE
 from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
 from flexfloor.launch.reaper import start_reaper
 
 PREDECESSOR_ENV = "FLEXFLOOR_LOCK_PREDECESSOR"  # flexfloor.checkpoint's (not imported: torch)
 HEAD_RESOURCE = "node:__internal_head__"  # the resource only Ray's head node has
-PREEMPTED_EXIT_CODE = 75  # flexfloor.preemption's (not imported: torch)
 # after a worker's call fails, how long its peers' calls may take to fail too, so that a worker
 # that died is named, not a peer that failed for it: a crashed node's workers are reported
 # dead once Ray's health checks find the node dead (about 15 s by default)
 DEATH_GRACE_S = 30.0
 
 
-class Stopped(Exception):
+class StopWhileWaiting(Exception):
     """A stop signal came while the launcher waited for the workers' placement or start-up,
     with no step running: nothing to save."""
 
@@ -257,7 +257,7 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
                 _wait_placed(pg, bundle, deadline, timeout_s, say, what,
                              ranks=state.get("rank_of_bundle", {}), stop=stop)
         raise AssertionError("unreachable")  # the last attempt returned or raised
-    except Stopped as e:  # no step was running: the newest complete checkpoint stands
+    except StopWhileWaiting as e:  # no step was running: the newest complete checkpoint stands
         return RunResult(metrics=history, workers=[], restarts=attempt, stopped={
             "when": f"during the {e} wait", "saved": "nothing saved (no step was running; the "
             "newest complete checkpoint stands)"})
@@ -294,8 +294,8 @@ def _settle(pg, deadline: float, say, what: str, quiet_s: float = 10.0,
     """Wait, up to `deadline` (time.monotonic), until each node that holds a bundle of `pg`
     answers a task or is found dead. A node that crashed holds its bundles until Ray's health
     checks find it dead (seconds); a new worker placed there before would die with it at
-    start-up. Says what it waits for past `quiet_s` seconds. `stop` set: raises Stopped within
-    a second."""
+    start-up. Says what it waits for past `quiet_s` seconds. `stop` set: raises
+    StopWhileWaiting within a second."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -308,7 +308,7 @@ def _settle(pg, deadline: float, say, what: str, quiet_s: float = 10.0,
     try:
         while pending and time.monotonic() < deadline:  # an answer, or an error: settled
             if stop is not None and stop.is_set():
-                raise Stopped(what)
+                raise StopWhileWaiting(what)
             if not said and time.monotonic() - start >= quiet_s:
                 say(f"{what}: waiting up to {deadline - time.monotonic():.0f} s more for "
                     f"{len(pending)} node(s) to answer or be found dead by Ray: "
@@ -340,7 +340,7 @@ def _wait_placed(pg, bundle: dict, deadline: float, timeout_s: float, say, what:
     `quiet_s` seconds it says what it waits for, and again every `every_s` seconds; at
     `deadline` (time.monotonic; `timeout_s`, the wait it ends, is named) it raises a
     LaunchError naming the bundles and the free resources, as it does for a removed group.
-    `stop` set: raises Stopped within a second."""
+    `stop` set: raises StopWhileWaiting within a second."""
     start, n = time.monotonic(), len(pg.bundle_specs)
 
     def created(wait_s: float) -> bool:
@@ -363,7 +363,7 @@ def _wait_placed(pg, bundle: dict, deadline: float, timeout_s: float, say, what:
     said = None  # when it last said that it waits
     while True:
         if stop is not None and stop.is_set():
-            raise Stopped(what)
+            raise StopWhileWaiting(what)
         now = time.monotonic()
         if now >= deadline:
             if created(0):
@@ -421,7 +421,7 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
     # the new rank 0 takes it over, on whichever host it runs (none on the first attempt)
     predecessor = dict(state.get("rank0", {}))
     if stop is not None and stop.is_set():  # before any worker of this attempt started
-        raise Stopped(f"restart {attempt}" if attempt else "start-up")
+        raise StopWhileWaiting(f"restart {attempt}" if attempt else "start-up")
     actors = []
     try:
         actor_cls = ray.remote(Worker)
@@ -593,7 +593,7 @@ def describe_ray_auth(env=None) -> str:
     return f"RAY_AUTH_MODE=token, token from {source}"
 
 
-class StopSignals:
+class DriverStop:
     """SIGTERM (Slurm's, Kubernetes') or SIGINT (Ctrl-C) to the driver: the step in progress
     runs to its end on every worker, they save it and close, and the driver exits
     PREEMPTED_EXIT_CODE, as a torchrun job does (flexfloor.preemption). A second SIGINT stops
@@ -605,7 +605,7 @@ class StopSignals:
         self.name: str | None = None
         self.at: float | None = None
 
-    def install(self) -> "StopSignals":
+    def install(self) -> "DriverStop":
         """The handlers (again after ray.init, which sets its own for SIGTERM)."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -659,8 +659,10 @@ def main(argv=None) -> int:
                         "times, resuming from checkpoint.dir (default 0: the run ends)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     args = parser.parse_args(argv)
-    args.parser = parser
-    signals = StopSignals().install()  # at once: a signal while the driver starts stops it too
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more (0: a lost worker "
+                     "ends the run)")
+    signals = DriverStop().install()  # at once: a signal while the driver starts stops it too
     try:
         return _drive(args, signals)
     except KeyboardInterrupt:  # the second Ctrl-C: the workers are ended where they are
@@ -669,11 +671,7 @@ def main(argv=None) -> int:
         return 130
 
 
-def _drive(args, signals: StopSignals) -> int:
-    if args.max_restarts < 0:
-        args.parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more (0: a lost "
-                          "worker ends the run)")
-
+def _drive(args, signals: DriverStop) -> int:
     from flexfloor.config import ConfigError, load_config
 
     try:
@@ -695,7 +693,7 @@ def _drive(args, signals: StopSignals) -> int:
     # cluster here ("local"): Ray's default would join a cluster that `ray start` left on this
     # machine, and refuse the CPU count given for a new one
     env_address = os.environ.get("RAY_ADDRESS", "")
-    if env_address.startswith(("http://", "https://")):  # the dashboard's, for `ray job` commands
+    if env_address.startswith(("http://", "https://")):  # the dashboard's, for `ray job`
         env_address = ""
     address = args.address or env_address or "local"
     local = {} if address != "local" else {
@@ -728,8 +726,8 @@ def _drive(args, signals: StopSignals) -> int:
     except (ConnectionError, RuntimeError) as e:  # e.g. no cluster there, or a token it wants
         ray.shutdown()
         first = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
-        print(f"[flexfloor.launch.ray] error: could not connect to the Ray cluster at {address}: "
-              f"{first.strip()[:300]}. Check the address; a cluster that `ray start` started "
+        print(f"[flexfloor.launch.ray] error: could not connect to the Ray cluster at "
+              f"{address}: {first.strip()[:300]}. Check the address; a cluster that `ray start` started "
               "with token authentication (it turns it on where ~/.ray/auth_token exists) needs "
               "RAY_AUTH_MODE=token here too (docs/launch.md)", file=sys.stderr, flush=True)
         return 1

@@ -40,6 +40,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from flexfloor.launch.local import PREEMPTED as PREEMPTED_EXIT_CODE
+
 
 def expand_hostlist(text: str) -> list[str]:
     """Slurm's compressed host list -> host names, in order.
@@ -136,7 +138,6 @@ TORCHRUN_PORT_BASE = 29500  # torchrun's default port and the 2000 above it
 # end the job where the first node starts a minute late; the static rendezvous waits 600 s)
 C10D_READ_TIMEOUT_S = 600
 RAY_PORT_BASE = 6379        # Ray's default GCS port and the 2000 above it
-PREEMPTED_EXIT_CODE = 75    # flexfloor.preemption's (not imported: torch)
 
 
 def srun_command(alloc: Allocation, stage_args: list[str], python: str) -> list[str]:
