@@ -510,18 +510,17 @@ def test_no_process_of_the_job_outlives_it(runs):
     assert any("checkpoint.dir: took over the stale lock of pid" in t for _, t in runs["lines"])
 
 
-def test_the_launch_script_exits_75_on_a_stop_signal_without_a_traceback(runs, tmp_path):
+def sigterm_after_step_1(tmp_path, *overrides: str) -> tuple[int, list[str]]:
     """`bash examples/train_moe.sh` as a user runs it, SIGTERM to the launcher after step 1 (as
-    Slurm or a terminal's Ctrl-C signals torchrun): the workers finish the step and save it,
-    and the script exits 75 (torchrun itself would exit 1 with its own traceback); nothing of
-    the job is left. After `runs`: its warm start is cached."""
+    Slurm or a terminal's Ctrl-C signals torchrun). Returns its exit code and output lines,
+    once nothing of the job is left (checked)."""
     marker = f"script-{os.getpid()}-{time.monotonic_ns()}"
     env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "MASTER_PORT")}
     env.update(CONFIG=JOB[1], NPROC=str(NPROC), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
                FLEXFLOOR_TEST_JOB=marker)
     popen = subprocess.Popen(
         ["bash", os.path.join(REPO, "examples", "train_moe.sh"), *JOB[2:], "trainer.steps=50",
-         f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"],
+         f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt", *overrides],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     lines = []
@@ -535,16 +534,50 @@ def test_the_launch_script_exits_75_on_a_stop_signal_without_a_traceback(runs, t
         popen.wait(timeout=120)
     finally:
         end_job(popen)
-    out = "\n".join(lines)
-    assert popen.returncode == 75, out[-4000:]
-    assert "Traceback" not in out, out[-4000:]
-    (done,) = [t for t in lines if "preempted by SIGTERM" in t]
-    step = int(re.search(r"after step (\d+):", done).group(1))
-    assert os.path.isdir(tmp_path / "ckpt" / f"iter_{step:07d}")
     deadline = time.monotonic() + 10
     while job_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert job_processes(marker) == []
+    return popen.returncode, lines
+
+
+def test_the_launch_script_exits_75_on_a_stop_signal_without_a_traceback(runs, tmp_path):
+    """The workers finish the step and save it, and the script exits 75 (torchrun itself
+    would exit 1 with its own traceback); nothing of the job is left. After `runs`: its warm
+    start is cached."""
+    rc, lines = sigterm_after_step_1(tmp_path)
+    out = "\n".join(lines)
+    assert rc == 75, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    (done,) = [t for t in lines if "preempted by SIGTERM" in t]
+    step = int(re.search(r"after step (\d+):", done).group(1))
+    assert os.path.isdir(tmp_path / "ckpt" / f"iter_{step:07d}")
+
+
+def test_the_launch_script_past_the_grace_exits_143_unsaved(runs, tmp_path):
+    """The same stop where the step in progress and its save take longer than
+    checkpoint.preempt_grace_s: each worker stops at the grace with one line naming the
+    setting (a preemption never becomes a hang until the scheduler's SIGKILL), the script
+    exits 143 (128 + SIGTERM) with the launcher's line, no checkpoint is written and nothing
+    of the job is left."""
+    rc, lines = sigterm_after_step_1(tmp_path, "checkpoint.save_interval=1000",
+                                     "checkpoint.preempt_grace_s=0.01")
+    out = "\n".join(lines)
+    assert rc == 128 + signal.SIGTERM, out[-4000:]
+    assert "Traceback" not in out and "preempted by" not in out, out[-4000:]
+    grace = [t for t in lines if re.search(
+        r"\[flexfloor\] error: rank \d: SIGTERM: no checkpoint within checkpoint\.preempt_grace_s="
+        r"0\.01 s \(the step in progress or the save took longer\); the job resumes from its "
+        r"previous checkpoint; raise checkpoint\.preempt_grace_s", t)]
+    # a rank still in its 1 s look for an exited peer when the first one stops may take that
+    # exit for torchrun's stop of a failed group instead (flexfloor.preemption): also no save
+    gone = [t for t in lines if re.search(r"\[flexfloor\] error: rank \d: SIGTERM from the "
+                                          r"launcher after a worker of this node exited", t)]
+    assert grace and len(grace) + len(gone) == NPROC, out[-4000:]
+    assert ("[flexfloor] stopped by SIGTERM before every worker had saved its step: run the "
+            "same command again to resume from the newest checkpoint") in out
+    assert [d for d in os.listdir(tmp_path / "ckpt") if d.startswith("iter_")
+            and not d.endswith(".tmp")] == []
 
 
 def test_the_launchers_exit_code_follows_the_last_attempts_workers(tmp_path):

@@ -844,7 +844,8 @@ def test_ray_sbatch_sigterm_saves_the_step_and_exits_75(tmp_path):
     text = job.text
     assert rc == 75, text[-4000:]
     assert ("[flexfloor.launch.ray] SIGTERM: finishing the step in progress on every worker, "
-            "then saving a checkpoint (a second Ctrl-C stops at once)") in text
+            "then saving a checkpoint (checkpoint.preempt_grace_s=60; a second Ctrl-C stops at "
+            "once)") in text
     done = re.search(r"\[flexfloor\.launch\.ray\] preempted by SIGTERM after step (\d+): "
                      rf"checkpoint iter_(\d+) in {re.escape(str(ckpt))}, [\d.]+ s after the "
                      r"signal; run the same command again to resume \(exit code 75\)", text)
@@ -853,6 +854,35 @@ def test_ray_sbatch_sigterm_saves_the_step_and_exits_75(tmp_path):
     assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{step:07d}"]
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == list(range(1, step + 1))
+    assert len(pids) == 2 and wait_gone(list(pids.values())) == []
+    assert wait_gone(processes_matching(rf"(:|port=){job.port}\b")) == []
+
+
+def test_ray_sbatch_sigterm_past_the_grace_ends_unsaved_with_128_plus_the_signal(tmp_path):
+    """The same preemption, where the step in progress and its save take longer than
+    checkpoint.preempt_grace_s: the driver ends the workers at the grace instead of waiting to
+    be killed mid-save, says so in one line naming the setting, and exits 143 (128 + SIGTERM,
+    as the local launcher does for workers that did not save); no checkpoint, no process
+    left."""
+    ckpt = tmp_path / "ckpt"
+    job = RaySbatchJob(tmp_path, f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1000",
+                       "checkpoint.preempt_grace_s=0.01")  # far shorter than a step or a save
+    try:
+        pids = job.until_step_1()
+        os.kill(job.proc.pid, signal.SIGTERM)
+        rc = job.proc.wait(timeout=180)
+    finally:
+        job.end()
+    text = job.text
+    assert rc == 128 + signal.SIGTERM, text[-4000:]
+    assert ("then saving a checkpoint (checkpoint.preempt_grace_s=0.01; a second Ctrl-C stops "
+            "at once)") in text
+    assert re.search(r"\[flexfloor\.launch\.ray\] error: SIGTERM: no checkpoint within "
+                     r"checkpoint\.preempt_grace_s=0\.01 s \((step \d+|the stop's save) still "
+                     r"running on rank \d.*\); the run resumes from its newest complete checkpoint; "
+                     r"raise checkpoint\.preempt_grace_s .* \(exit code 143\)", text), text[-4000:]
+    assert "preempted by" not in text and "Traceback" not in text
+    assert [p.name for p in ckpt.glob("iter_*") if not p.name.endswith(".tmp")] == []
     assert len(pids) == 2 and wait_gone(list(pids.values())) == []
     assert wait_gone(processes_matching(rf"(:|port=){job.port}\b")) == []
 

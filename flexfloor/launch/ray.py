@@ -42,6 +42,19 @@ HEAD_RESOURCE = "node:__internal_head__"  # the resource only Ray's head node ha
 DEATH_GRACE_S = 30.0
 
 
+class StopEvent(threading.Event):
+    """The driver's stop signal: an Event that remembers when it was first set
+    (`time.monotonic()`), where the grace for the save (`checkpoint.preempt_grace_s`) starts."""
+
+    at: float | None = None
+    name: str | None = None  # the signal's, e.g. "SIGTERM"
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+        super().set()
+
+
 class StopWhileWaiting(Exception):
     """A stop signal came while the launcher waited for the workers' placement or start-up,
     with no step running: nothing to save."""
@@ -51,10 +64,28 @@ class LaunchError(RuntimeError):
     """The run cannot go on. `worker_lost`: a worker died or raised (a restart may resume the
     run), not a placement or a timeout; `worker_died`: one died (its process or node is gone)."""
 
-    def __init__(self, message: str, worker_lost: bool = False, worker_died: bool = False):
+    def __init__(self, message: str, worker_lost: bool = False, worker_died: bool = False,
+                 grace_expired: bool = False):
         super().__init__(message)
         self.worker_lost = worker_lost
         self.worker_died = worker_died
+        self.grace_expired = grace_expired  # a stop's step and save outlasted its grace
+
+
+@dataclass(frozen=True)
+class _Grace:
+    """After a stop signal (`stop` set), the step in progress and its save must end within
+    `grace_s` of the signal (checkpoint.preempt_grace_s, as each worker under torchrun keeps
+    it): past that the run ends unsaved rather than be killed mid-save by whoever signalled."""
+
+    stop: StopEvent | None
+    grace_s: float
+
+    def due(self) -> float | None:
+        """The deadline (time.monotonic()) once a stop came, else None."""
+        if self.stop is None or not self.stop.is_set():
+            return None
+        return (self.stop.at or time.monotonic()) + self.grace_s
 
 
 class Worker:
@@ -190,7 +221,7 @@ class RunResult:
 def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
            gpus_per_worker: float | None = None, timeout_s: float = 1800.0,
            pool_name: str = POOL_NAME, max_restarts: int = 0, say=print,
-           stop: threading.Event | None = None) -> RunResult:
+           stop: StopEvent | None = None) -> RunResult:
     """Run the job on `num_workers` Ray actors of the cluster `ray.init` connected to.
 
     `cfg` is resolved for `num_workers` (`Config.resolve_world`). `gpus_per_worker=None`: one GPU
@@ -201,7 +232,9 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
     again at step 0. The metrics of steps the resumed run does again are replaced.
     `stop` (set by the driver's SIGTERM/SIGINT): the step in progress runs to its end, every
     worker saves it (`preemption.save_last_step`) and closes, and the result's `stopped` says
-    so; no restart follows a stop.
+    so; no restart follows a stop. The step and the save must end within
+    `checkpoint.preempt_grace_s` of the signal, else a LaunchError (`grace_expired`) ends the
+    run unsaved.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -406,20 +439,22 @@ def _resumes(cfg) -> str:
 
 def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: float,
              gpus_per_worker: float, timeout_s: float, attempt: int, history: list,
-             say, state: dict, stop: threading.Event | None = None) -> list[dict]:
+             say, state: dict, stop: StopEvent | None = None) -> list[dict]:
     """One launch attempt: `num_workers` actors in `pg`'s bundles run the job to its end.
     `history` (rank 0's metrics so far) is extended, a resumed step replacing what an earlier
     attempt logged for it; `state["rank0"]` is set to this attempt's rank 0 (host, pid) and
     `state["first_step"]` to the step the first attempt started from and
     `state["rank_of_bundle"]` to each bundle's rank; once `stop` is set, after the step in
-    progress, every worker saves it and `state["stopped"]` says what. Returns the workers by
-    rank; the actors are ended in every case."""
+    progress, every worker saves it and `state["stopped"]` says what (every call but the close
+    within `checkpoint.preempt_grace_s` of the signal). Returns the workers by rank; the
+    actors are ended in every case."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     # the lock of checkpoint.dir names the last attempt's rank 0, which this launcher ended:
     # the new rank 0 takes it over, on whichever host it runs (none on the first attempt)
     predecessor = dict(state.get("rank0", {}))
+    grace = _Grace(stop, cfg.checkpoint.preempt_grace_s)
     if stop is not None and stop.is_set():  # before any worker of this attempt started
         raise StopWhileWaiting(f"restart {attempt}" if attempt else "start-up")
     actors = []
@@ -431,7 +466,7 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
         ).remote(pool_name) for i in range(num_workers)]
         labels = {i: f"worker {i}" for i in range(num_workers)}
         located = _gather({i: a.locate.remote() for i, a in enumerate(actors)}, labels,
-                          "start-up", timeout_s)
+                          "start-up", timeout_s, grace)
         # ranks follow the nodes: a node's workers hold consecutive ranks, as under torchrun
         nodes = list(dict.fromkeys(located[i]["node_id"] for i in range(num_workers)))
         order = sorted(range(num_workers), key=lambda i: (nodes.index(located[i]["node_id"]), i))
@@ -445,7 +480,7 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
         state["rank_of_bundle"] = {i: rank for rank, i in enumerate(order)}
         events_before = len(ray.get(pool.events.remote(), timeout=timeout_s))
         port = _gather({0: actors[0].host_store.remote(cfg.parallel.timeout_s)}, labels,
-                       "start-up", timeout_s)[0]
+                       "start-up", timeout_s, grace)[0]
         for w in workers:
             say(f"rank {w['rank']}: node {w['node_ip']} ({w['node_id'][:8]}) pid {w['pid']} "
                 f"local rank {w['local_rank']} gpus {w['gpu_ids'] or '-'} cpus {w['cpus']:g}")
@@ -460,11 +495,11 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
                     **({PREDECESSOR_ENV: json.dumps(predecessor)} if predecessor else {})}
 
         job = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
-                       for r, a in enumerate(actors)}, labels, "start-up", timeout_s)[0]
+                       for r, a in enumerate(actors)}, labels, "start-up", timeout_s, grace)[0]
 
-        def every(method: str, phase: str, *args):
+        def every(method: str, phase: str, *args, bounded: _Grace | None = grace):
             return _gather({r: getattr(a, method).remote(*args) for r, a in enumerate(actors)},
-                           labels, phase, timeout_s)
+                           labels, phase, timeout_s, bounded)
 
         # Job.run's loop, each phase called on every worker
         if job["warm_start"]:
@@ -491,7 +526,7 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
             say(f"step {step}/{cfg.trainer.steps} | reward {m['reward/mean']:.3f} | "
                 f"released ranks {lent or '-'} (lent to the pool until resync) | "
                 f"{time.perf_counter() - t0:.1f}s")
-        every("finish", "close")
+        every("finish", "close", bounded=None)  # saved already: the close has --timeout-s
         return workers
     finally:
         for a in actors:
@@ -518,9 +553,11 @@ def _wait_ended(actors: list, timeout_s: float) -> None:
             time.sleep(0.05)
 
 
-def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
+def _gather(calls: dict, labels: dict, phase: str, timeout_s: float,
+            grace: _Grace | None = None) -> dict:
     """Results of one call per worker, by key. The first failure ends the wait with an error
-    naming the worker; a dead worker is named before the peers that failed because of it."""
+    naming the worker; a dead worker is named before the peers that failed because of it.
+    `grace`: once its stop comes, the wait ends at its deadline too (`grace_expired`)."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -528,11 +565,25 @@ def _gather(calls: dict, labels: dict, phase: str, timeout_s: float) -> dict:
     results, failures = {}, {}
     deadline = time.monotonic() + timeout_s
     while pending and not failures:
+        due = grace.due() if grace is not None else None
+        until = deadline if due is None else min(deadline, due)
+        if grace is not None and grace.stop is not None and due is None:
+            until = min(until, time.monotonic() + 1.0)  # a stop may come: look each second
         ready, _ = ray.wait(list(pending), num_returns=1,
-                            timeout=max(0.0, deadline - time.monotonic()))
+                            timeout=max(0.0, until - time.monotonic()))
         if not ready:
-            raise LaunchError(f"{phase}: no answer within {timeout_s:.0f} s from "
-                              + ", ".join(labels[k] for k in sorted(pending.values())))
+            running = ", ".join(labels[k] for k in sorted(pending.values()))
+            if due is not None and time.monotonic() >= due:
+                raise LaunchError(
+                    f"{grace.stop.name or 'the stop signal'}: no checkpoint within "
+                    f"checkpoint.preempt_grace_s={grace.grace_s:g} s ({phase} still running on "
+                    f"{running}); the run resumes from its newest complete checkpoint; raise "
+                    "checkpoint.preempt_grace_s (and the time the scheduler gives after its "
+                    "signal, e.g. sbatch --signal=B:TERM@SECONDS) to save instead",
+                    grace_expired=True)
+            if time.monotonic() < deadline:
+                continue
+            raise LaunchError(f"{phase}: no answer within {timeout_s:.0f} s from {running}")
         for ref in ready:
             key = pending.pop(ref)
             try:
@@ -596,14 +647,22 @@ def describe_ray_auth(env=None) -> str:
 class DriverStop:
     """SIGTERM (Slurm's, Kubernetes') or SIGINT (Ctrl-C) to the driver: the step in progress
     runs to its end on every worker, they save it and close, and the driver exits
-    PREEMPTED_EXIT_CODE, as a torchrun job does (flexfloor.preemption). A second SIGINT stops
-    at once (KeyboardInterrupt). `event` is what `launch` reads; `name` and `at` say which
+    PREEMPTED_EXIT_CODE, as a torchrun job does (flexfloor.preemption); if that takes longer
+    than checkpoint.preempt_grace_s, the workers are ended unsaved and the driver exits 128 +
+    the signal, as the local launcher does. A second SIGINT stops at once (KeyboardInterrupt). `event` is what `launch` reads; `name` and `at` say which
     signal came, and when."""
 
     def __init__(self):
-        self.event = threading.Event()
-        self.name: str | None = None
-        self.at: float | None = None
+        self.event = StopEvent()
+        self.grace_s: float | None = None  # checkpoint.preempt_grace_s, once the config is read
+
+    @property
+    def name(self) -> str | None:
+        return self.event.name
+
+    @property
+    def at(self) -> float | None:
+        return self.event.at
 
     def install(self) -> "DriverStop":
         """The handlers (again after ray.init, which sets its own for SIGTERM)."""
@@ -621,12 +680,14 @@ class DriverStop:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
-        self.name, self.at = signal.Signals(signum).name, time.monotonic()
+        self.event.name = signal.Signals(signum).name
         self.event.set()
         try:  # one unbuffered write: the main thread may be inside sys.stdout's own write
+            grace = ("" if self.grace_s is None else
+                     f"checkpoint.preempt_grace_s={self.grace_s:g}; ")
             os.write(sys.stdout.fileno(), f"[flexfloor.launch.ray] {self.name}: finishing the "
-                     "step in progress on every worker, then saving a checkpoint (a second "
-                     "Ctrl-C stops at once)\n".encode())
+                     "step in progress on every worker, then saving a checkpoint "
+                     f"({grace}a second Ctrl-C stops at once)\n".encode())
         except (OSError, ValueError):
             pass
 
@@ -679,6 +740,7 @@ def _drive(args, signals: DriverStop) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    signals.grace_s = cfg.checkpoint.preempt_grace_s
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # offline clusters: no usage report
     import ray
 
@@ -743,6 +805,11 @@ def _drive(args, signals: DriverStop) -> int:
                             pool_name=args.pool_name, max_restarts=args.max_restarts, say=say,
                             stop=signals.event)
     except LaunchError as e:
+        if e.grace_expired:  # as the local launcher, for workers stopped before they saved
+            code = 128 + signal.Signals[signals.name].value
+            print(f"[flexfloor.launch.ray] error: {e} (exit code {code})", file=sys.stderr,
+                  flush=True)
+            return code
         if signals.event.is_set() and e.worker_died:  # the preemption ended workers too
             say(signals.line("during a step", f"workers lost before they saved ({e}); the "
                              "newest complete checkpoint stands"))
