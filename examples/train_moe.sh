@@ -29,8 +29,6 @@ args=(--config "$CONFIG" "parallel.world_size=$NPROC" "parallel.expert_parallel_
 [ -n "${STEPS:-}" ] && args+=("trainer.steps=$STEPS")
 args+=("$@")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# the config once, here: an error is printed once (not by every worker) and exits 2
-WORLD_SIZE="$NPROC" python -m flexfloor.train --check-config "${args[@]}" || exit $?
 # MASTER_PORT unset: torchrun binds a free port itself (--standalone), so no other job can take
 # the port between its choice and its use
 if [ -n "${MASTER_PORT:-}" ]; then
@@ -38,7 +36,8 @@ if [ -n "${MASTER_PORT:-}" ]; then
 else
   rendezvous=(--standalone)
 fi
-# torchrun through flexfloor.launch.local: the exit code is the workers' (75 when a stop signal
-# had them save their step), with no torchrun traceback for a stop signal
+# torchrun through flexfloor.launch.local: the config checked once before any worker starts (an
+# error is one line, exit code 2), the exit code the workers' (75 when a stop signal had them
+# save their step), no torchrun traceback for a stop signal
 exec python -m flexfloor.launch.local --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-0}" \
   "${rendezvous[@]}" -m flexfloor.train "${args[@]}"

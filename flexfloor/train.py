@@ -8,8 +8,11 @@ so torchrun sees it, stops the other workers and, with `--max-restarts`, starts 
 job then resumes from the newest complete checkpoint (checkpoint.resume=auto). No helper process
 of a worker outlives it, even after a SIGKILL (flexfloor/launch/reaper.py).
 
-`--check-config` only reads and validates the config for WORLD_SIZE workers (exit 0 or 2): the
-example scripts run it once before they start the workers, so a config error is printed once.
+`--check-config` only reads and validates the config for WORLD_SIZE workers, and that the files
+it names exist (exit 0 or 2). `python -m flexfloor.launch.local` (which the example scripts and
+the Slurm scripts run in place of torchrun) runs it once before it starts the workers, so a
+config error is printed once (per node). Under plain torchrun every worker checks its config
+and only each node's local rank 0 prints the error.
 """
 
 from __future__ import annotations
@@ -37,22 +40,14 @@ def main(argv=None) -> int:
     clear_report()  # a code an earlier round left under this worker's name is not its own
     warnings.filterwarnings("ignore", module="megatron")
 
-    from flexfloor.config import ConfigError, load_config
+    from flexfloor.config import ConfigError
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides).resolve_world(world)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    from flexfloor.outputs import creatable_folder
-
-    try:  # before any worker builds a model: a bad folder costs a second, not the set-up
-        creatable_folder(cfg.logging.run_dir, "logging.run_dir")
-        if cfg.checkpoint.dir is not None:
-            creatable_folder(cfg.checkpoint.dir, "checkpoint.dir")
-    except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        cfg = checked_config(args.config, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
+    except (ConfigError, ValueError) as e:
+        # the same error on every worker of a node (same config, same files): said once
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            _say(f"config error: {e}")
         return 2
     if args.check_config:
         return 0
@@ -80,8 +75,46 @@ def main(argv=None) -> int:
     return 0
 
 
+def checked_config(path: str | None, overrides: list[str], world: int):
+    """The config of `path` and `overrides`, resolved for `world` workers, once it validates,
+    its output folders can be made and the input files it names exist: before any worker
+    builds a model, so a bad path costs a second, not the set-up. ConfigError or ValueError
+    (naming the field and the fix) otherwise."""
+    from flexfloor.config import ConfigError, load_config
+    from flexfloor.outputs import creatable_folder
+
+    cfg = load_config(path, overrides).resolve_world(world)
+    creatable_folder(cfg.logging.run_dir, "logging.run_dir")
+    if cfg.checkpoint.dir is not None:
+        creatable_folder(cfg.checkpoint.dir, "checkpoint.dir")
+    d = cfg.data
+    if d.tokenizer is not None and not os.path.exists(d.tokenizer):
+        raise ConfigError("data.tokenizer", f"{d.tokenizer}: no such file or folder; give a "
+                          "tokenizer.json, a SentencePiece .model or an HF model folder (or "
+                          "data.tokenizer=null for the bundled one)")
+    for name in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(d, name)):
+            if not os.path.isfile(f):
+                raise ConfigError(f"data.{name}[{i}]", f"{f}: no such file; give the path of a "
+                                  "verl-format parquet file (tools/make_synthetic_data.py "
+                                  "writes one)")
+    custom = cfg.reward.custom_fn
+    if custom is not None and not os.path.isfile(custom.rpartition(":")[0]):
+        raise ConfigError("reward.custom_fn", f"{custom}: file {custom.rpartition(':')[0]} not "
+                          "found; give the path of a .py file, e.g. "
+                          "reward.custom_fn=my_reward.py:compute_score")
+    return cfg
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write: the workers of a node share the stream, and a line
+    written in two parts (text, then newline) can be cut by another worker's."""
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode(errors="replace"))
+
+
 def _stop_now(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    _say(line)
     _exit_now(1)
 
 
@@ -103,8 +136,7 @@ def _fail(e: BaseException) -> None:
     rank = where.split(",")[0] + ", "
     if message.startswith(rank):  # a CollectiveError names the rank already
         message = message[len(rank):]
-    print(f"[flexfloor] error: {where}: {type(e).__name__}: {message}", file=sys.stderr,
-          flush=True)
+    _say(f"[flexfloor] error: {where}: {type(e).__name__}: {message}")
     _exit_now(1)
 
 

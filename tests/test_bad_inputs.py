@@ -70,6 +70,19 @@ CATALOGUE = {
         ("set it >= 240",), field="rollout.kv_budget_tokens",
         overrides=("rollout.kv_budget_tokens=200", "data.max_prompt_len=100",
                    "rollout.max_new_tokens=128")),
+    "tokenizer file that does not exist": Bad(
+        ("test_bad_inputs::test_catalogue_config_entry_exits_2_naming_the_field",
+         "test_bad_inputs::test_example_script_config_error_exits_2_printed_once"),
+        ("/nope/tok.json: no such file or folder", "data.tokenizer=null for the bundled one"),
+        field="data.tokenizer", overrides=("data.tokenizer=/nope/tok.json",)),
+    "prompt file that does not exist": Bad(
+        ("test_bad_inputs::test_catalogue_config_entry_exits_2_naming_the_field",),
+        ("/nope.parquet: no such file", "verl-format parquet file"),
+        field="data.train_files[0]", overrides=("data.train_files=[/nope.parquet]",)),
+    "reward function file that does not exist": Bad(
+        ("test_bad_inputs::test_catalogue_config_entry_exits_2_naming_the_field",),
+        ("file /nope.py not found", "reward.custom_fn=my_reward.py:compute_score"),
+        field="reward.custom_fn", overrides=("reward.custom_fn=/nope.py:f",)),
     "malformed YAML (file, line, column)": Bad(
         ("test_bad_inputs::test_yaml_syntax_error_names_file_line_column",),
         ("expected ',' or ']'", "fix the YAML syntax there"), field="{file}:3:1",
@@ -153,7 +166,7 @@ CATALOGUE = {
 
 
 def test_catalogue_is_complete():
-    assert len(CATALOGUE) == 23
+    assert len(CATALOGUE) == 26
     for name, bad in CATALOGUE.items():
         assert bool(bad.field) != bool(bad.job), name  # a config entry or a job entry
         for ref in bad.tests:
@@ -164,7 +177,7 @@ def test_catalogue_is_complete():
 
 
 @pytest.mark.parametrize("name", [n for n, b in CATALOGUE.items() if b.field])
-def test_catalogue_config_entry_exits_2_naming_the_field(name, tmp_path, monkeypatch, capsys):
+def test_catalogue_config_entry_exits_2_naming_the_field(name, tmp_path, monkeypatch, capfd):
     """The entry point (flexfloor.train.main, as torchrun runs it): exit 2, one line that
     starts with the field, each phrase of the fix, nothing written."""
     from flexfloor import train
@@ -185,7 +198,7 @@ def test_catalogue_config_entry_exits_2_naming_the_field(name, tmp_path, monkeyp
     monkeypatch.setenv("WORLD_SIZE", str(bad.world))
     monkeypatch.chdir(work)
     assert train.main(argv) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"config error: {bad.field.format(file=file)}: ")
     for phrase in bad.says:
@@ -489,10 +502,15 @@ def test_suggestions_can_be_followed():
 
 
 def test_example_script_config_error_exits_2_printed_once(tmp_path):
-    """`bash examples/grpo_moe.sh` checks the config once before torchrun starts any worker."""
+    """`bash examples/grpo_moe.sh` (through flexfloor.launch.local) checks the config once
+    before torchrun starts any worker; so does flexfloor.launch.local in a user's own command.
+    Under plain torchrun each node's local rank 0 alone prints it (torchrun adds its own
+    failure summary)."""
     env = dict(os.environ, NPROC="4", RUN_DIR=str(tmp_path / "run"))
     for bad, says in (("trainer.stesp=3", "trainer.stesp: unknown key; did you mean 'steps'?"),
-                      ("parallel.timeout_s=.inf", "parallel.timeout_s: must be a finite number")):
+                      ("parallel.timeout_s=.inf", "parallel.timeout_s: must be a finite number"),
+                      ("data.tokenizer=/nope/tok.json",
+                       "data.tokenizer: /nope/tok.json: no such file or folder")):
         proc = subprocess.run(["bash", os.path.join(REPO, "examples", "grpo_moe.sh"), bad],
                               capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 2, proc.stderr[-2000:]
@@ -502,6 +520,19 @@ def test_example_script_config_error_exits_2_printed_once(tmp_path):
                           capture_output=True, text=True, timeout=120,
                           env=dict(env, CONFIG=str(tmp_path)))
     assert proc.returncode == 2 and "is a directory; give a YAML file" in proc.stderr
+    assert not (tmp_path / "run").exists()
+    train = ["-m", "flexfloor.train", "--config", os.path.join(REPO, "examples", "configs",
+             "grpo_tiny.yaml"), "parallel.world_size=2", "parallel.expert_parallel_size=2",
+             f"logging.run_dir={tmp_path / 'run'}", "data.train_files=[/nope.parquet]"]
+    says = "config error: data.train_files[0]: /nope.parquet: no such file; give the path"
+    for launcher, code in (("flexfloor.launch.local", 2), ("torch.distributed.run", 1)):
+        proc = subprocess.run([sys.executable, "-m", launcher, "--standalone",
+                               "--nproc-per-node", "2", *train], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == code, (launcher, proc.stderr[-2000:])
+        assert proc.stderr.count("config error:") == 1 and says in proc.stderr, proc.stderr
+        if code == 2:  # checked before torchrun started a worker
+            assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -13,7 +13,10 @@ attempt's codes decide the outcome:
 - every worker exited 0 (a stop signal after the last step): exit 0;
 - a stop signal, and the workers stopped before they saved: one line, exit 128 + the signal;
 - otherwise torchrun's own outcome (0, or 1 after its failure summary).
-No traceback is printed for a stop signal.
+No traceback is printed for a stop signal. Before torchrun starts any worker, the config of
+`-m flexfloor.train` is checked here once (`flexfloor.train --check-config`, for the world
+size the torchrun options give): an error is one line and exit code 2, not one per worker
+and torchrun's failure summary.
 """
 
 from __future__ import annotations
@@ -100,6 +103,37 @@ def outcome(codes: dict[int, int], workers: int | None, torchrun_code: int,
     return torchrun_code
 
 
+def world_size(nnodes: str, nproc_per_node: str) -> int | None:
+    """The workers torchrun's `--nnodes` and `--nproc-per-node` give, when fixed: None for an
+    elastic range (`1:4`) or a per-device count (`gpu`, `auto`)."""
+    low, _, high = str(nnodes).partition(":")
+    if not (low.isdigit() and (not high or high == low) and str(nproc_per_node).isdigit()):
+        return None
+    return int(low) * int(nproc_per_node)
+
+
+def check_config_first(args) -> int:
+    """`flexfloor.train --check-config` in this process, once, for torchrun's parsed `args`
+    (when they run `-m flexfloor.train` on a fixed world size): its exit code (2 after one
+    line), 0 when it passed or does not apply."""
+    train_args = list(args.training_script_args)
+    world = world_size(args.nnodes, args.nproc_per_node)
+    if not (args.module and args.training_script == "flexfloor.train") or world is None \
+            or "--check-config" in train_args:
+        return 0
+    from flexfloor.train import main as train_main
+
+    before = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        return train_main(["--check-config", *train_args])
+    finally:
+        if before is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = before
+
+
 def main(argv=None) -> int:
     import signal
 
@@ -112,6 +146,9 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)  # torchrun's own errors (exit 2) before anything is made
+    code = check_config_first(args)
+    if code:
+        return code
     nproc = str(args.nproc_per_node)  # this node's workers: they report here
     workers = int(nproc) if nproc.isdigit() else None
     start_reaper()  # after a SIGKILL of this launcher, its workers and the folder go too
