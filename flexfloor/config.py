@@ -742,6 +742,9 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
         return [_convert(v, get_args(tp)[0], f"{name}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp in (int, float) and isinstance(value, str) and \
+            value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
+        value = float(value)  # YAML's own words are .inf and .nan: refused below, by name
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ConfigError(name, f"expected {tp.__name__}, got {type(value).__name__} "
                           f"{value!r}; {_TYPE_HINTS[tp]}")

@@ -467,6 +467,12 @@ def test_non_finite_numbers_refused_by_field(tmp_path):
     assert e.field == "parallel.timeout_s" and "must be a finite number, got inf" in str(e)
     e = config_file_error(_yaml(tmp_path, "trainer:\n  lr: .nan\n"))
     assert e.field == "trainer.lr" and "finite" in str(e)
+    # the words without YAML's dot read as text: refused as numbers that are not finite, not
+    # with the hint to drop quotes nobody wrote
+    for word in ("inf", "-Infinity", "nan", "NaN"):
+        e = config_error(f"trainer.lr={word}")
+        assert e.field == "trainer.lr" and "must be a finite number" in str(e), str(e)
+        assert "without quotes" not in str(e)
 
 
 def test_out_of_range_seeds_timeouts_and_blank_paths_refused_by_field():
