@@ -702,6 +702,50 @@ def test_ray_launcher_refuses_a_negative_max_restarts():
     assert "--max-restarts -1: must be 0 or more" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("flag, values, rule", [pytest.param(*p, id=p[0][2:]) for p in [
+    ("--num-workers", ["0", "-2"], "1 or more"),
+    ("--cpus-per-worker", ["-1", "0", "0.00001", "nan"], "0.0001 or more"),
+    ("--gpus-per-worker", ["-1", "0.00001", "inf"], "0 or at least 0.0001"),
+    ("--timeout-s", ["0", "-5", "nan", "inf"], "more than 0"),
+]])
+def test_ray_launcher_refuses_bad_numbers_before_ray_starts(flag, values, rule):
+    """Each bad number: exit status 2 with one line naming the flag and the value, before Ray
+    starts (Ray would raise a traceback, or wait --timeout-s for nothing)."""
+    for value in values:
+        workers = [] if flag == "--num-workers" else ["--num-workers", "4"]
+        proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.ray", "--config", CONFIG,
+                               *workers, flag, value, *TINY], capture_output=True, text=True,
+                              cwd=REPO, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert not proc.stdout, proc.stdout  # nothing started: not even the Ray auth line
+        shown = f"{float(value):g}" if flag != "--num-workers" else value
+        assert re.fullmatch(rf"python -m flexfloor\.launch\.ray: error: {flag} {shown}: must be "
+                            rf"(a finite number, )?{re.escape(rule)} \(.+\)",
+                            proc.stderr.strip().splitlines()[-1]), proc.stderr
+
+
+def test_ray_driver_refuses_more_gpus_than_its_own_local_cluster_has(tmp_path):
+    """No --address, no RAY_ADDRESS: the driver starts its own cluster, which no node can join;
+    GPUs it lacks (this machine has none; a machine with fewer than 4 as well) are refused at
+    once, not waited for (--timeout-s)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.ray", "--config", CONFIG,
+                           "--num-workers", "4", "--gpus-per-worker", "1", *TINY,
+                           f"logging.run_dir={tmp_path}/run"], capture_output=True, text=True,
+                          cwd=REPO, env=dict(env, RAY_USAGE_STATS_ENABLED="0"), timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert took < 60, took
+    line = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"\[flexfloor\.launch\.ray\] error: the workers ask for 4 GPU \(--num-workers 4 x "
+        r"--gpus-per-worker 1\), but the local Ray cluster started here has \d+ CPU and [0-3] GPU, "
+        r"and no other node can join it: run with fewer --num-workers, --gpus-per-worker 0 "
+        r"\(CPU workers\), or --address of a cluster that has them", line), proc.stderr
+    assert "placement" not in proc.stdout + proc.stderr  # no placement was waited for
+
+
 def test_ray_driver_refuses_an_address_where_nothing_answers():
     port = free_port()  # bound and closed: nothing listens there
     for how in (["--address", f"127.0.0.1:{port}"], []):

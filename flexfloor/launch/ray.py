@@ -720,6 +720,24 @@ def main(argv=None) -> int:
                         "times, resuming from checkpoint.dir (default 0: the run ends)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     args = parser.parse_args(argv)
+    # bad numbers end here, before Ray starts (Ray would raise, or wait for what never comes)
+    def refuse(flag: str, value: float, rule: str, means: str):
+        rule = rule if math.isfinite(value) else f"a finite number, {rule}"
+        parser.error(f"{flag} {value:g}: must be {rule} ({means})")
+
+    share = 0.0001  # Ray's smallest share of a resource
+    if args.num_workers < 1:
+        refuse("--num-workers", args.num_workers, "1 or more", "the workers, one rank each")
+    if not share <= args.cpus_per_worker < math.inf:
+        refuse("--cpus-per-worker", args.cpus_per_worker, f"{share:g} or more",
+               f"the CPUs each worker reserves, e.g. 1 or 0.5; {share:g} is Ray's smallest share")
+    gpus = args.gpus_per_worker
+    if gpus is not None and not (gpus == 0 or share <= gpus < math.inf):
+        refuse("--gpus-per-worker", gpus, f"0 or at least {share:g}", "the GPUs each worker "
+               "reserves; 0: CPU workers; left out: 1 where the cluster has GPUs, else 0")
+    if not 0 < args.timeout_s < math.inf:
+        refuse("--timeout-s", args.timeout_s, "more than 0", "seconds, the longest wait for "
+               "placement, start-up or one step; default 1800")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more (0: a lost worker "
                      "ends the run)")
@@ -730,6 +748,31 @@ def main(argv=None) -> int:
         print("[flexfloor.launch.ray] stopped at once (a second Ctrl-C); run the same command "
               "again to resume from the newest complete checkpoint", file=sys.stderr, flush=True)
         return 130
+
+
+def _beyond_local_cluster(args) -> str | None:
+    """What the workers' bundles ask for in all beyond what the local cluster this driver
+    started has (no autoscaler, no other node can join: the placement would wait for nothing),
+    in words with the fix; None when it fits."""
+    import ray
+
+    have = ray.cluster_resources()
+    gpus = args.gpus_per_worker
+    if gpus is None:  # as `launch` resolves it
+        gpus = 1.0 if have.get("GPU", 0) > 0 else 0.0
+    per = {"CPU": ("--cpus-per-worker", args.cpus_per_worker), "GPU": ("--gpus-per-worker", gpus)}
+    short = [(k, flag, each) for k, (flag, each) in per.items()
+             if args.num_workers * each > have.get(k, 0) + 1e-9]
+    if not short:
+        return None
+    asked = " and ".join(f"{args.num_workers * each:g} {k} (--num-workers {args.num_workers} x "
+                         f"{flag} {each:g})" for k, flag, each in short)
+    fix = ("--gpus-per-worker 0 (CPU workers), " if any(k == "GPU" for k, *_ in short)
+           else "a smaller --cpus-per-worker, ")
+    return (f"the workers ask for {asked}, but the local Ray cluster started here has "
+            f"{have.get('CPU', 0):g} CPU and {have.get('GPU', 0):g} GPU, and no other node can "
+            f"join it: run with fewer --num-workers, {fix}or --address of a cluster that has "
+            "them")
 
 
 def _drive(args, signals: DriverStop) -> int:
@@ -798,6 +841,9 @@ def _drive(args, signals: DriverStop) -> int:
         if signals.event.is_set():  # it came while Ray started
             result = RunResult(metrics=[], workers=[], stopped={"when": "before a step ran",
                                                                 "saved": nothing})
+        elif local and (lacking := _beyond_local_cluster(args)):
+            print(f"[flexfloor.launch.ray] error: {lacking}", file=sys.stderr, flush=True)
+            return 1
         else:
             result = launch(cfg, num_workers=args.num_workers,
                             cpus_per_worker=args.cpus_per_worker,
