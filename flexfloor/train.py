@@ -18,6 +18,7 @@ and only each node's local rank 0 prints the error.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import traceback
@@ -80,7 +81,7 @@ def checked_config(path: str | None, overrides: list[str], world: int):
     its output folders can be made and the input files it names exist: before any worker
     builds a model, so a bad path costs a second, not the set-up. ConfigError or ValueError
     (naming the field and the fix) otherwise."""
-    from flexfloor.config import ConfigError, load_config
+    from flexfloor.config import ConfigError, DataSource, load_config
     from flexfloor.outputs import creatable_folder
 
     cfg = load_config(path, overrides).resolve_world(world)
@@ -98,6 +99,20 @@ def checked_config(path: str | None, overrides: list[str], world: int):
                 raise ConfigError(f"data.{name}[{i}]", f"{f}: no such file; give the path of a "
                                   "verl-format parquet file (tools/make_synthetic_data.py "
                                   "writes one)")
+    if d.source == DataSource.REASONING_GYM:
+        from flexfloor.data.tasks import reasoning_gym_tasks
+
+        try:
+            known = reasoning_gym_tasks()
+        except ImportError as e:  # says how to install it
+            raise ConfigError("data.source", str(e)) from None
+        if d.task not in known:
+            guess = difflib.get_close_matches(d.task, known, n=1)
+            raise ConfigError("data.task", f"{d.task!r} is not a reasoning-gym task; "
+                              + (f"did you mean {guess[0]!r}? " if guess else "")
+                              + f"e.g. basic_arithmetic, chain_sum or simple_equations ({len(known)} "
+                              "tasks: python -c \"import reasoning_gym; "
+                              "print(sorted(reasoning_gym.factory.DATASETS))\")")
     custom = cfg.reward.custom_fn
     if custom is not None and not os.path.isfile(custom.rpartition(":")[0]):
         raise ConfigError("reward.custom_fn", f"{custom}: file {custom.rpartition(':')[0]} not "

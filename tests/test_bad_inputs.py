@@ -83,6 +83,12 @@ CATALOGUE = {
         ("test_bad_inputs::test_catalogue_config_entry_exits_2_naming_the_field",),
         ("file /nope.py not found", "reward.custom_fn=my_reward.py:compute_score"),
         field="reward.custom_fn", overrides=("reward.custom_fn=/nope.py:f",)),
+    "reasoning-gym task that does not exist (with a suggestion)": Bad(
+        ("test_bad_inputs::test_catalogue_config_entry_exits_2_naming_the_field",
+         "test_data::test_reasoning_gym_source_round_trips_through_parquet_and_scores_with_its_"
+         "own_scorer"),
+        ("'basic_arithmatic' is not a reasoning-gym task; did you mean 'basic_arithmetic'?",),
+        field="data.task", overrides=("data.source=reasoning_gym", "data.task=basic_arithmatic")),
     "malformed YAML (file, line, column)": Bad(
         ("test_bad_inputs::test_yaml_syntax_error_names_file_line_column",),
         ("expected ',' or ']'", "fix the YAML syntax there"), field="{file}:3:1",
@@ -166,7 +172,7 @@ CATALOGUE = {
 
 
 def test_catalogue_is_complete():
-    assert len(CATALOGUE) == 26
+    assert len(CATALOGUE) == 27
     for name, bad in CATALOGUE.items():
         assert bool(bad.field) != bool(bad.job), name  # a config entry or a job entry
         for ref in bad.tests:

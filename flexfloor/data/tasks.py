@@ -29,6 +29,11 @@ def _reasoning_gym():
     return reasoning_gym
 
 
+def reasoning_gym_tasks() -> list[str]:
+    """The task names reasoning-gym can generate."""
+    return sorted(_reasoning_gym().factory.DATASETS)
+
+
 def reasoning_gym_prompts(task: str, n: int, seed: int) -> list[Example]:
     """`n` prompts of reasoning-gym's `task` (uids 0..n-1); the first k do not depend on n."""
     rg = _reasoning_gym()
