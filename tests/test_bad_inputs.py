@@ -89,6 +89,10 @@ CATALOGUE = {
          "own_scorer"),
         ("'basic_arithmatic' is not a reasoning-gym task; did you mean 'basic_arithmetic'?",),
         field="data.task", overrides=("data.source=reasoning_gym", "data.task=basic_arithmatic")),
+    "checkpoint to load or start from that does not exist": Bad(
+        ("test_bad_inputs::test_catalogue_config_entry_exits_2_naming_the_field",),
+        ("/nope/ckpt: does not exist; give a checkpoint root", "checkpoint.load=null"),
+        field="checkpoint.load", overrides=("checkpoint.load=/nope/ckpt",)),
     "malformed YAML (file, line, column)": Bad(
         ("test_bad_inputs::test_yaml_syntax_error_names_file_line_column",),
         ("expected ',' or ']'", "fix the YAML syntax there"), field="{file}:3:1",
@@ -172,7 +176,7 @@ CATALOGUE = {
 
 
 def test_catalogue_is_complete():
-    assert len(CATALOGUE) == 27
+    assert len(CATALOGUE) == 28
     for name, bad in CATALOGUE.items():
         assert bool(bad.field) != bool(bad.job), name  # a config entry or a job entry
         for ref in bad.tests:
