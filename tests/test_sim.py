@@ -260,6 +260,99 @@ def test_a_trace_file_is_replayed_as_given(tmp_path):
     assert rep["elastic"]["responses_sha256"] == hashlib.sha256(digests[1].encode()).hexdigest()
 
 
+def test_a_length_file_above_max_len_is_refused_not_clipped(tmp_path):
+    """A JSON length file is a replay: a length above --max-len is one line naming the largest,
+    where it is and the fix, status 2, nothing printed before it or written (QA's repro)."""
+    trace, out = tmp_path / "l2.json", tmp_path / "l2out.json"
+    lengths = [[[300] * 8 for _ in range(16)] for _ in range(2)]
+    lengths[1][3][5] = 5000
+    lengths[0][0][0] = 4000
+    trace.write_text(json.dumps({"lengths": lengths}))
+    proc = subprocess.run([sys.executable, "tools/simulate.py", "--scenario", "paper-like",
+                           "--gpus", "16", "--replicas", "4", "--num-prompts", "16", "--max-len",
+                           "2048", "--epochs", "2", "--length-file", str(trace), "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.splitlines() == [
+        f"simulate: length file {trace}: its largest length, 5000 at lengths[1][3][5] (epoch 1, "
+        "prompt 3, sample 5), is above --max-len 2048 (2 of 256 lengths are); a length file is "
+        "replayed as given, not clipped: pass --max-len 5000 or more, or cap the file's lengths "
+        "at 2048"], proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("lengths, message", [
+    # [prompts][samples]: the same every epoch, told in the file's own indices
+    ([[3, 4], [90, 61]], "its largest length, 90 at lengths[1][0] (prompt 1, sample 0), is above "
+                         "--max-len 60 (2 of 4 lengths are)"),
+    ([[3, 4], [0, 6]], "lengths[1][0] (prompt 1, sample 0) is 0; lengths must be whole numbers "
+                       "of at least 1 (1 of 4 are not): fix the file (--length-file)"),
+    ([[[3, 2.5], [1, 6]]], "lengths[0][0][1] (epoch 0, prompt 0, sample 1) is 2.5; lengths must "
+                           "be whole numbers of at least 1"),
+    ([[[3, 4], [1, 6]], [[3, 4], [1, -7]]], "lengths[1][1][1] (epoch 1, prompt 1, sample 1) is "
+                                            "-7; lengths must be whole numbers of at least 1"),
+])
+def test_a_bad_length_in_a_length_file_is_refused_naming_where(tmp_path, capsys, lengths,
+                                                               message):
+    from tools.simulate import main
+
+    trace = tmp_path / "l.json"
+    trace.write_text(json.dumps({"lengths": lengths}))
+    code = main(["--scenario", "tiny-cpu", "--num-prompts", "2", "--samples-per-prompt", "2",
+                 "--epochs", "2", "--max-len", "60", "--length-file", str(trace), "--out",
+                 str(tmp_path / "s.json")])
+    got = capsys.readouterr()
+    assert code == 2 and got.out == "" and len(got.err.splitlines()) == 1, got
+    assert got.err.startswith(f"simulate: length file {trace}: ") and message in got.err, got.err
+    assert os.listdir(tmp_path) == ["l.json"]
+
+
+def test_a_length_file_at_max_len_is_replayed_as_given(tmp_path):
+    """The bound is inclusive, and only the part used counts (a longer file's rest is unread)."""
+    from flexfloor.sim.scenarios import prepare
+
+    trace = tmp_path / "l.json"
+    trace.write_text(json.dumps({"lengths": [[[60, 1, 9999]] * 3] * 2}))  # sample 2 not used
+    sc = SCENARIOS["tiny-cpu"].with_overrides(num_prompts=3, samples_per_prompt=2, epochs=2,
+                                              max_len=60, length_dist="file",
+                                              length_params={"path": str(trace)})
+    assert prepare(sc).lengths.tolist() == [[[60, 1]] * 3] * 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--length-file", "/nope.json"],
+     "simulate: length file /nope.json: No such file or directory (--length-file)"),
+    (["--accelerator", "H900"],
+     "simulate: --accelerator 'H900': unknown; choose one of ['A100', 'H100', 'H200', 'H800']"),
+    (["--model", "nope"], "simulate: --model 'nope': unknown; choose one of ['deepseek-v2-lite', "),
+    (["--accelerator", "H900", "--kv-budget-tokens", "100"], "simulate: --accelerator 'H900'"),
+    (["--kv-budget-tokens", "100"], "simulate: kv budget of 100 tokens per rank cannot hold the "
+     "longest request (2648 tokens: a prompt of up to 600 and a response of 2048); raise "
+     "kv_budget_tokens (--kv-budget-tokens) or shorten the responses"),
+    (["--sweep", "--length-file", "L.json"], "simulate: --sweep with --length-file: the sweep "
+     "draws lognormal lengths of each --sweep-sigmas, not the file's"),
+    # a size of the sweep that cannot run: refused before the main run, not after it
+    (["--model", "mixtral-8x7b", "--sweep", "--sweep-gpus", "16,4", "--sweep-sigmas", "0.4"],
+     "simulate: --sweep-gpus 4: mixtral-8x7b does not fit NVIDIA H800 SXM5 80GB"),
+    (["--length-file", "L.json", "--length-sigma", "1"],
+     "simulate: --length-median/--length-sigma with --length-file: the file gives the lengths"),
+])
+def test_a_bad_input_is_its_error_line_alone(tmp_path, capsys, flags, message):
+    """Checked before the run's header line (`simulate: paper-like: ... on 16 H800 ...`) and
+    its notes are printed: the error alone on stderr, nothing on stdout, status 2, no --out."""
+    from tools.simulate import main
+
+    (tmp_path / "L.json").write_text(json.dumps({"lengths": [[100] * 8] * 16}))
+    flags = [str(tmp_path / f) if f == "L.json" else f for f in flags]
+    code = main(["--scenario", "paper-like", "--gpus", "16", "--replicas", "4", "--num-prompts",
+                 "16", "--max-len", "2048", "--epochs", "2", "--out", str(tmp_path / "s.json"),
+                 *flags])
+    got = capsys.readouterr()
+    assert code == 2 and got.out == "" and len(got.err.splitlines()) == 1, got
+    assert got.err.startswith(message), got.err
+    assert os.listdir(tmp_path) == ["L.json"]
+
+
 # a small paper-like cluster (4 replicas x EP8 of H800, 128 requests): a second or two of CPU
 SMALL = dict(gpus=16, replicas=4, num_prompts=16, max_len=2048, epochs=2, targets={},
              length_params={"median": 400.0, "sigma": 0.6})

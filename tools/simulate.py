@@ -31,7 +31,7 @@ if REPO not in sys.path:
 from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import (  # noqa: E402
-    MODES, SCENARIOS, check_scenario, pace_rule_ignored, pace_rule_moot, run, sweep,
+    MODES, SCENARIOS, pace_rule_ignored, pace_rule_moot, prepare, run, sweep,
     sweep_scenarios,
 )
 
@@ -133,6 +133,9 @@ def scenario_of(args):
     kw = {field: getattr(args, flag) for flag, (field, _) in OVERRIDES.items()
           if getattr(args, flag) is not None}
     if args.length_file:
+        if args.length_median is not None or args.length_sigma is not None:
+            raise ValueError("--length-median/--length-sigma with --length-file: the file gives "
+                             "the lengths; drop one or the other")
         kw.update(length_dist="file", length_params={"path": args.length_file})
     elif args.length_median is not None or args.length_sigma is not None:
         params = dict(sc.length_params)
@@ -230,25 +233,30 @@ def main(argv=None) -> int:
             where = f"{sc.gpus} x {sc.accelerator}" if sc.accelerator else f"{sc.gpus} ranks, UnitCost"
             print(f"{name:18s} {sc.model} on {where}: {sc.description}")
         return 0
-    try:  # before the work: a bad path or scenario costs a second, not the run
+    try:  # before the work and before any line: a bad input is its error line alone
         out = writable(args.out, "--out")
         if args.plot:
             args.plot = writable_image(args.plot, "--plot")
         sc = scenario_of(args)
+        params = params_of(args)
         try:
-            check_scenario(sc)
+            # check_scenario's, the model, the accelerator, the lengths (a file's read), the KV
+            prepared = prepare(sc, params=params)
         except ValueError as e:
             raise ValueError(flag_named(str(e), args)) from None
-        params = params_of(args)
         ignored = [sc.gpus] if pace_rule_ignored(sc) else []
         if args.sweep and sc.dense_replicas is not None:
             raise ValueError("--sweep with --dense-replicas: the sweep scales the prompts with "
                              "the GPU count, not the replicas' tiers; run each cluster size with "
                              "its own --gpus instead")
+        if args.sweep and args.length_file:
+            raise ValueError("--sweep with --length-file: the sweep draws lognormal lengths of "
+                             "each --sweep-sigmas, not the file's; run each cluster size with its "
+                             "own --gpus instead")
         if args.sweep:
             for s in sweep_scenarios(sc, args.sweep_gpus, args.sweep_sigmas):
-                try:
-                    check_scenario(s)
+                try:  # every size's inputs (a second for the default sweep), not after the run
+                    prepare(s, params=params)
                 except ValueError as e:
                     raise ValueError(f"--sweep-gpus {s.gpus}: {e}") from None
                 if pace_rule_ignored(s) and s.gpus not in ignored:
@@ -277,7 +285,7 @@ def main(argv=None) -> int:
             print("note: the pace rule (--shrink-pace) never refuses a shrink here: under UnitCost "
                   "(no accelerator) every step costs 1 whatever a rank hosts, so no shrink slows "
                   "a replica", flush=True)
-        rep = run(sc, params=params, progress=lambda e: print(
+        rep = run(sc, params=params, prepared=prepared, progress=lambda e: print(
             step_line(e, sc, time.perf_counter() - t0), flush=True))
         if args.sweep:
             print(f"sweep: {len(args.sweep_gpus)} GPU counts x {len(args.sweep_sigmas)} tails",

@@ -21,8 +21,9 @@ Distributions (`make_lengths(dist, ...)`, parameters as keywords):
 - `bimodal`: `short`, `long`, `long_frac`: round(long_frac * P) prompts are long, the rest short.
 - `uniform`: bases uniform in [`min_len`, max_len].
 - `file`: `path`. JSON `{"lengths": L}` with L `[prompts][samples]` (the same every epoch) or
-  `[epochs][prompts][samples]`, used as given (`save_lengths` writes this form); any other file is
-  text, one base length per line (one line per prompt; blank lines and `#` comments skipped), with
+  `[epochs][prompts][samples]`, used as given (`save_lengths` writes this form; a length above
+  `max_len` is clipped to it, or refused with `refuse_over_max_len`, as the simulator does); any
+  other file is text, one base length per line (one line per prompt; blank lines and `#` comments skipped), with
   samples and epochs drawn around it like the other distributions (`sample_sigma=0`,
   `drift_sigma=0` repeat it exactly).
 Every distribution also takes `sample_sigma` (default 0.2) and `drift_sigma` (default 0.05), and
@@ -61,11 +62,13 @@ MIX_PARAMS = {"history_correlation": 1.0, "cap_fraction": 0.0}
 
 
 def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs: int, seed: int,
-                 max_len: int, **params) -> np.ndarray:
+                 max_len: int, refuse_over_max_len: bool = False, **params) -> np.ndarray:
     """Response lengths [epochs, num_prompts, samples_per_prompt], ints in [1, max_len].
 
     Deterministic in (dist, sizes, seed, params). Unknown distributions or parameters raise
-    ValueError naming the valid ones.
+    ValueError naming the valid ones. An exact JSON length file's lengths above `max_len` are
+    clipped to it, or with `refuse_over_max_len` refused (ValueError naming the largest, where it
+    is and the fix): a replay whose lengths are used as given (the simulator's).
     """
     if dist not in DISTRIBUTIONS:
         raise ValueError(f"unknown length distribution {dist!r}; "
@@ -91,7 +94,8 @@ def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs
     if dist == "file":
         if p["path"] is None:
             raise ValueError("length distribution 'file' needs path=FILE (--length-file)")
-        exact, bases = _read_file(p["path"], shape)
+        exact, bases = _read_file(p["path"], shape,
+                                  max_len=max_len if refuse_over_max_len else None)
         if exact is not None:
             if c != 1.0 or cap != 0.0:
                 raise ValueError("history_correlation and cap_fraction do not apply to an exact "
@@ -210,9 +214,10 @@ def _stratified(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.permutation(np.clip(u, 1e-12, 1 - 1e-12))
 
 
-def _read_file(path: str, shape: Sequence[int]):
+def _read_file(path: str, shape: Sequence[int], max_len: int | None = None):
     """JSON: (exact lengths [epochs, prompts, samples], None); text: (None, bases [prompts]).
-    Every error names the file (`--length-file` of the tools) and what to fix."""
+    Every error names the file (`--length-file` of the tools) and what to fix; with `max_len`,
+    a JSON length above it (in the part used) is one."""
     epochs, prompts, samples = shape
     try:
         with open(path) as f:
@@ -230,19 +235,28 @@ def _read_file(path: str, shape: Sequence[int]):
             arr = np.asarray(data["lengths"])
         except ValueError:  # ragged lists
             arr = np.asarray(None)
-        whole = arr.dtype.kind in "iu" or (
-            arr.dtype.kind == "f" and bool(np.isfinite(arr).all() and (arr == np.round(arr)).all()))
-        if not whole or (arr.size and arr.min() < 1):  # 3.0 is whole, 3.5 and nan are not
+        if arr.dtype.kind in "iuf":  # 3.0 is whole, 3.5, nan and 0 are not
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.isfinite(arr) & (arr == np.round(arr)) & (arr >= 1))
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(
+                    f"length file {path}: {_at(where)} is {_number(arr[where])}; lengths must "
+                    f"be whole numbers of at least 1 ({int(bad.sum())} of {arr.size} are not): "
+                    "fix the file (--length-file)")
+        else:
             raise ValueError(f"length file {path}: 'lengths' must be nested lists of whole "
                              "numbers of at least 1, every prompt with as many samples")
-        if arr.ndim == 2:
-            arr = np.broadcast_to(arr, (epochs, *arr.shape))
-        if arr.ndim != 3 or any(have < need for have, need in zip(arr.shape, shape)):
+        need = (prompts, samples) if arr.ndim == 2 else (epochs, prompts, samples)
+        if arr.ndim not in (2, 3) or any(have < n for have, n in zip(arr.shape, need)):
             raise ValueError(
                 f"{path}: lengths of shape {list(np.shape(data['lengths']))} do not cover "
                 f"[epochs={epochs}][prompts={prompts}][samples={samples}] (or [prompts][samples])"
             )
-        return np.array(arr[:epochs, :prompts, :samples], dtype=np.int64), None
+        used = arr[tuple(slice(n) for n in need)]
+        if max_len is not None:
+            _check_within(path, used, max_len)
+        return np.array(np.broadcast_to(used, shape), dtype=np.int64), None
     bases = []
     for number, line in enumerate(text.splitlines(), 1):
         value = line.split("#")[0].strip()
@@ -259,6 +273,34 @@ def _read_file(path: str, shape: Sequence[int]):
         raise ValueError(f"{path}: {len(bases)} lengths (one per line, one per prompt), "
                          f"need at least num_prompts={prompts}")
     return None, np.array(bases[:prompts])
+
+
+def _at(index: Sequence[int]) -> str:
+    """A place in a JSON length file, as its own indices and in words: `lengths[0][3][1]
+    (epoch 0, prompt 3, sample 1)`; [prompt][sample] for a file of one epoch for all."""
+    names = {2: ("prompt", "sample"), 3: ("epoch", "prompt", "sample")}.get(len(index), ())
+    words = ", ".join(f"{n} {i}" for n, i in zip(names, index))
+    return "lengths" + "".join(f"[{i}]" for i in index) + (f" ({words})" if words else "")
+
+
+def _number(value) -> str:
+    value = float(value)
+    return str(int(value)) if np.isfinite(value) and value == round(value) else repr(value)
+
+
+def _check_within(path: str, lengths: np.ndarray, max_len: int) -> None:
+    """ValueError where an exact length file's lengths (the part used, in the file's own
+    indices) hold one above max_len: its largest, where, how many, and the two fixes."""
+    over = lengths > max_len
+    if not over.any():
+        return
+    where = np.unravel_index(int(np.argmax(lengths)), lengths.shape)
+    largest = int(lengths[where])
+    raise ValueError(
+        f"length file {path}: its largest length, {largest} at "
+        f"{_at(tuple(int(i) for i in where))}, is above --max-len {max_len} ({int(over.sum())} "
+        f"of {lengths.size} lengths are); a length file is replayed as given, not clipped: pass "
+        f"--max-len {largest} or more, or cap the file's lengths at {max_len}")
 
 
 def _check_positive(dist: str, **values) -> None:

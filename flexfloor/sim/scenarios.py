@@ -252,6 +252,15 @@ def check_scenario(sc: Scenario) -> None:
         value = getattr(sc, name)
         if not 0 <= value <= 1:
             raise ValueError(f"{name}={value}: must be in [0, 1]")
+    models = sorted([*MODEL_PRESETS, "deepseek-v3"])
+    if sc.model not in models:
+        raise ValueError(f"model={sc.model!r}: unknown; choose one of {models}")
+    if sc.accelerator is None and sc.model not in MODEL_PRESETS:
+        raise ValueError(f"model={sc.model!r}: UnitCost (no accelerator) runs a model preset; "
+                         f"choose one of {sorted(MODEL_PRESETS)}, or an accelerator (--accelerator)")
+    if sc.accelerator is not None and sc.accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator={sc.accelerator!r}: unknown; choose one of "
+                         f"{sorted(ACCELERATORS)}")
     if sc.prompt_len[0] < 1 or sc.prompt_len[1] < sc.prompt_len[0]:
         raise ValueError(f"prompt_len={sc.prompt_len}: must be (least, most) with 1 <= least "
                          "<= most")
@@ -275,17 +284,18 @@ def check_scenario(sc: Scenario) -> None:
                          "dense replicas hold the rest")
 
 
-def run(sc: Scenario, *, params: CostParams = CostParams(),
-        progress: Optional[Callable[[dict], None]] = None) -> dict:
-    """Simulate every step of `sc` in every mode; the report `tools/simulate.py` writes.
-    `progress`, if given, is handed each step's entry of `per_epoch` as soon as it is done."""
+def prepare(sc: Scenario, *, params: CostParams = CostParams()) -> types.SimpleNamespace:
+    """What `run` needs before its first step: the model, the lengths (an exact length file's
+    read, and refused above `max_len`, not clipped), the cost model and the topologies. Every
+    error of `sc`'s inputs is raised here (ValueError naming the field, flag or file and the
+    fix), so a tool can check them all before it prints or writes anything."""
     check_scenario(sc)
     shape = ModelShape.from_preset(sc.model)
     dataset = sc.dataset_prompts or sc.num_prompts
     lengths = make_lengths(sc.length_dist, num_prompts=dataset,
                            samples_per_prompt=sc.samples_per_prompt, epochs=sc.epochs,
-                           seed=sc.seed, max_len=sc.max_len, **sc.length_params,
-                           **_mix_params(sc))
+                           seed=sc.seed, max_len=sc.max_len, refuse_over_max_len=True,
+                           **sc.length_params, **_mix_params(sc))
     batches = dataset_batches(dataset, sc.num_prompts, sc.epochs, sc.seed)
     vocab = MODEL_PRESETS[sc.model]["vocab_size"] if sc.model in MODEL_PRESETS else 129280
     prompt_lens = [len(p) for p in make_prompts(dataset, sc.prompt_len, vocab, sc.seed)]
@@ -295,8 +305,6 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
     replicated = [tuple(range(i * size, (i + 1) * size)) for i in range(sc.replicas)]
     if sc.accelerator is None:
         # the engine's own numbers: an fp32 model of the preset on CPU (the benchmark's)
-        if sc.model not in MODEL_PRESETS:
-            raise ValueError(f"model {sc.model!r} on UnitCost: use a model preset")
         model_cfg = types.SimpleNamespace(**MODEL_PRESETS[sc.model])
         cost = UnitCost()
         max_seq_len = max(model_cfg.max_seq_len, max_seq_len)
@@ -309,9 +317,6 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
                       sc.kv_budget_tokens // bt * bt * m.kv_bytes_per_token)
             return dataclasses.replace(m, kv_budget_bytes=budget, block_tokens=bt)
     else:
-        if sc.accelerator not in ACCELERATORS:
-            raise ValueError(f"unknown accelerator {sc.accelerator!r}; choose one of "
-                             f"{sorted(ACCELERATORS)}")
         accel = ACCELERATORS[sc.accelerator]
         cost = RooflineCost(accel, shape, params)
 
@@ -330,7 +335,10 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
         longest = sc.prompt_len[1] + int(lengths.max())
         if memory.kv_budget_bytes is not None and longest * memory.kv_bytes_per_token > memory.kv_budget_bytes:
             raise ValueError(f"kv budget of {memory.kv_budget_bytes // memory.kv_bytes_per_token} "
-                             f"tokens per rank cannot hold the longest request ({longest} tokens)")
+                             f"tokens per rank cannot hold the longest request ({longest} tokens: "
+                             f"a prompt of up to {sc.prompt_len[1]} and a response of "
+                             f"{int(lengths.max())}); raise kv_budget_tokens (--kv-budget-tokens) "
+                             "or shorten the responses")
         states = {g: replica_state(shape.num_experts, g, sc.training_ep) for g in groups}
         return _Topology(groups, memory, limits, states)
 
@@ -338,6 +346,21 @@ def run(sc: Scenario, *, params: CostParams = CostParams(),
     topo_r = topology(replicated) if sc.replicas > 1 else topo[Mode.SINGLE_GROUP]
     for mode in Mode:
         topo.setdefault(mode, topo_r)
+    return types.SimpleNamespace(shape=shape, dataset=dataset, lengths=lengths, batches=batches,
+                                 prompt_lens=prompt_lens, max_batch=max_batch,
+                                 replicated=replicated, cost=cost, topo=topo, topo_r=topo_r)
+
+
+def run(sc: Scenario, *, params: CostParams = CostParams(),
+        progress: Optional[Callable[[dict], None]] = None,
+        prepared: Optional[types.SimpleNamespace] = None) -> dict:
+    """Simulate every step of `sc` in every mode; the report `tools/simulate.py` writes.
+    `progress`, if given, is handed each step's entry of `per_epoch` as soon as it is done;
+    `prepared`, `prepare(sc, params=params)` if already made (else made here)."""
+    p = prepared if prepared is not None else prepare(sc, params=params)
+    shape, dataset, lengths, batches = p.shape, p.dataset, p.lengths, p.batches
+    prompt_lens, max_batch, replicated, cost = p.prompt_lens, p.max_batch, p.replicated, p.cost
+    topo, topo_r = p.topo, p.topo_r
     chunks = Scheduler(PlacementPolicy.BASELINE, memory=topo_r.memory, max_batch_size=max_batch)
     flexfloor = Scheduler(PlacementPolicy.FLEXFLOOR, LengthHistory(), memory=topo_r.memory,
                           max_batch_size=max_batch, max_share=sc.max_share, load_cap=sc.load_cap,
