@@ -196,6 +196,63 @@ def test_cli_missing_checkpoint_names_the_ckpt_flag(tmp_path):
     assert "checkpoint.load" not in proc.stderr
 
 
+GRPO_TINY = os.path.join(REPO, "examples", "configs", "grpo_tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def training_ckpt(tmp_path_factory):
+    """A FlexFloor checkpoint as training saves it (grpo_tiny's model section, no HF config
+    recorded), saved in this process's one-rank gloo world: seconds, no torchrun run."""
+    from distributed import one_rank_world
+    from flexfloor.checkpoint import save_checkpoint
+    from flexfloor.config import load_config
+    from flexfloor.model import build_model
+
+    cfg = load_config(GRPO_TINY).model
+    root = str(tmp_path_factory.mktemp("train") / "ckpt")
+    with one_rank_world() as par:
+        save_checkpoint(root, 3, model=build_model(cfg, par), model_cfg=cfg,
+                        extra_state={"step": 3})
+    return root
+
+
+@pytest.mark.parametrize("flags, reason", [
+    ([], "CKPT does not record its HF family (only a checkpoint this converter made from an HF "
+         "folder does); pass --family {mixtral,qwen3_moe,olmoe}, the HF family of its model "
+         "(its layout fits mixtral)"),
+    (["--family", "qwen3_moe"], "model.qk_norm=none but qwen3_moe has per_head q/k norms: this "
+     "model was not built as qwen3_moe; the family without q/k norms is mixtral "
+     "(--family mixtral)"),
+])
+def test_cli_training_checkpoint_without_its_family_says_which_to_pass(training_ckpt, tmp_path,
+                                                                       flags, reason):
+    """A training checkpoint records no HF model_type: the refusal names --family and its
+    choices (not `model_type None is not supported`), and a family that does not match the
+    model's layout names the one that does. One line, status 2, nothing written."""
+    out = tmp_path / "hf"
+    proc = _cli("flexfloor-to-hf", "--ckpt", training_ckpt, "--out", str(out), "--config",
+                GRPO_TINY, *flags)
+    reason = reason.replace("CKPT", training_ckpt)
+    _assert_refused(proc, reason)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[convert] error:")]
+    assert errors == ["[convert] error: " + reason], proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_family_names_the_choices(training_ckpt, tmp_path):
+    from flexfloor.config import load_config
+    from flexfloor.convert import check_flexfloor_to_hf
+
+    cfg = load_config(GRPO_TINY).model
+    with pytest.raises(ConversionError) as e:
+        check_flexfloor_to_hf(training_ckpt, str(tmp_path / "hf"), model_cfg=cfg, family="llama")
+    assert str(e.value) == ("--family llama: not a supported family; pass --family "
+                            "{mixtral,qwen3_moe,olmoe}")
+    # the family the message names is one the model converts to
+    assert check_flexfloor_to_hf(training_ckpt, str(tmp_path / "hf"), model_cfg=cfg,
+                                 family="mixtral")[1].model_type == "mixtral"
+
+
 def _processes_naming(text: str) -> list[str]:
     """Command lines of the live processes (this one aside) whose arguments contain `text`."""
     found = []
@@ -423,6 +480,15 @@ def test_unsupported_features_are_refused_by_name():
         family_of({"model_type": "llama"})
     with pytest.raises(ConversionError, match="qk_norm"):
         family_of("olmoe").hf_config(_cfg("mixtral"))
+
+
+@pytest.mark.parametrize("built, asked", [(b, a) for b in FAMILY_NAMES for a in FAMILY_NAMES
+                                           if a != b])
+def test_a_family_that_does_not_match_the_model_names_the_one_that_does(built, asked):
+    with pytest.raises(ConversionError) as e:
+        family_of(asked).hf_config(_cfg(built))
+    assert f"this model was not built as {asked}; the family " in str(e.value)
+    assert str(e.value).endswith(f" is {built} (--family {built})"), str(e.value)
 
 
 # config.json of the published checkpoints (transformers 4.x layout, structural keys)

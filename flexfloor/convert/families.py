@@ -136,7 +136,8 @@ class Family:
         are (10000.0 stays a float), so HF -> FlexFloor -> HF gives back the same config."""
         if cfg.qk_norm != self.qk_norm:
             raise ConversionError(f"model.qk_norm={cfg.qk_norm.value} but {self.model_type} has "
-                                  f"{self.qk_norm.value} q/k norms")
+                                  f"{self.qk_norm.value} q/k norms: this model was not built as "
+                                  f"{self.model_type}; {_family_with(cfg.qk_norm)}")
         if self.norm_topk_key is None and not cfg.moe_router_norm_topk:
             raise ConversionError(f"{self.model_type} always renormalises the top-k router "
                                   "probabilities; model.moe_router_norm_topk must be true")
@@ -328,6 +329,15 @@ OLMOE = Family(
     norm_topk_key="norm_topk_prob", only={"clip_qkv": None},
 )
 FAMILIES = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE)}
+
+
+def _family_with(qk_norm: QKNorm) -> str:
+    """Which family has `qk_norm` (the fix of a --family that does not match a model's layout)."""
+    names = [f.model_type for f in FAMILIES.values() if f.qk_norm == qk_norm]
+    kind = "without q/k norms" if qk_norm == QKNorm.NONE else f"with {qk_norm.value} q/k norms"
+    if not names:
+        return f"no supported family is one {kind} ({', '.join(FAMILIES)})"
+    return " or ".join(f"the family {kind} is {n} (--family {n})" for n in names)
 
 
 def family_of(name_or_config) -> Family:

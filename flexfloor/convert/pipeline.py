@@ -25,8 +25,8 @@ import torch.distributed as dist
 from flexfloor.checkpoint import (EXTRA_FILE, iter_name, load_checkpoint, resolve_checkpoint,
                                   save_checkpoint)
 from flexfloor.config import ModelConfig
-from flexfloor.convert.families import (ConversionError, Family, family_of, model_config_dict,
-                                        model_config_from_dict)
+from flexfloor.convert.families import (FAMILIES, ConversionError, Family, family_of,
+                                        model_config_dict, model_config_from_dict)
 from flexfloor.convert.hf_io import HFCheckpoint, write_hf
 from flexfloor.model import DTYPES, build_model, global_param_name
 
@@ -148,10 +148,30 @@ def check_flexfloor_to_hf(ckpt: str, out_dir: str, *, model_cfg: Optional[ModelC
         raise ConversionError(f"{ckpt} does not say which model it holds (it was not made by "
                               "this converter); pass the training config (--config)")
     _check_ep(cfg, ep)
-    fam: Family = family_of(family or (hf_base or {}).get("model_type"))
+    choices = "{" + ",".join(FAMILIES) + "}"
+    if family is not None and family not in FAMILIES:
+        raise ConversionError(f"--family {family}: not a supported family; pass --family "
+                              f"{choices}")
+    name = family or (hf_base or {}).get("model_type")
+    if name is None:
+        fits = [n for n, f in FAMILIES.items() if _expresses(f, cfg)]
+        raise ConversionError(
+            f"{ckpt} does not record its HF family (only a checkpoint this converter made from "
+            f"an HF folder does); pass --family {choices}, the HF family of its model"
+            + (f" (its layout fits {' or '.join(fits)})" if fits else
+               " (none of them fits its layout; --family NAME says why)"))
+    fam: Family = family_of(name)
     if os.path.exists(out_dir):
         raise ConversionError(f"{out_dir} exists already; choose a new output folder")
     return cfg, fam, fam.hf_config(cfg, hf_base)  # refuses a model the family cannot express
+
+
+def _expresses(fam: Family, cfg: ModelConfig) -> bool:
+    try:
+        fam.hf_config(cfg)
+    except ConversionError:
+        return False
+    return True
 
 
 def flexfloor_to_hf(ckpt: str, out_dir: str, parallel, *, model_cfg: Optional[ModelConfig] = None,
