@@ -61,8 +61,14 @@ def test_json_file_per_prompt_repeats_every_epoch(tmp_path):
     path = tmp_path / "lengths.json"
     path.write_text('{"lengths": [[3, 4], [10, 12]]}')
     a = make_lengths("file", path=str(path), num_prompts=2, samples_per_prompt=2, epochs=3,
+                     seed=0, max_len=12)
+    assert a.tolist() == [[[3, 4], [10, 12]]] * 3
+    # a replay is used as given: a length above max_len is refused, not clipped (the benchmark
+    # and the simulator alike)
+    with pytest.raises(ValueError, match=r"its largest length, 12 at lengths\[1\]\[1\].*above "
+                                         r"--max-len 11"):
+        make_lengths("file", path=str(path), num_prompts=2, samples_per_prompt=2, epochs=3,
                      seed=0, max_len=11)
-    assert a.tolist() == [[[3, 4], [10, 11]]] * 3  # clipped to max_len
     with pytest.raises(ValueError, match="do not cover"):
         make_lengths("file", path=str(path), num_prompts=3, samples_per_prompt=2, epochs=1,
                      seed=0, max_len=50)

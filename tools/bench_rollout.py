@@ -104,7 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     w.add_argument("--long-frac", type=float, default=None, help="bimodal (default 0.2)")
     w.add_argument("--min-len", type=float, default=None, help="uniform (default 1)")
     w.add_argument("--max-len", type=int, default=200,
-                   help="every response length is capped here (and uniform's upper bound)")
+                   help="every drawn response length is capped here (and uniform's upper "
+                        "bound); a JSON --length-file with a length above it is refused")
     w.add_argument("--length-file", default=None, type=path_arg,
                    help="file: JSON {\"lengths\": [...]} or one base length per line "
                         "(see flexfloor/rollout/workload.py)")

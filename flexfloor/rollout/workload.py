@@ -22,7 +22,7 @@ Distributions (`make_lengths(dist, ...)`, parameters as keywords):
 - `uniform`: bases uniform in [`min_len`, max_len].
 - `file`: `path`. JSON `{"lengths": L}` with L `[prompts][samples]` (the same every epoch) or
   `[epochs][prompts][samples]`, used as given (`save_lengths` writes this form; a length above
-  `max_len` is clipped to it, or refused with `refuse_over_max_len`, as the simulator does); any
+  `max_len` is refused, naming the largest and where it is, never clipped); any
   other file is text, one base length per line (one line per prompt; blank lines and `#` comments skipped), with
   samples and epochs drawn around it like the other distributions (`sample_sigma=0`,
   `drift_sigma=0` repeat it exactly).
@@ -62,13 +62,13 @@ MIX_PARAMS = {"history_correlation": 1.0, "cap_fraction": 0.0}
 
 
 def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs: int, seed: int,
-                 max_len: int, refuse_over_max_len: bool = False, **params) -> np.ndarray:
+                 max_len: int, **params) -> np.ndarray:
     """Response lengths [epochs, num_prompts, samples_per_prompt], ints in [1, max_len].
 
     Deterministic in (dist, sizes, seed, params). Unknown distributions or parameters raise
-    ValueError naming the valid ones. An exact JSON length file's lengths above `max_len` are
-    clipped to it, or with `refuse_over_max_len` refused (ValueError naming the largest, where it
-    is and the fix): a replay whose lengths are used as given (the simulator's).
+    ValueError naming the valid ones. An exact JSON length file is a replay whose lengths are
+    used as given: one above `max_len` is refused (ValueError naming the largest, where it is and
+    the fix), not clipped.
     """
     if dist not in DISTRIBUTIONS:
         raise ValueError(f"unknown length distribution {dist!r}; "
@@ -94,13 +94,12 @@ def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs
     if dist == "file":
         if p["path"] is None:
             raise ValueError("length distribution 'file' needs path=FILE (--length-file)")
-        exact, bases = _read_file(p["path"], shape,
-                                  max_len=max_len if refuse_over_max_len else None)
+        exact, bases = _read_file(p["path"], shape, max_len=max_len)
         if exact is not None:
             if c != 1.0 or cap != 0.0:
                 raise ValueError("history_correlation and cap_fraction do not apply to an exact "
                                  "JSON length file (its lengths are used as given)")
-            return np.clip(exact, 1, max_len).astype(np.int64)
+            return exact.astype(np.int64)
         quantile = _empirical_quantile(bases)
     elif dist == "lognormal":
         _check_positive(dist, median=p["median"], sigma=p["sigma"])

@@ -294,7 +294,7 @@ def prepare(sc: Scenario, *, params: CostParams = CostParams()) -> types.SimpleN
     dataset = sc.dataset_prompts or sc.num_prompts
     lengths = make_lengths(sc.length_dist, num_prompts=dataset,
                            samples_per_prompt=sc.samples_per_prompt, epochs=sc.epochs,
-                           seed=sc.seed, max_len=sc.max_len, refuse_over_max_len=True,
+                           seed=sc.seed, max_len=sc.max_len,
                            **sc.length_params, **_mix_params(sc))
     batches = dataset_batches(dataset, sc.num_prompts, sc.epochs, sc.seed)
     vocab = MODEL_PRESETS[sc.model]["vocab_size"] if sc.model in MODEL_PRESETS else 129280
