@@ -16,7 +16,9 @@ the process table can lag torchrun's own view): the worker exits at once, also
 when its main thread is blocked in a C++ call that waits for the dead peer (a rendezvous, a store
 read): Python runs a signal's handler only between the main thread's calls, so a thread that
 reads the signal's wakeup byte (`signal.set_wakeup_fd`) stops it instead of torchrun's SIGKILL
-30 s later.
+30 s later. Nor is the SIGTERM with which torchrun's agent stops healthy workers to restart
+them for another node's failure: under `flexfloor.launch.local` (the scripts' launcher) the
+agent marks those stops (`launcher_restarting`), and the worker stops at once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from flexfloor.launch.local import launcher_restarting
 
 # EX_TEMPFAIL: "try again later". Distinct from 0 (done), 1 (failed) and 2 (bad config), so a
 # wrapper script can requeue (Slurm: `scontrol requeue`) on exactly this code.
@@ -67,13 +71,18 @@ class Preemption:
                 self._stop_if_peer_gone("SIGTERM")
 
     def _stop_if_peer_gone(self, name: str) -> bool:
-        """torchrun stops the others of a failed group: no save to wait for, stop now."""
-        if not _local_peer_gone():
+        """torchrun stops the others of a failed group, or every worker of this node for a
+        restart (flexfloor.launch.local says so): no save to wait for, stop now."""
+        if _local_peer_gone():
+            why = "after a worker of this node exited"
+        elif launcher_restarting():
+            why = "to restart the workers (a failure, here or on another node)"
+        else:
             return False
         if self._stopping.acquire(blocking=False):
             rank = os.environ.get("RANK", "0")
-            self.on_stop(f"[flexfloor] error: rank {rank}: {name} from the launcher after a "
-                         "worker of this node exited: stopping now (no checkpoint)")
+            self.on_stop(f"[flexfloor] error: rank {rank}: {name} from the launcher {why}: "
+                         "stopping now (no checkpoint)")
         return True
 
     def _stopped_as_peer_gone(self, name: str, until: float) -> bool:

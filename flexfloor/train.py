@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - every failure ends the same way: one line, exit 1
-        _fail(e)
+        _fail(e, stopping=preemption.signal_name)
     job.close()
     report_exit(0)
     return 0
@@ -144,7 +144,10 @@ def _stop_now(line: str) -> None:
     _exit_now(1)
 
 
-def _fail(e: BaseException) -> None:
+def _fail(e: BaseException, stopping: str | None = None) -> None:
+    """One line naming where `e` came from, and exit 1. `stopping`: the stop signal this worker
+    was finishing its step for (a peer that reached its grace first and left makes this
+    worker's collective fail): the line says so, and no traceback comes with it."""
     import torch.distributed as dist
 
     from flexfloor.checkpoint import CheckpointError
@@ -156,13 +159,14 @@ def _fail(e: BaseException) -> None:
     # these messages say what is wrong and how to fix it; anything else also gets its traceback
     expected = (ValueError, FileNotFoundError, CheckpointError, TrainingError, RolloutError,
                 LaunchSetupError, dist.DistError)
-    if not isinstance(e, expected):
+    if not isinstance(e, expected) and stopping is None:
         traceback.print_exception(e, file=sys.stderr)
     message = " ".join(str(e).split())  # one line
     rank = where.split(",")[0] + ", "
     if message.startswith(rank):  # a CollectiveError names the rank already
         message = message[len(rank):]
-    _say(f"[flexfloor] error: {where}: {type(e).__name__}: {message}")
+    during = "" if stopping is None else f" (while stopping for {stopping}: no checkpoint saved)"
+    _say(f"[flexfloor] error: {where}: {type(e).__name__}: {message}{during}")
     _exit_now(1)
 
 

@@ -338,11 +338,15 @@ def test_torchrun_sbatch_runs_on_one_node(torchrun_run):
     assert "--rdzv-endpoint=localhost:" in torchrun_run["stdout"]  # the command it printed
 
 
-def test_torchrun_nodes_restart_together_after_a_worker_dies(tmp_path):
+@pytest.mark.parametrize("fault", ["train:1:2", "resync:1:2"])
+def test_torchrun_nodes_restart_together_after_a_worker_dies(tmp_path, fault):
     """Two nodes on this machine (each `torchrun-node --max-restarts 1` for real, c10d at
     127.0.0.1, one worker each): rank 1, on the second node, is killed in step 2 (SIGKILL,
-    FLEXFLOOR_FAULT); both nodes' agents start their workers again, which resume from step 1's
-    checkpoint, and the job ends well on both nodes with every step logged once."""
+    FLEXFLOOR_FAULT), in the update's collectives or released and waiting at resync; both
+    nodes' agents start their workers again, which resume from step 1's checkpoint, and the job
+    ends well on both nodes with every step logged once. The first node's healthy worker never
+    takes its agent's SIGTERM for a preemption (its agent marks the restart): at resync it
+    would otherwise wait for the dead peer until the agent killed it 30 s later."""
     port, marker = free_port(), f"c10d-{os.getpid()}-{time.monotonic_ns()}"
     args = [*TINY, "parallel.expert_parallel_size=2", f"logging.run_dir={tmp_path}/run",
             f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.save_interval=1"]
@@ -350,7 +354,7 @@ def test_torchrun_nodes_restart_together_after_a_worker_dies(tmp_path):
     try:
         for rank, node in enumerate(["127.0.0.1", "localhost"]):  # both name this machine
             env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                       FLEXFLOOR_FAULT="train:1:2", FLEXFLOOR_TEST_JOB=marker,
+                       FLEXFLOOR_FAULT=fault, FLEXFLOOR_TEST_JOB=marker,
                        **slurm_env("127.0.0.1,localhost", 2, node, rank,
                                    SLURM_NTASKS_PER_NODE="1"))
             out = open(tmp_path / f"node{rank}.log", "w")
@@ -368,12 +372,15 @@ def test_torchrun_nodes_restart_together_after_a_worker_dies(tmp_path):
     assert codes == [0, 0], "\n".join(log[-4000:] for log in logs)
     assert all("--rdzv-backend=c10d" in log for log in logs)
     # c10d ranked the nodes by sorted --local-addr: rank 1 is the second node's
-    assert "fault injection: SIGKILL rank 1 in phase 'train', step 2" in logs[1]
+    phase = fault.split(":")[0]
+    assert f"fault injection: SIGKILL rank 1 in phase '{phase}', step 2" in logs[1]
     assert logs[0].count("resumed from iter_0000001") == 1, logs[0][-4000:]
+    assert "finishing the step in progress" not in logs[0], logs[0][-4000:]
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == [1, 2]
     assert wait_gone(job_processes(marker), 10) == []
-    print(f"2 nodes, a worker killed, both restarted: {seconds:.1f} s")
+    print(f"2 nodes, a worker killed in phase {phase}, both restarted: {seconds:.1f} s")
+    print("\n".join(x for x in logs[0].splitlines() if "SIGTERM" in x or "error:" in x))
 
 
 def wait_gone(pids: list[int], timeout_s: float = 60) -> list[int]:

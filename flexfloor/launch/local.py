@@ -32,6 +32,45 @@ STATUS_ENV = "FLEXFLOOR_LAUNCH_STATUS"
 PREEMPTED = 75  # flexfloor.preemption.PREEMPTED_EXIT_CODE (not imported: it loads torch's dist)
 
 
+# in the status folder while torchrun's agent stops this node's workers other than for a stop
+# signal: to restart them (a failure here, or another node's new rendezvous round) or after a
+# failure with no restarts left. Their SIGTERM is then no preemption (flexfloor.preemption).
+RESTARTING = "restarting"
+
+
+def launcher_restarting() -> bool:
+    """In a worker: is this node's launcher stopping its workers for a restart or a failure
+    (not for a stop signal)?"""
+    folder = os.environ.get(STATUS_ENV)
+    return bool(folder) and os.path.exists(os.path.join(folder, RESTARTING))
+
+
+def _mark_restarts(folder: str) -> None:
+    """Have torchrun's agent mark `folder` (RESTARTING) while it stops its workers through
+    `_stop_workers`, which it calls for a restart and after a failure; a stop signal it receives
+    goes through `_shutdown` instead. (A private method of torch's agent: where it is missing,
+    nothing is marked and the workers take that SIGTERM for a preemption, as before.)"""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    stop = getattr(LocalElasticAgent, "_stop_workers", None)
+    if stop is None:
+        return
+    mark = os.path.join(folder, RESTARTING)
+
+    def _stop_workers(self, worker_group):
+        with open(mark, "w"):
+            pass
+        try:
+            return stop(self, worker_group)
+        finally:  # the next workers start unmarked
+            try:
+                os.remove(mark)
+            except FileNotFoundError:
+                pass
+
+    LocalElasticAgent._stop_workers = _stop_workers
+
+
 def _report_path() -> str | None:
     """This worker's report file in the launch's folder, or None outside this launcher."""
     folder = os.environ.get(STATUS_ENV)
@@ -155,6 +194,7 @@ def main(argv=None) -> int:
     status = tempfile.mkdtemp(prefix="flexfloor-launch-")
     remove_if_killed([status])
     os.environ[STATUS_ENV] = status
+    _mark_restarts(status)
     signum, code = None, 0
     try:
         try:
