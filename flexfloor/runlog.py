@@ -74,7 +74,10 @@ class RunLog:
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+            # events an earlier run or a crashed attempt wrote for later steps than this run
+            # starts from are purged from TensorBoard's view, as their lines from metrics.jsonl
+            self.writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"),
+                                        purge_step=resumed_step + 1)
 
     def _keep_steps_up_to(self, step: int) -> None:
         """metrics.jsonl describes this run: lines of steps after the one it starts from (a

@@ -80,3 +80,34 @@ def test_a_new_run_in_a_used_folder_keeps_the_earlier_runs_log(tmp_path, capsys)
     assert [_strict(line)["reward/mean"] for line in
             (aside / "2" / "metrics.jsonl").read_text().splitlines()] == [1.5]
     assert (aside / "1" / "config.json").exists() and (aside / "2" / "config.json").exists()
+
+
+def test_tensorboard_shows_one_run_after_a_restart_and_a_new_run(tmp_path):
+    """TensorBoard, read back as its event reader reads it, holds one value per step: the
+    resumed run's for the steps after its checkpoint (a crashed attempt's are purged), and a
+    new run's in a used folder (the earlier run's purged), as metrics.jsonl does."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def log(resumed_step=0):
+        cfg = Config()
+        cfg.logging.run_dir = str(tmp_path / "run")
+        cfg.logging.timeline_plot = False
+        return RunLog(cfg, 0, resumed_step=resumed_step)
+
+    def scalars():
+        events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+        events.Reload()
+        return [(e.step, round(e.value, 6)) for e in events.Scalars("reward/mean")]
+
+    first = log()
+    for step in (1, 2, 3):
+        first.write(_metrics(step, step / 10), [])
+    first.writer.close()
+    resumed = log(resumed_step=2)  # step 3 is done again
+    resumed.write(_metrics(3, 0.35), [])
+    resumed.writer.close()
+    assert scalars() == [(1, 0.1), (2, 0.2), (3, 0.35)]
+    fresh = log()
+    fresh.write(_metrics(1, 0.9), [])
+    fresh.writer.close()
+    assert scalars() == [(1, 0.9)]
