@@ -206,8 +206,8 @@ class Job:
     def run(self, stop=None) -> None:
         """The whole run; `stop()` (every rank, after each step: flexfloor.preemption) ends it
         early, the run then unfinished (`done()` False)."""
-        if self.needs_warm_start():
-            self.warm_start()
+        if self.needs_warm_start() and not self.warm_start(stop):
+            return
         while not self.done():
             self.step()
             if stop is not None and not self.done() and stop():
@@ -342,12 +342,14 @@ class Job:
         return self.algorithm.update(mine, global_tokens=sum(len(s.response_ids) for s in samples),
                                      reference=self.reference, on_skipped=self._non_finite)
 
-    def warm_start(self) -> None:
-        """Supervised steps on correct answers of the training prompts before RL (cached)."""
+    def warm_start(self, stop=None) -> bool:
+        """Supervised steps on correct answers of the training prompts before RL (cached);
+        `stop()` ends it early (False)."""
         with self.phase("warm start"):
-            warm_start(self.cfg, model=self.model, train_state=self.train_state,
-                       parallel=self.parallel, examples=self.examples, prompt_ids=self.prompt_ids,
-                       tokenizer=self.tokenizer, say=self.log.say)
+            return warm_start(self.cfg, model=self.model, train_state=self.train_state,
+                              parallel=self.parallel, examples=self.examples,
+                              prompt_ids=self.prompt_ids, tokenizer=self.tokenizer,
+                              say=self.log.say, stop=stop)
 
     # ------------------------------------------------------------------ bookkeeping
 

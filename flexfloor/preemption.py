@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from flexfloor.launch.local import launcher_restarting
+from flexfloor.launch.local import launcher_restarting, to_go_on
 
 # EX_TEMPFAIL: "try again later". Distinct from 0 (done), 1 (failed) and 2 (bad config), so a
 # wrapper script can requeue (Slurm: `scontrol requeue`) on exactly this code.
@@ -137,9 +137,11 @@ class Preemption:
         Returns the exit code."""
         saved = save_last_step(job)
         self._done.set()
-        job.log.say(f"preempted by {self.signal_name} after step {job.step_index}: {saved}, "
-                    f"{time.monotonic() - self.signalled_at:.1f} s after the signal; run the "
-                    f"same command again to resume (exit code {PREEMPTED_EXIT_CODE})")
+        job.log.close()  # the timeline plot and the summary of the steps done, as at a run's end
+        when = f"after step {job.step_index}" if job.step_index else "before step 1"
+        job.log.say(f"preempted by {self.signal_name} {when}: {saved}, "
+                    f"{time.monotonic() - self.signalled_at:.1f} s after the signal; "
+                    f"{to_go_on(saved)} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
 
 

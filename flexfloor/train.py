@@ -28,6 +28,17 @@ from flexfloor.launch.local import clear_report, report_exit
 
 
 def main(argv=None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers were installed, or a second one
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # the same on every worker of the node
+            _say("[flexfloor] stopped at once by SIGINT (while starting, or a second Ctrl-C): "
+                 "the step in progress is not saved; the newest complete checkpoint, if any, "
+                 "stands")
+        _exit_now(130)
+
+
+def _run(argv) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flexfloor.train",
         description="GRPO/PPO post-training of a MoE model with elastic expert parallelism. "

@@ -510,10 +510,10 @@ def test_no_process_of_the_job_outlives_it(runs):
     assert any("checkpoint.dir: took over the stale lock of pid" in t for _, t in runs["lines"])
 
 
-def sigterm_after_step_1(tmp_path, *overrides: str) -> tuple[int, list[str]]:
-    """`bash examples/train_moe.sh` as a user runs it, SIGTERM to the launcher after step 1 (as
-    Slurm or a terminal's Ctrl-C signals torchrun). Returns its exit code and output lines,
-    once nothing of the job is left (checked)."""
+def sigterm_after_step_1(tmp_path, *overrides: str, at=None) -> tuple[int, list[str]]:
+    """`bash examples/train_moe.sh` as a user runs it, SIGTERM to the launcher after step 1 (or
+    at the first line `at` finds, a regex) as Slurm or a terminal's Ctrl-C signals torchrun.
+    Returns its exit code and output lines, once nothing of the job is left (checked)."""
     marker = f"script-{os.getpid()}-{time.monotonic_ns()}"
     env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "MASTER_PORT")}
     env.update(CONFIG=JOB[1], NPROC=str(NPROC), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
@@ -527,7 +527,7 @@ def sigterm_after_step_1(tmp_path, *overrides: str) -> tuple[int, list[str]]:
     try:
         for line in popen.stdout:
             lines.append(line.rstrip("\n"))
-            if STEP_LINE.search(line):
+            if (at or STEP_LINE).search(line):
                 popen.send_signal(signal.SIGTERM)  # the launcher: bash exec'd it
                 break
         lines += popen.stdout.read().splitlines()
@@ -552,6 +552,30 @@ def test_the_launch_script_exits_75_on_a_stop_signal_without_a_traceback(runs, t
     (done,) = [t for t in lines if "preempted by SIGTERM" in t]
     step = int(re.search(r"after step (\d+):", done).group(1))
     assert os.path.isdir(tmp_path / "ckpt" / f"iter_{step:07d}")
+
+
+def test_the_launch_script_stopped_in_the_warm_start_exits_75_at_once(runs, tmp_path):
+    """A stop signal during the supervised warm start (minutes in the main job, where a user
+    is most likely to press Ctrl-C) ends it after the supervised step in progress: nothing is
+    cached or saved, the line says the same command starts the run again, the lock of
+    checkpoint.dir is released, exit 75, no traceback. Before, the warm start ran on until
+    torchrun killed the workers 30 s later."""
+    rc, lines = sigterm_after_step_1(tmp_path, "trainer.sft_warmup_steps=400",
+                                     at=re.compile(r"warm start \(supervised\)"))
+    out = "\n".join(lines)
+    assert rc == 75, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    stopped = [t for t in lines if re.search(r"warm start: stopped after \d+ of 400 supervised "
+                                             r"steps \(nothing cached", t)]
+    assert len(stopped) == 1, out[-4000:]
+    assert any("preempted by SIGTERM before step 1: no step finished yet, nothing to save" in t
+               and "run the same command again to start it again (nothing to resume from) "
+               "(exit code 75)" in t for t in lines), out[-4000:]
+    assert not os.path.exists(tmp_path / "ckpt" / "flexfloor.lock")
+    assert not [d for d in os.listdir(tmp_path / "ckpt") if d.startswith("iter_")]
+    assert not os.path.exists(tmp_path / "sft_cache") or not any(
+        os.path.exists(os.path.join(tmp_path, "sft_cache", k, "latest"))
+        for k in os.listdir(tmp_path / "sft_cache"))
 
 
 def test_the_launch_script_past_the_grace_exits_143_unsaved(runs, tmp_path):

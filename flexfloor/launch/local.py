@@ -71,6 +71,15 @@ def _mark_restarts(folder: str) -> None:
     LocalElasticAgent._stop_workers = _stop_workers
 
 
+def to_go_on(saved: str) -> str:
+    """How a stopped run goes on, from what its stop `saved` (in words, as
+    `flexfloor.preemption.save_last_step` says it): the same command resumes it, or starts it
+    again where nothing was saved to resume from."""
+    if saved.startswith(("nothing saved", "no step finished")):
+        return "run the same command again to start it again (nothing to resume from)"
+    return "run the same command again to resume"
+
+
 def _report_path() -> str | None:
     """This worker's report file in the launch's folder, or None outside this launcher."""
     folder = os.environ.get(STATUS_ENV)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from flexfloor import faults
 from flexfloor.launch.local import PREEMPTED as PREEMPTED_EXIT_CODE
+from flexfloor.launch.local import to_go_on
 from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
 from flexfloor.launch.reaper import start_reaper
 
@@ -694,8 +695,7 @@ class DriverStop:
     def line(self, when: str, saved: str) -> str:
         """The driver's last line: `when` (e.g. "after step 3") and what was `saved`."""
         return (f"preempted by {self.name} {when}: {saved}, {time.monotonic() - self.at:.1f} s "
-                f"after the signal; run the same command again to resume (exit code "
-                f"{PREEMPTED_EXIT_CODE})")
+                f"after the signal; {to_go_on(saved)} (exit code {PREEMPTED_EXIT_CODE})")
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 import random
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from flexfloor.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from flexfloor.config import Config, config_to_dict
@@ -35,16 +35,18 @@ def warm_start_key(cfg: Config) -> str:
 
 def warm_start(cfg: Config, *, model, train_state: TrainState, parallel,
                examples: Sequence[Example], prompt_ids: Sequence[Sequence[int]], tokenizer,
-               say: Callable[[str], None]) -> None:
+               say: Callable[[str], None], stop: Optional[Callable[[], bool]] = None) -> bool:
     """trainer.sft_warmup_steps supervised steps on `examples` (the training prompts only), or
-    their cached result. The RL optimizer and schedule stay untouched (a separate one steps)."""
+    their cached result. The RL optimizer and schedule stay untouched (a separate one steps).
+    `stop()` (every rank, after each supervised step: flexfloor.preemption) ends it early,
+    nothing cached; returns whether it finished."""
     cache = os.path.join(os.path.dirname(os.path.abspath(cfg.logging.run_dir)), "sft_cache",
                          warm_start_key(cfg))
     if os.path.exists(os.path.join(cache, "latest")):
         load_checkpoint(cache, model=model, model_cfg=cfg.model)
         train_state.optimizer.reload_model_params()  # fp32 main params of a bf16 model
         say(f"warm start: loaded the cached supervised model from {cache}")
-        return
+        return True
     from tqdm import tqdm
 
     rng = random.Random(cfg.data.synthetic_seed + 17)
@@ -57,14 +59,20 @@ def warm_start(cfg: Config, *, model, train_state: TrainState, parallel,
     bar = tqdm(range(steps), desc="warm start (supervised)", disable=parallel.rank != 0,
                dynamic_ncols=True, mininterval=2.0)
     per_step = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
-    for _ in bar:
+    for done in bar:
         picks = [rng.randrange(len(examples)) for _ in range(per_step)]
         samples = [Sample(prompt_ids[i],
                           tokenizer.encode(sft_response(examples[i])) + [tokenizer.eos_id])
                    for i in picks]
         loss = sft.train_sft(split_even(samples, parallel.world_size)[parallel.rank])
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if stop is not None and done + 1 < steps and stop():
+            bar.close()
+            say(f"warm start: stopped after {done + 1} of {steps} supervised steps (nothing "
+                "cached: the next run does them again)")
+            return False
     # RL keeps its own optimizer and schedule (untouched so far); the cache holds the weights
     train_state.optimizer.reload_model_params()
     save_checkpoint(cache, 0, model=model, model_cfg=cfg.model)
     say(f"warm start: {steps} supervised steps, cached in {cache}")
+    return True
