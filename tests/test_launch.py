@@ -338,15 +338,16 @@ def test_torchrun_sbatch_runs_on_one_node(torchrun_run):
     assert "--rdzv-endpoint=localhost:" in torchrun_run["stdout"]  # the command it printed
 
 
-@pytest.mark.parametrize("fault", ["train:1:2", "resync:1:2"])
-def test_torchrun_nodes_restart_together_after_a_worker_dies(tmp_path, fault):
+def test_torchrun_nodes_restart_together_after_a_worker_dies(tmp_path):
     """Two nodes on this machine (each `torchrun-node --max-restarts 1` for real, c10d at
     127.0.0.1, one worker each): rank 1, on the second node, is killed in step 2 (SIGKILL,
-    FLEXFLOOR_FAULT), in the update's collectives or released and waiting at resync; both
-    nodes' agents start their workers again, which resume from step 1's checkpoint, and the job
-    ends well on both nodes with every step logged once. The first node's healthy worker never
-    takes its agent's SIGTERM for a preemption (its agent marks the restart): at resync it
-    would otherwise wait for the dead peer until the agent killed it 30 s later."""
+    FLEXFLOOR_FAULT) as it waits, released, at resync; both nodes' agents start their workers
+    again, which resume from step 1's checkpoint, and the job ends well on both nodes with every
+    step logged once. The first node's healthy worker, still decoding, never takes its agent's
+    SIGTERM for a preemption (its agent marks the restart): it would otherwise finish its
+    rollout and wait at resync for the dead peer until the agent killed it 30 s later. (A kill
+    in the update's collectives: tests/test_faults.py, on one node.)"""
+    fault = "resync:1:2"
     port, marker = free_port(), f"c10d-{os.getpid()}-{time.monotonic_ns()}"
     args = [*TINY, "parallel.expert_parallel_size=2", f"logging.run_dir={tmp_path}/run",
             f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.save_interval=1"]
