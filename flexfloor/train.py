@@ -92,7 +92,7 @@ def checked_config(path: str | None, overrides: list[str], world: int):
     its output folders can be made and the input files it names exist: before any worker
     builds a model, so a bad path costs a second, not the set-up. ConfigError or ValueError
     (naming the field and the fix) otherwise."""
-    from flexfloor.config import ConfigError, DataSource, Resume, load_config
+    from flexfloor.config import ConfigError, DataSource, load_config
     from flexfloor.outputs import creatable_folder
 
     cfg = load_config(path, overrides).resolve_world(world)
@@ -125,8 +125,7 @@ def checked_config(path: str | None, overrides: list[str], world: int):
                               "tasks: python -c \"import reasoning_gym; "
                               "print(sorted(reasoning_gym.factory.DATASETS))\")")
     c = cfg.checkpoint
-    # as Checkpointer.start_point: a checkpoint in checkpoint.dir (resume=auto) wins over both
-    if not (c.resume == Resume.AUTO and c.dir and os.path.isfile(os.path.join(c.dir, "latest"))):
+    if not c.resumes_from_dir():  # else neither is read (Checkpointer.start_point)
         for name, fix in (("load", "a checkpoint root (the checkpoint.dir of a run) or one of "
                                    "its iter_N folders, or checkpoint.load=null"),
                           ("init_from", "a checkpoint root (e.g. the --out of "
@@ -135,11 +134,12 @@ def checked_config(path: str | None, overrides: list[str], world: int):
             path = getattr(c, name)
             if path is not None and not os.path.exists(path):
                 raise ConfigError(f"checkpoint.{name}", f"{path}: does not exist; give {fix}")
-    custom = cfg.reward.custom_fn
-    if custom is not None and not os.path.isfile(custom.rpartition(":")[0]):
-        raise ConfigError("reward.custom_fn", f"{custom}: file {custom.rpartition(':')[0]} not "
-                          "found; give the path of a .py file, e.g. "
-                          "reward.custom_fn=my_reward.py:compute_score")
+    if cfg.reward.custom_fn is not None:
+        from flexfloor.data.reward import custom_fn_file_missing
+
+        missing = custom_fn_file_missing(cfg.reward.custom_fn)
+        if missing:
+            raise ConfigError("reward.custom_fn", missing)
     return cfg
 
 

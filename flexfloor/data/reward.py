@@ -54,12 +54,22 @@ def compute_score(data_source: str, response: str, ground_truth: str) -> float:
 CustomFn = Callable[[str, str, str, dict], float]
 
 
+def custom_fn_file_missing(spec: str) -> str | None:
+    """What is wrong with reward.custom_fn `spec`'s file, with the fix, or None when it is
+    there."""
+    path = spec.rpartition(":")[0]
+    if os.path.isfile(path):
+        return None
+    return (f"{spec}: file {path} not found; give the path of a .py file, e.g. "
+            "reward.custom_fn=my_reward.py:compute_score")
+
+
 def load_custom_fn(spec: str) -> CustomFn:
     """The function of reward.custom_fn, "path/to/file.py:function" (verl's interface)."""
     path, _, name = spec.rpartition(":")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"reward.custom_fn={spec}: file {path} not found; give the path "
-                                "of a .py file, e.g. reward.custom_fn=my_reward.py:compute_score")
+    missing = custom_fn_file_missing(spec)
+    if missing:
+        raise FileNotFoundError(f"reward.custom_fn={missing}")
     module_spec = importlib.util.spec_from_file_location(
         f"flexfloor_custom_reward_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)

@@ -154,10 +154,12 @@ def outcome(codes: dict[int, int], workers: int | None, torchrun_code: int,
 def world_size(nnodes: str, nproc_per_node: str) -> int | None:
     """The workers torchrun's `--nnodes` and `--nproc-per-node` give, when fixed: None for an
     elastic range (`1:4`) or a per-device count (`gpu`, `auto`)."""
-    low, _, high = str(nnodes).partition(":")
-    if not (low.isdigit() and (not high or high == low) and str(nproc_per_node).isdigit()):
+    from torch.distributed.run import parse_min_max_nnodes
+
+    low, high = parse_min_max_nnodes(str(nnodes))
+    if low != high or not str(nproc_per_node).isdigit():
         return None
-    return int(low) * int(nproc_per_node)
+    return low * int(nproc_per_node)
 
 
 def check_config_first(args) -> int:

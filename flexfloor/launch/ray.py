@@ -86,7 +86,7 @@ class _Grace:
         """The deadline (time.monotonic()) once a stop came, else None."""
         if self.stop is None or not self.stop.is_set():
             return None
-        return (self.stop.at or time.monotonic()) + self.grace_s
+        return self.stop.at + self.grace_s
 
 
 class Worker:
@@ -650,8 +650,8 @@ class DriverStop:
     runs to its end on every worker, they save it and close, and the driver exits
     PREEMPTED_EXIT_CODE, as a torchrun job does (flexfloor.preemption); if that takes longer
     than checkpoint.preempt_grace_s, the workers are ended unsaved and the driver exits 128 +
-    the signal, as the local launcher does. A second SIGINT stops at once (KeyboardInterrupt). `event` is what `launch` reads; `name` and `at` say which
-    signal came, and when."""
+    the signal, as the local launcher does. A second SIGINT stops at once (KeyboardInterrupt).
+    `event` is what `launch` reads; `name` and `at` say which signal came, and when."""
 
     def __init__(self):
         self.event = StopEvent()

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from flexfloor.checkpoint import (CheckpointError, iter_name, load_checkpoint, read_meta,
                                   resolve_checkpoint, rng_state, save_checkpoint, set_rng_state)
-from flexfloor.config import CheckpointConfig, ModelConfig, Resume
+from flexfloor.config import CheckpointConfig, ModelConfig
 
 # (sub-folder, model, optimizer or None) saved beside the policy
 Companion = tuple[str, object, object]
@@ -48,7 +48,7 @@ class CheckpointManager:
         """checkpoint.resume=auto: the newest complete checkpoint of checkpoint.dir (a restarted
         job continues); else checkpoint.load; else checkpoint.init_from; else fresh."""
         c = self.cfg
-        if c.resume == Resume.AUTO and c.dir and os.path.isfile(os.path.join(c.dir, "latest")):
+        if c.resumes_from_dir():
             return StartPoint(Start.RESUME, c.dir)
         if c.load:
             return StartPoint(Start.RESUME, c.load)
