@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from flexfloor.launch.local import launcher_restarting, to_go_on
+from flexfloor.launch.local import Saved, launcher_restarting, to_go_on
 
 # EX_TEMPFAIL: "try again later". Distinct from 0 (done), 1 (failed) and 2 (bad config), so a
 # wrapper script can requeue (Slurm: `scontrol requeue`) on exactly this code.
@@ -139,19 +139,19 @@ class Preemption:
         self._done.set()
         job.log.close()  # the timeline plot and the summary of the steps done, as at a run's end
         when = f"after step {job.step_index}" if job.step_index else "before step 1"
-        job.log.say(f"preempted by {self.signal_name} {when}: {saved}, "
+        job.log.say(f"preempted by {self.signal_name} {when}: {saved.words}, "
                     f"{time.monotonic() - self.signalled_at:.1f} s after the signal; "
                     f"{to_go_on(saved)} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
 
 
-def save_last_step(job) -> str:
+def save_last_step(job) -> Saved:
     """Save `job`'s last finished step, unless its regular save did (every rank: the save is
-    collective). Returns what was saved, in words, for the line that says how to resume."""
+    collective). Returns what was saved, for the line that says how to go on."""
     c = job.cfg.checkpoint
     step = job.step_index
     if not c.dir:
-        return "nothing saved (no checkpoint.dir; set it to resume a preempted run)"
+        return Saved("nothing saved (no checkpoint.dir; set it to resume a preempted run)", False)
     from flexfloor.checkpoint import CheckpointError, iter_name, read_meta
 
     try:
@@ -161,8 +161,9 @@ def save_last_step(job) -> str:
     if have != step and step > 0:
         with job.phase("checkpoint save"):
             job.save()
-    return (f"checkpoint {iter_name(step)} in {c.dir}" if step > 0 else
-            "no step finished yet, nothing to save")
+    words = (f"checkpoint {iter_name(step)} in {c.dir}" if step > 0 else
+             "no step finished yet, nothing to save")
+    return Saved.standing(words, c)
 
 
 def _local_peer_gone() -> bool:

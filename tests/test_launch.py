@@ -68,6 +68,29 @@ def test_hostlist_expansion():
             expand_hostlist(bad)
 
 
+def test_the_stop_line_says_resume_only_where_the_same_command_resumes(tmp_path):
+    """A stop's last line (`launch.local.to_go_on`) from what checkpoint.dir holds: a worker
+    sees the workers' files; a Ray driver that finds none cannot tell, and says so."""
+    from flexfloor.config import CheckpointConfig, Resume
+    from flexfloor.launch.local import Saved, to_go_on
+
+    def line(here=True, **cfg):
+        return to_go_on(Saved.standing("w", CheckpointConfig(**cfg), here=here))
+
+    again = "run the same command again to start it again (nothing to resume from)"
+    assert line() == again  # no checkpoint.dir
+    assert line(dir=str(tmp_path)) == again  # nothing saved there yet
+    assert "if there is one" in line(dir=str(tmp_path), here=False)
+    (tmp_path / "latest").write_text("iter_0000002\n")
+    assert line(dir=str(tmp_path)) == "run the same command again to resume"
+    assert line(dir=str(tmp_path), here=False) == "run the same command again to resume"
+    # resume=off never reads checkpoint.dir: the same command starts again
+    assert line(dir=str(tmp_path), resume=Resume.OFF) == (
+        "checkpoint.resume=off: the same command starts again; run it with "
+        "checkpoint.resume=auto to resume")
+    assert line(dir=str(tmp_path / "none"), resume=Resume.OFF) == again
+
+
 def slurm_env(nodelist: str, nnodes: int, node: str, node_id: int, **extra) -> dict:
     """What Slurm sets in a batch script / a job step (the parts the launcher reads)."""
     return {"SLURM_JOB_ID": "734512", "SLURM_JOB_NODELIST": nodelist, "SLURM_NNODES": str(nnodes),

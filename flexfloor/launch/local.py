@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 
 # set for the workers: the folder where each writes its exit code (flexfloor.train)
 STATUS_ENV = "FLEXFLOOR_LAUNCH_STATUS"
@@ -71,13 +72,47 @@ def _mark_restarts(folder: str) -> None:
     LocalElasticAgent._stop_workers = _stop_workers
 
 
-def to_go_on(saved: str) -> str:
-    """How a stopped run goes on, from what its stop `saved` (in words, as
-    `flexfloor.preemption.save_last_step` says it): the same command resumes it, or starts it
-    again where nothing was saved to resume from."""
-    if saved.startswith(("nothing saved", "no step finished")):
-        return "run the same command again to start it again (nothing to resume from)"
-    return "run the same command again to resume"
+@dataclass(frozen=True)
+class Saved:
+    """What a stop left to go on from: `words` for its last line; `resumes`: whether the same
+    command resumes (`CheckpointConfig.resumes_from_dir`; None where it cannot be told here, as
+    on a Ray driver that may not see the workers' files); `checkpoint`: one was saved or stands
+    in checkpoint.dir (with checkpoint.resume=off the same command does not read it)."""
+
+    words: str
+    resumes: bool | None
+    checkpoint: bool = False
+
+    @classmethod
+    def standing(cls, words: str, checkpoint_cfg, here: bool = True) -> "Saved":
+        """What checkpoint.dir holds now (the stop's save, or the newest complete checkpoint
+        where the stop saved nothing) and whether the same command resumes from it. `here`:
+        this process sees checkpoint.dir as the workers wrote it (a worker; a Ray driver may
+        not, and then says it cannot tell where it finds nothing)."""
+        from flexfloor.config import Resume
+
+        c = checkpoint_cfg
+        if not c.dir:
+            return cls(words, False)
+        if c.resumes_from_dir():
+            return cls(words, True, checkpoint=True)
+        if c.resume != Resume.AUTO:
+            return cls(words, False, os.path.isfile(os.path.join(c.dir, "latest")))
+        return cls(words, False if here else None)
+
+
+def to_go_on(saved: Saved) -> str:
+    """How a stopped run goes on, from what its stop `saved`: the same command resumes it, or
+    starts it again where nothing is there to resume from."""
+    if saved.resumes:
+        return "run the same command again to resume"
+    if saved.resumes is None:
+        return ("run the same command again: it resumes from the newest complete checkpoint in "
+                "checkpoint.dir if there is one, else starts again")
+    if saved.checkpoint:
+        return ("checkpoint.resume=off: the same command starts again; run it with "
+                "checkpoint.resume=auto to resume")
+    return "run the same command again to start it again (nothing to resume from)"
 
 
 def _report_path() -> str | None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from flexfloor import faults
 from flexfloor.launch.local import PREEMPTED as PREEMPTED_EXIT_CODE
-from flexfloor.launch.local import to_go_on
+from flexfloor.launch.local import Saved, to_go_on
 from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
 from flexfloor.launch.reaper import start_reaper
 
@@ -175,9 +175,9 @@ class Worker:
         self._reports = []
         return (metrics, self.job.done()) if self.job.rank == 0 else None
 
-    def save_last_step(self) -> str | None:
+    def save_last_step(self) -> Saved | None:
         """After a stop signal at the driver: save the last finished step (every worker: the
-        save is collective); rank 0 returns what was saved, in words."""
+        save is collective); rank 0 returns what was saved (`preemption.save_last_step`)."""
         from flexfloor.preemption import save_last_step
 
         saved = save_last_step(self.job)
@@ -215,7 +215,7 @@ class RunResult:
     workers: list[dict]                  # by rank: node_id, node_ip, pid, gpu_ids, cpus, local_rank
     pool_events: list[dict] = field(default_factory=list)  # the pool's record (pool.events())
     restarts: int = 0                    # attempts after the first (`max_restarts`)
-    # set when `stop` ended the run early: when ("after step 3") and what was saved, in words
+    # set when `stop` ended the run early: when ("after step 3") and what was saved (`Saved`)
     stopped: dict | None = None
 
 
@@ -293,8 +293,9 @@ def launch(cfg, *, num_workers: int, cpus_per_worker: float = 1.0,
         raise AssertionError("unreachable")  # the last attempt returned or raised
     except StopWhileWaiting as e:  # no step was running: the newest complete checkpoint stands
         return RunResult(metrics=history, workers=[], restarts=attempt, stopped={
-            "when": f"during the {e} wait", "saved": "nothing saved (no step was running; the "
-            "newest complete checkpoint stands)"})
+            "when": f"during the {e} wait", "saved": Saved.standing(
+                "nothing saved (no step was running; the newest complete checkpoint stands)",
+                cfg.checkpoint, here=False)})
     finally:
         ray.kill(pool)
         remove_placement_group(pg)
@@ -692,9 +693,10 @@ class DriverStop:
         except (OSError, ValueError):
             pass
 
-    def line(self, when: str, saved: str) -> str:
+    def line(self, when: str, saved: Saved) -> str:
         """The driver's last line: `when` (e.g. "after step 3") and what was `saved`."""
-        return (f"preempted by {self.name} {when}: {saved}, {time.monotonic() - self.at:.1f} s "
+        return (f"preempted by {self.name} {when}: {saved.words}, "
+                f"{time.monotonic() - self.at:.1f} s "
                 f"after the signal; {to_go_on(saved)} (exit code {PREEMPTED_EXIT_CODE})")
 
 
@@ -803,7 +805,7 @@ def _drive(args, signals: DriverStop) -> int:
     address = args.address or env_address or "local"
     local = {} if address != "local" else {
         "num_cpus": max(os.cpu_count() or 1, math.ceil(args.num_workers * args.cpus_per_worker))}
-    nothing = "nothing saved (no worker had started)"
+    nothing = Saved.standing("nothing saved (no worker had started)", cfg.checkpoint, here=False)
     if signals.event.is_set():  # it came while the driver started
         say(signals.line("before a step ran", nothing))
         return PREEMPTED_EXIT_CODE
@@ -821,7 +823,8 @@ def _drive(args, signals: DriverStop) -> int:
         signals.install()  # again: ray.init set its own SIGTERM handler
     except SystemExit:  # Ray's own SIGTERM handler, while it started: nothing ran
         ray.shutdown()
-        say(f"SIGTERM while Ray started: {nothing} (exit code {PREEMPTED_EXIT_CODE})")
+        say(f"SIGTERM while Ray started: {nothing.words}; {to_go_on(nothing)} "
+            f"(exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
     except ValueError as e:  # an address Ray cannot read
         print(f"[flexfloor.launch.ray] error: Ray cannot use the address {address!r}: {e} "
@@ -857,8 +860,9 @@ def _drive(args, signals: DriverStop) -> int:
                   flush=True)
             return code
         if signals.event.is_set() and e.worker_died:  # the preemption ended workers too
-            say(signals.line("during a step", f"workers lost before they saved ({e}); the "
-                             "newest complete checkpoint stands"))
+            say(signals.line("during a step", Saved.standing(
+                f"workers lost before they saved ({e}); the newest complete checkpoint stands",
+                cfg.checkpoint, here=False)))
             return PREEMPTED_EXIT_CODE
         print(f"[flexfloor.launch.ray] error: {e}", file=sys.stderr, flush=True)
         return 1
