@@ -47,6 +47,7 @@ class ResourcePool:
         self._events: list[dict] = []
         self._next_lease = 0
         self._changed = asyncio.Condition()
+        self._stopping = False
 
     async def released(self, entry: dict) -> int:
         """A worker left the rollout: its devices are free until it rejoins. Returns the lease."""
@@ -108,6 +109,15 @@ class ResourcePool:
             except TimeoutError:
                 return False
             return True
+
+    async def stop(self) -> None:
+        """The job's driver took a stop signal: its workers end the warm start early (they ask
+        `stopping` after each supervised step; a training step ends as the driver's loop
+        says)."""
+        self._stopping = True
+
+    async def stopping(self) -> bool:
+        return self._stopping
 
     async def events(self) -> list[dict]:
         """Every released / claimed / rejoined / withdrawn event so far, in order."""

@@ -162,8 +162,23 @@ class Worker:
         return {"step": self.job.step_index, "warm_start": self.job.needs_warm_start(),
                 "done": self.job.done(), "logged": logged}
 
-    def warm_start(self) -> None:
-        self.job.warm_start()
+    def warm_start(self) -> bool:
+        """The supervised warm start. It ends early (False), nothing cached, once the driver
+        took a stop signal (`ResourcePool.stopping`, asked after each supervised step, every
+        rank agreeing as under torchrun: `preemption.Preemption.requested`)."""
+        import ray
+        import torch
+        import torch.distributed as dist
+
+        parallel = self.job.parallel
+
+        def stop() -> bool:
+            flag = torch.tensor([float(ray.get(self.pool.stopping.remote()))],
+                                device=parallel.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel.world_group)
+            return bool(flag.item())
+
+        return self.job.warm_start(stop)
 
     def step(self):
         """One training step; rank 0 returns its metrics and whether the job is done. The pool
@@ -499,13 +514,14 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
         job = _gather({r: a.start.remote(cfg, env=env(workers[r]), cwd=os.getcwd())
                        for r, a in enumerate(actors)}, labels, "start-up", timeout_s, grace)[0]
 
-        def every(method: str, phase: str, *args, bounded: _Grace | None = grace):
+        def every(method: str, phase: str, *args, bounded: _Grace | None = grace, on_stop=None):
             return _gather({r: getattr(a, method).remote(*args) for r, a in enumerate(actors)},
-                           labels, phase, timeout_s, bounded)
+                           labels, phase, timeout_s, bounded, on_stop)
 
-        # Job.run's loop, each phase called on every worker
-        if job["warm_start"]:
-            every("warm_start", "warm start")
+        # Job.run's loop, each phase called on every worker; a stop during the warm start
+        # (minutes in the main job) ends it after the supervised step in progress
+        if job["warm_start"] and not (stop is not None and stop.is_set()):
+            every("warm_start", "warm start", on_stop=lambda: pool.stop.remote())
         step, done = job["step"], job["done"]
         first = state.setdefault("first_step", step)
         if attempt:  # this launch's steps the resumed run keeps, as metrics.jsonl has them: also
@@ -514,7 +530,8 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
         while not done:
             if stop is not None and stop.is_set():  # a stop signal: save this step, then close
                 saved = every("save_last_step", "the stop's save")[0]
-                state["stopped"] = {"when": f"after step {step}", "saved": saved}
+                state["stopped"] = {"when": f"after step {step}" if step else "before step 1",
+                                    "saved": saved}
                 break
             t0 = time.perf_counter()
             m, done = every("step", f"step {step + 1}")[0]
@@ -556,10 +573,11 @@ def _wait_ended(actors: list, timeout_s: float) -> None:
 
 
 def _gather(calls: dict, labels: dict, phase: str, timeout_s: float,
-            grace: _Grace | None = None) -> dict:
+            grace: _Grace | None = None, on_stop=None) -> dict:
     """Results of one call per worker, by key. The first failure ends the wait with an error
     naming the worker; a dead worker is named before the peers that failed because of it.
-    `grace`: once its stop comes, the wait ends at its deadline too (`grace_expired`)."""
+    `grace`: once its stop comes, the wait ends at its deadline too (`grace_expired`), and
+    `on_stop()` is called once (e.g. to tell the workers)."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -568,6 +586,9 @@ def _gather(calls: dict, labels: dict, phase: str, timeout_s: float,
     deadline = time.monotonic() + timeout_s
     while pending and not failures:
         due = grace.due() if grace is not None else None
+        if due is not None and on_stop is not None:
+            on_stop()
+            on_stop = None
         until = deadline if due is None else min(deadline, due)
         if grace is not None and grace.stop is not None and due is None:
             until = min(until, time.monotonic() + 1.0)  # a stop may come: look each second
