@@ -371,8 +371,7 @@ class ElasticConfig:
     def validate(self) -> None:
         _positive("elastic", self, "min_active_ranks", "check_interval_steps",
                   "consolidate_max_requests", "kv_link_bytes_per_s", "reprefill_s_per_token")
-        from flexfloor.sim.cost import UNIT_ACCELERATOR
-        from flexfloor.sim.hardware import ACCELERATORS, ModelShape
+        from flexfloor.sim.hardware import ACCELERATORS, UNIT_ACCELERATOR, ModelShape
 
         kinds = [PACE_OFF, *sorted(ACCELERATORS), UNIT_ACCELERATOR]
         _require(self.pace_model in kinds, "elastic.pace_model",

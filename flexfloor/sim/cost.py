@@ -40,7 +40,7 @@ import numpy as np
 
 from flexfloor.rollout.consolidate import MoveKind
 from flexfloor.rollout.types import StepTrace, TracedLoad
-from flexfloor.sim.hardware import ACCELERATORS, Accelerator, ModelShape
+from flexfloor.sim.hardware import ACCELERATORS, UNIT_ACCELERATOR, Accelerator, ModelShape
 
 # DeepEP's published low-latency kernels (deepseek-ai/DeepEP README, H800, CX7 400 Gb/s RDMA per
 # GPU, 128 tokens per rank, hidden 7168, top-8, FP8 dispatch and BF16 combine): EP size ->
@@ -301,7 +301,8 @@ def kv_budget_bytes(accel: Accelerator, model: ModelShape, hosted_experts: int,
 # --------------------------------------------------------------------------------------------
 # modelled seconds of the real engine's steps
 
-UNIT_ACCELERATOR = "unit"  # `cost_model`'s name for UnitCost: every step 1, a shrink 0
+# `cost_model`'s name for UnitCost (every step 1, a shrink 0): in hardware.py, which the config
+# reads without torch
 
 
 def cost_model(accelerator: str, model_shape: str,

@@ -24,6 +24,8 @@ class Accelerator:
     gpus_per_node: int = 8
 
 
+UNIT_ACCELERATOR = "unit"  # sim.cost's `cost_model` name for UnitCost: every step 1, a shrink 0
+
 ACCELERATORS: dict[str, Accelerator] = {
     "H100": Accelerator("NVIDIA H100 SXM5 80GB", 80 * GiB, 3.35e12, 989e12, 450e9, 50e9),
     # the export part: H100 compute and HBM, NVLink cut to 400 GB/s (both directions)
