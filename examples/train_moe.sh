@@ -14,6 +14,8 @@ positive() {  # NAME VALUE: a whole number >= 1, else one line naming NAME and e
 NPROC="${NPROC:-4}"
 positive NPROC "$NPROC"
 [ -z "${STEPS:-}" ] || positive STEPS "$STEPS"
+[[ "${MAX_RESTARTS:-0}" =~ ^[0-9]+$ ]] || { echo "train_moe.sh: MAX_RESTARTS=$MAX_RESTARTS: must be" \
+  "a whole number >= 0 (0: a failed worker ends the run)" >&2; exit 2; }
 if [ -n "${MASTER_PORT:-}" ] &&
    ! { [[ "$MASTER_PORT" =~ ^[1-9][0-9]*$ ]] && ((MASTER_PORT <= 65535)); }; then
   echo "train_moe.sh: MASTER_PORT=$MASTER_PORT: must be a TCP port, 1-65535 (or leave it unset:" \

@@ -247,9 +247,48 @@ def test_slurm_refuses_a_negative_max_restarts(how, fake_srun):
                               capture_output=True, text=True, timeout=60)
         err = proc.stdout + proc.stderr
     assert proc.returncode == 2
-    assert err.strip().splitlines() == [
-        "slurm: --max-restarts -1: must be 0 or more (0: a failed worker ends the job)"]
+    assert err.strip().splitlines() == (
+        ["grpo_moe.sbatch: MAX_RESTARTS=-1: must be a whole number, 0 or more"] if how == "sbatch"
+        else ["slurm: --max-restarts -1: must be a whole number, 0 or more (0: a failed worker "
+              "ends the job)"])
     assert not log.exists()  # nothing started
+
+
+def test_slurm_refuses_bad_numbers_and_a_bad_config_before_srun(fake_srun):
+    """Each stage's numbers, and the sbatch scripts' variables (named as the user set them),
+    are refused in one line with exit 2; the batch-step stages check the config once before
+    srun starts anything on the nodes (under torchrun each node's launcher would say it again,
+    after the allocation's nodes started; under Ray after the Ray nodes started)."""
+    env, log = fake_srun
+    env = dict(env, **slurm_env("gpu[01-02]", 2, "gpu01", 0, SLURM_GPUS_ON_NODE="8"))
+    for flag, value, says in (("--nproc-per-node", "0", "must be a whole number, 1 or more"),
+                              ("--port", "99999", "must be a whole number, 1-65535 (a TCP port)"),
+                              ("--head-timeout-s", "nan", "must be a finite number above 0"),
+                              ("--max-restarts", "two", "must be a whole number, 0 or more")):
+        for stage in ("torchrun", "ray-node"):
+            proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.slurm", stage, flag,
+                                   value, "--dry-run", "--config", CONFIG], env=env, cwd=REPO,
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 2, (flag, stage, proc.stdout + proc.stderr)
+            assert proc.stderr.strip().splitlines() == [f"slurm: {flag} {value}: {says}"
+                                                        + proc.stderr.split(says)[1].rstrip()]
+    for script, var, value, says in (
+            ("grpo_moe.sbatch", "NPROC", "abc", "must be a whole number, 1 or more"),
+            ("grpo_moe_ray.sbatch", "PORT", "0", "must be a whole number, 1-65535"),
+            ("grpo_moe.sbatch", "CONFIG", "nope.yaml", "config error: --config: nope.yaml does "
+             "not exist; give the path of a YAML file"),
+            ("grpo_moe_ray.sbatch", "CONFIG", "nope.yaml", "config error: --config: nope.yaml "
+             "does not exist; give the path of a YAML file")):
+        proc = sbatch(script, dict(env, **{var: value}), timeout=60)
+        line = f"{script}: {var}={value}: {says}" if var != "CONFIG" else says
+        assert proc.returncode == 2 and proc.stdout.strip().startswith(line), proc.stdout
+        assert len(proc.stdout.strip().splitlines()) == 1, proc.stdout
+    for script in ("grpo_moe.sbatch", "grpo_moe_ray.sbatch"):  # an override the config refuses
+        proc = sbatch(script, env, "trainer.stesp=3", timeout=60)
+        assert proc.returncode == 2, proc.stdout
+        assert proc.stdout.startswith("config error: trainer.stesp: unknown key; did you mean "
+                                      "'steps'?"), proc.stdout
+    assert not log.exists()  # srun never ran
 
 
 def test_ray_stage_passes_max_restarts_to_the_driver(fake_srun):
@@ -321,7 +360,8 @@ def test_ray_stage_stops_when_the_ray_nodes_srun_ends(fake_srun):
     """The srun of the Ray nodes exits at once (the stand-in starts no task): the batch stage
     stops waiting for the head and ends with one line, exit 1, long before --head-timeout-s."""
     env, log = fake_srun
-    env = dict(env, **slurm_env("localhost", 1, "localhost", 0))
+    # 4 workers: the config's EP group (the stage checks the config before srun)
+    env = dict(env, **slurm_env("localhost", 1, "localhost", 0, SLURM_NTASKS_PER_NODE="4"))
     # timeout 120 < --head-timeout-s 300: a stage that waited for the head would be killed
     proc = subprocess.run([sys.executable, "-m", "flexfloor.launch.slurm", "ray",
                            f"--port={free_port()}", "--head-timeout-s=300", "--config", CONFIG],

@@ -741,6 +741,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="when a worker dies or fails, start every worker again up to N "
                         "times, resuming from checkpoint.dir (default 0: the run ends)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="check the flags, the config for --num-workers workers and the "
+                        "files it names (as this machine sees them), then exit 0 or 2; starts "
+                        "nothing (the Slurm ray stage runs it before srun)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     args = parser.parse_args(argv)
     # bad numbers end here, before Ray starts (Ray would raise, or wait for what never comes)
@@ -764,6 +768,16 @@ def main(argv=None) -> int:
     if args.max_restarts < 0:
         parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more (0: a lost worker "
                      "ends the run)")
+    if args.check_config:
+        from flexfloor.config import ConfigError
+        from flexfloor.train import checked_config
+
+        try:
+            checked_config(args.config, args.overrides, args.num_workers)
+        except (ConfigError, ValueError) as e:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+            return 2
+        return 0
     signals = DriverStop().install()  # at once: a signal while the driver starts stops it too
     try:
         return _drive(args, signals)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import secrets
@@ -246,26 +247,58 @@ def wait_for_port(host: str, port: int, timeout_s: float, nodes=None,
             time.sleep(0.2)  # a refused connect is cheap; the head answers within seconds
 
 
+# the stages' numeric flags: (type, least, most, what the flag means)
+_NUMBERS = {"nproc_per_node": (int, 1, None, "workers per node"),
+            "port": (int, 1, 65535, "a TCP port"),
+            "head_timeout_s": (float, 0.0, None, "seconds to wait for the Ray head"),
+            "max_restarts": (int, 0, None, "0: a failed worker ends the job")}
+
+
+def _numbers(args) -> str | None:
+    """The numeric flags read into `args` (given as text), or the first bad one's error line."""
+    for name, (kind, least, most, means) in _NUMBERS.items():
+        text = getattr(args, name)
+        if text is None or not isinstance(text, str):
+            continue
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        ok = value is not None and math.isfinite(value) and (
+            value > least if kind is float else value >= least) and (most is None or value <= most)
+        if not ok:
+            rule = (f"a whole number, {least}-{most}" if most is not None else
+                    f"a whole number, {least} or more" if kind is int else
+                    f"a finite number above {least:g}")
+            return f"--{name.replace('_', '-')} {text}: must be {rule} ({means})"
+        setattr(args, name, value)
+    return None
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flexfloor.launch.slurm",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flexfloor.launch.slurm", description=__doc__.split("\n\n")[0],
+        epilog="Every other argument goes on to flexfloor.train (torchrun stages) or to the Ray "
+        "driver (ray): --config FILE and section.field=value overrides, and for ray the "
+        "driver's own flags (python -m flexfloor.launch.ray --help). The batch-step stages "
+        "(torchrun, ray) check the config once before srun starts anything.")
     parser.add_argument("stage", choices=["torchrun", "torchrun-node", "ray", "ray-node"])
-    parser.add_argument("--nproc-per-node", type=int, default=None,
+    parser.add_argument("--nproc-per-node", default=None,
                         help="workers per node (default: SLURM_GPUS_ON_NODE, "
                         "SLURM_NTASKS_PER_NODE, 1)")
-    parser.add_argument("--port", type=int, default=None,
+    parser.add_argument("--port", default=None,
                         help="rendezvous / Ray head port (default: derived from SLURM_JOB_ID)")
-    parser.add_argument("--head-timeout-s", type=float, default=300.0,
-                        help="how long nodes and the driver wait for the Ray head")
-    parser.add_argument("--max-restarts", type=int, default=None,
+    parser.add_argument("--head-timeout-s", default=300.0,
+                        help="how long nodes and the driver wait for the Ray head (default 300)")
+    parser.add_argument("--max-restarts", default=None,
                         help="torchrun: when a worker fails, restart every node's workers up to N "
                         "times, resuming from checkpoint.dir (default 0: the job ends); ray: "
                         "passed to the driver")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     args, rest = parser.parse_known_args(argv)
-    if args.max_restarts is not None and args.max_restarts < 0:
-        print(f"slurm: --max-restarts {args.max_restarts}: must be 0 or more (0: a failed worker "
-              "ends the job)", file=sys.stderr)
+    bad = _numbers(args)
+    if bad:
+        print(f"slurm: {bad}", file=sys.stderr)
         return 2
     try:
         alloc = Allocation.from_env(procs_per_node=args.nproc_per_node)
@@ -279,12 +312,43 @@ def main(argv=None) -> int:
         return 1
 
 
+def _train_config_checked(train_args: list[str], alloc: Allocation) -> int:
+    """`flexfloor.train --check-config` here in the batch step, once, for the job's world size,
+    before srun starts anything on the nodes: its exit code (2 after one line)."""
+    from flexfloor.train import main as train_main
+
+    world = str(alloc.num_workers)
+    before = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = world
+    try:
+        return train_main(["--check-config", *train_args, f"parallel.world_size={world}"])
+    finally:
+        if before is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = before
+
+
+def _driver_config_checked(driver: list[str]) -> int:
+    """The Ray driver's own check (`--check-config`: its flags, the config, the files) of the
+    `driver` command, here in the batch step before the Ray nodes start: its exit code."""
+    from flexfloor.launch.ray import main as driver_main
+
+    try:
+        return driver_main([*driver[3:], "--check-config"])  # after `python -m MODULE`
+    except SystemExit as e:  # the driver's own flag errors (argparse: usage and one line)
+        return e.code if isinstance(e.code, int) else 2
+
+
 def _stage(args, rest: list[str], alloc: Allocation) -> int:
     python = sys.executable
     ray_bin = os.path.join(os.path.dirname(python), "ray")
     stage_opts = [f"--nproc-per-node={alloc.procs_per_node}"]
     restarts = args.max_restarts or 0
     if args.stage == "torchrun":
+        code = 0 if args.dry_run else _train_config_checked(rest, alloc)
+        if code:
+            return code
         port = args.port or alloc.port(TORCHRUN_PORT_BASE)
         if restarts:
             stage_opts.append(f"--max-restarts={restarts}")
@@ -304,6 +368,11 @@ def _stage(args, rest: list[str], alloc: Allocation) -> int:
     # stage "ray": the Ray nodes in the background, then the driver here (the batch step)
     nodes = srun_command(alloc, ["ray-node", *stage_opts, f"--port={port}",
                                  f"--head-timeout-s={args.head_timeout_s}"], python)
+    if not args.dry_run:  # (the check starts nothing: any address will do)
+        code = _driver_config_checked(ray_driver_command(alloc, f"{alloc.head}:{port}", rest,
+                                                         python))
+        if code:
+            return code
     head_ip = _ip(alloc.head, args.dry_run)
     driver = ray_driver_command(alloc, f"{head_ip}:{port}", rest, python)
     if args.dry_run:
