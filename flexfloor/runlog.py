@@ -163,8 +163,10 @@ class RunLog:
             if val:
                 self.say("val reward " + " -> ".join(
                     f"{m['val/reward/mean']:.3f} (step {m['step']})" for m in val))
-        self.say(f"run folder: {os.path.abspath(self.run_dir)} (metrics.jsonl, tensorboard/, "
-                 "timeline.png)")
+        held = [name for name in ("metrics.jsonl", "tensorboard/", "timeline.png")
+                if os.path.exists(os.path.join(self.run_dir, name.rstrip("/")))]
+        self.say(f"run folder: {os.path.abspath(self.run_dir)}"
+                 + (f" ({', '.join(held)})" if held else " (no step logged yet)"))
 
 
 def _fmt(x) -> str:

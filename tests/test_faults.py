@@ -573,6 +573,9 @@ def test_the_launch_script_stopped_in_the_warm_start_exits_75_at_once(runs, tmp_
                "(exit code 75)" in t for t in lines), out[-4000:]
     assert not os.path.exists(tmp_path / "ckpt" / "flexfloor.lock")
     assert not [d for d in os.listdir(tmp_path / "ckpt") if d.startswith("iter_")]
+    # the run folder's line names only what is there (no step logged, no plot)
+    (folder,) = [t for t in lines if "run folder: " in t]
+    assert "metrics.jsonl" not in folder and "timeline.png" not in folder, folder
     assert not os.path.exists(tmp_path / "sft_cache") or not any(
         os.path.exists(os.path.join(tmp_path, "sft_cache", k, "latest"))
         for k in os.listdir(tmp_path / "sft_cache"))
