@@ -89,10 +89,10 @@ def test_heldout_refuses_bad_arguments(capsys, argv, message):
     assert message in refused(heldout.main, argv, capsys)
 
 
-REPORT = {"per_epoch": [{"epoch": 1, "static": {
-    "per_rank": [{"rank": 0, "local_finish_s": 1.0, "release_s": 2.0},
-                 {"rank": 1, "local_finish_s": 2.0, "release_s": 2.0}],
-    "occupied_worker_seconds": 4.0, "tail_fraction": 0.25}}]}
+REPORT = {"per_epoch": [{"epoch": 1, "static": {  # a benchmark's shape: no `unit`
+    "per_rank": [{"rank": 0, "local_finish_step": 1, "release_step": 2},
+                 {"rank": 1, "local_finish_step": 2, "release_step": 2}],
+    "occupied_worker_steps": 4, "tail_fraction": 0.25}}]}
 
 
 def test_plot_timeline_names_the_bad_report_or_the_bad_out(tmp_path, capsys):
@@ -280,6 +280,36 @@ def test_a_plot_without_an_extension_is_written_and_named_as_png(tmp_path, capsy
         err = refused(plot_timeline.main, [str(report), "--out", folder], capsys)
         assert err == f"plot_timeline: --out {folder}: is a folder; give the file to write"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "t.png"]
+
+
+def test_a_bench_report_is_drawn_in_engine_steps(bench, tmp_path):
+    """The benchmark's seconds are CPU seconds, which flatter FlexFloor (a released worker
+    frees a core): its timeline, from plot_timeline.py or its own --plot, is drawn in engine
+    steps, each panel ending at its mode's rollout steps, and the axis and titles say so. The
+    run is the one tests/test_bench.py and tests/test_sim.py read."""
+    import matplotlib
+
+    from distributed import BENCH_TWO_REPLICAS
+    from flexfloor.rollout.timeline import clock
+    from tools.bench_rollout import plot_timeline as bench_plot
+
+    report = bench.run("--nproc", "4", "--epochs", "3", "--repeats", "1",
+                       *BENCH_TWO_REPLICAS).report
+    modes, names, _, unit = plot_timeline.timeline_panels(report)
+    assert unit == "steps" and set(modes) == {"static", "elastic"}
+    last = report["per_epoch"][-1]
+    for mode, rows in modes.items():
+        assert max(clock(r, unit)[2] for r in rows) == last[mode]["rollout_wall_steps"]
+        assert f": {last[mode]['occupied_worker_steps']:,} occupied worker-steps (" in names[mode]
+        assert "worker-s," not in names[mode]
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, to read it back
+        for draw in (lambda p: plot_timeline.plot_report(report, p),
+                     lambda p: bench_plot(report, p)):
+            svg = tmp_path / "t.svg"
+            draw(str(svg))
+            text = svg.read_text()
+            assert "time from rollout start (engine steps)" in text
+            assert "occupied worker-steps" in text and "worker-s," not in text
 
 
 def test_plot_timeline_names_a_report_of_the_wrong_shape(tmp_path, capsys):

@@ -421,24 +421,26 @@ def format_report(report: dict) -> str:
 
 def plot_timeline(report: dict, path: str) -> None:
     """Per mode, per rank: busy (start -> local finish), occupied but idle (-> release) and
-    released (-> rollout end), for the last epoch."""
-    from flexfloor.rollout.timeline import plot_rank_timeline
+    released (-> rollout end), for the last epoch, in engine steps: the CPU seconds flatter a
+    mode that releases workers (a released process frees a core) and are no headline."""
+    from flexfloor.rollout.timeline import plot_rank_timeline, tail_fraction
 
     last = report["per_epoch"][-1]
     modes = {m: last[m]["per_rank"] for m in MODES if m in last}
     panels = {m: (f"{m}: {last[m]['occupied_worker_steps']} occupied worker-steps, "
-                  f"{last[m]['occupied_worker_seconds']:.2f} occupied worker-s, "
-                  f"tail fraction {last[m]['tail_fraction']:.2f}") for m in modes}
+                  f"{last[m]['modelled_occupied_gpu_seconds']:.2f} modelled occupied GPU-s, "
+                  f"tail fraction {tail_fraction(modes[m], 'steps'):.2f}") for m in modes}
     title = f"rollout timeline, epoch {last['epoch']}"
     if "ratios" in report:
         r = report["ratios"]
         e = report["summary_epochs"]
         span = f"epochs {e[0]}..{e[-1]}" if len(e) > 1 else f"epoch {e[0]}"
         title += (f"\nelastic/static over {span}: tokens/occupied worker-step "
-                  f"x{r['tokens_per_occupied_worker_step']:.2f}, tokens/occupied worker-s "
-                  f"x{r['tokens_per_occupied_worker_second']:.2f},\nrollout wall "
-                  f"x{r['rollout_wall_seconds']:.2f} (in steps x{r['rollout_wall_steps']:.2f})")
-    plot_rank_timeline(modes, path, title=title, panel_titles=panels, unit="s")
+                  f"x{r['tokens_per_occupied_worker_step']:.2f}, tokens/modelled GPU-s "
+                  f"x{r['tokens_per_modelled_occupied_gpu_second']:.2f},\nrollout steps "
+                  f"x{r['rollout_wall_steps']:.2f}, modelled rollout "
+                  f"x{r['modelled_rollout_seconds']:.2f}")
+    plot_rank_timeline(modes, path, title=title, panel_titles=panels, unit="steps")
 
 
 # --------------------------------------------------------------------------------------------
