@@ -64,6 +64,22 @@ def creatable_folder(path: str, flag: str) -> str:
     return out
 
 
+def distinct(**paths) -> None:
+    """ValueError naming the first two flags (keyword: flag without its dashes, `length_file`
+    for --length-file; value: a path, or None where not given) that name one file, compared as
+    real paths (a link, `./x` and an absolute path alike): one run's report, plot and input
+    must not write over each other."""
+    seen = {}
+    for name, path in paths.items():
+        if path is None:
+            continue
+        real, flag = os.path.realpath(path), "--" + name.replace("_", "-")
+        if real in seen:
+            raise ValueError(f"{seen[real]} and {flag} name the same file ({path}); give two "
+                             "paths")
+        seen[real] = flag
+
+
 def _writable_folder(path: str, flag: str, folder: str) -> None:
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"{flag} {path}: {folder} is not a folder; give another path")

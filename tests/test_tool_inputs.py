@@ -367,3 +367,30 @@ def test_a_malformed_hf_folder_is_named_not_a_traceback(tmp_path, capsys, config
     assert code != 0 and "Traceback" not in err
     assert f"[convert] error: {hf}/{says}" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("tool, argv, message", [
+    (simulate, ["--scenario", "tiny-cpu", "--out", "same.png", "--plot", "same.png"],
+     "--out and --plot name the same file"),
+    (simulate, ["--scenario", "tiny-cpu", "--out", "lengths.json", "--length-file",
+                "./lengths.json"], "--length-file and --out name the same file"),
+    (simulate, ["--scenario", "tiny-cpu", "--out", "s.json", "--plot", "lengths",
+                "--length-file", "lengths.png"], "--length-file and --plot name the same file"),
+    ("bench_rollout", ["--out", "bs.png", "--plot", "bs.png"], "--out and --plot name the same"),
+    ("bench_rollout", ["--length-dist", "file", "--length-file", "lengths.json", "--out",
+                       "lengths.json"], "--length-file and --out name the same file"),
+])
+def test_one_file_for_two_flags_is_refused_before_the_work(tmp_path, monkeypatch, capsys, tool,
+                                                           argv, message):
+    """A report over its own plot, or over the user's length file, is refused up front (real
+    paths compared): the input is left as it was and nothing is written."""
+    if tool == "bench_rollout":
+        from tools import bench_rollout as tool
+    monkeypatch.chdir(tmp_path)
+    lengths = '{"lengths": [[[3, 4], [5, 6]]]}'
+    for name in ("lengths.json", "lengths.png"):
+        (tmp_path / name).write_text(lengths)
+    err = refused(tool.main, argv, capsys)
+    assert message in err and err.endswith("; give two paths"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lengths.json", "lengths.png"]
+    assert all((tmp_path / n).read_text() == lengths for n in ("lengths.json", "lengths.png"))

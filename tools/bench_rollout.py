@@ -50,7 +50,9 @@ if REPO not in sys.path:
 
 from flexfloor.launch.reaper import remove_if_killed, start_reaper  # noqa: E402
 from flexfloor.launch.stop import StopSignals  # noqa: E402
-from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
+from flexfloor.outputs import (  # noqa: E402
+    distinct, path_arg, writable, writable_image, write_json,
+)
 from flexfloor.rollout.metrics import chained_sha256, cpu_seconds_warning  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
 from flexfloor.sim.cost import cost_model  # noqa: E402
@@ -263,6 +265,14 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
+    try:  # before the workers start: a bad path costs a second, not the run
+        out = writable(args.out, "--out")
+        if args.plot:
+            args.plot = writable_image(args.plot, "--plot")
+        distinct(length_file=args.length_file, out=out, plot=args.plot)
+    except ValueError as e:
+        print(f"bench_rollout: {e}", file=sys.stderr)
+        return 2
     try:
         lengths = drawn_lengths(args, workload(args))
     except (ValueError, OSError) as e:
@@ -272,13 +282,6 @@ def main(argv=None) -> int:
     if args.kv_budget_tokens is not None and args.kv_budget_tokens < longest:
         print(f"bench_rollout: --kv-budget-tokens {args.kv_budget_tokens} cannot hold the longest "
               f"request alone ({longest} tokens: prompt + response); raise it", file=sys.stderr)
-        return 2
-    try:  # before the workers start: a bad path costs a second, not the run
-        out = writable(args.out, "--out")
-        if args.plot:
-            args.plot = writable_image(args.plot, "--plot")
-    except ValueError as e:
-        print(f"bench_rollout: {e}", file=sys.stderr)
         return 2
     # torchrun and its workers end with this process, however it ends (SIGKILL too): they carry
     # the reaper's token (flexfloor/launch/reaper.py); SIGTERM ends it as an exception, so the

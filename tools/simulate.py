@@ -28,7 +28,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flexfloor.outputs import path_arg, writable, writable_image, write_json  # noqa: E402
+from flexfloor.outputs import (  # noqa: E402
+    distinct, path_arg, writable, writable_image, write_json,
+)
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import (  # noqa: E402
     MODES, SCENARIOS, pace_rule_ignored, pace_rule_moot, prepare, run, sweep,
@@ -237,6 +239,7 @@ def main(argv=None) -> int:
         out = writable(args.out, "--out")
         if args.plot:
             args.plot = writable_image(args.plot, "--plot")
+        distinct(length_file=args.length_file, out=out, plot=args.plot)
         sc = scenario_of(args)
         params = params_of(args)
         try:
