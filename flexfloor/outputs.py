@@ -113,6 +113,16 @@ def writable_image(path: str, flag: str) -> str:
     return out
 
 
+def stopped_line(tool: str, written, signum: int = 2) -> str:
+    """The one line a tool ends with when a stop signal (`signum`, default SIGINT: Ctrl-C)
+    ends its work: what it had written by then (`written`: paths), or that it wrote nothing
+    (its files are written whole or not at all, so none is half there)."""
+    import signal
+
+    said = f"only {', '.join(written)} written" if written else "nothing written"
+    return f"{tool}: stopped by {signal.Signals(signum).name}; {said}"
+
+
 def write_whole(path: str, write) -> None:
     """`write(tmp)` writes the file at a temporary path beside `path`, then it is renamed over
     `path`: the file is there whole or not at all (an earlier one stays until then)."""

@@ -394,3 +394,81 @@ def test_one_file_for_two_flags_is_refused_before_the_work(tmp_path, monkeypatch
     assert message in err and err.endswith("; give two paths"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lengths.json", "lengths.png"]
     assert all((tmp_path / n).read_text() == lengths for n in ("lengths.json", "lengths.png"))
+
+
+def _interrupted(argv, tmp_path, ready) -> subprocess.CompletedProcess:
+    """`argv` (a tool, from the repository) in a session of its own, given a terminal's Ctrl-C
+    (SIGINT to its whole process group) once `ready(process, stdout line)` says so."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if ready(proc, line):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def test_ctrl_c_ends_simulate_and_heldout_in_one_line(tmp_path):
+    """Ctrl-C once the work runs: one line saying what was written, status 130, no traceback.
+    simulate writes nothing (an earlier report stays); heldout keeps the workloads it finished
+    (its --out holds those, each whole)."""
+    out = tmp_path / "s.json"
+    out.write_text('{"earlier": true}')
+    proc = _interrupted(["tools/simulate.py", "--scenario", "paper-like", "--out", str(out)],
+                        tmp_path, lambda p, line: line.startswith("simulate: paper-like"))
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "simulate: stopped by SIGINT; nothing written\n"
+    assert out.read_text() == '{"earlier": true}' and os.listdir(tmp_path) == ["s.json"]
+    held = tmp_path / "h.json"
+    proc = _interrupted(["tools/heldout.py", "--seeds", "1", "--only", "corr0.8,small",
+                         "--out", str(held)], tmp_path,
+                        lambda p, line: line.startswith("corr0.8 "))
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == (f"heldout: stopped by SIGINT; only {held} (workloads corr0.8 of 2) "
+                           "written\n")
+    assert list(json.loads(held.read_text())) == ["corr0.8"]
+
+
+def test_ctrl_c_ends_the_benchmark_and_its_workers_in_one_line(tmp_path):
+    """Ctrl-C once the workers run: torchrun and every worker end with the benchmark, which
+    says so in one line (no traceback of its own or theirs), status 130; the report an earlier
+    run left at --out stays and nothing is left beside it."""
+    import time
+
+    import psutil
+
+    def workers(proc):
+        found = []
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "--worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline():
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    launched = []
+
+    def ready(proc, line):
+        while len(launched) < 2 and proc.poll() is None:
+            time.sleep(0.1)
+            launched[:] = workers(proc)
+        return True
+
+    out = tmp_path / "b.json"
+    out.write_text('{"earlier": true}')
+    proc = _interrupted(["tools/bench_rollout.py", "--nproc", "2", "--epochs", "1",
+                         "--modes", "static,elastic", "--out", str(out)], tmp_path, ready)
+    assert len(launched) == 2, proc.stderr
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "bench_rollout: stopped by SIGINT; nothing written\n"
+    _, alive = psutil.wait_procs(launched, timeout=60)
+    assert not alive
+    assert out.read_text() == '{"earlier": true}' and os.listdir(tmp_path) == ["b.json"]

@@ -51,7 +51,7 @@ if REPO not in sys.path:
 from flexfloor.launch.reaper import remove_if_killed, start_reaper  # noqa: E402
 from flexfloor.launch.stop import StopSignals  # noqa: E402
 from flexfloor.outputs import (  # noqa: E402
-    distinct, path_arg, writable, writable_image, write_json,
+    distinct, path_arg, stopped_line, writable, writable_image, write_json,
 )
 from flexfloor.rollout.metrics import chained_sha256, cpu_seconds_warning  # noqa: E402
 from flexfloor.rollout.replicas import BASELINES, HELD, MODES, Mode  # noqa: E402
@@ -293,19 +293,23 @@ def main(argv=None) -> int:
     # stopped, the workers outlive this process by a moment (the reaper ends them after its
     # exit): one that writes the report then leaves it, so the reaper removes it after them
     remove_if_killed([partial, partial + ".tmp"])
-    with StopSignals((signal.SIGTERM,)) as stop:
+    written = []  # what a stop leaves written
+    with StopSignals((signal.SIGTERM, signal.SIGINT)) as stop:
         try:
-            rc = stop.run(_launch, args, argv, lengths, out, partial)
+            rc = stop.run(_launch, args, argv, lengths, out, partial, written)
         finally:  # the report, and the .tmp of a worker stopped inside its write
             for leftover in (partial, partial + ".tmp"):
                 if os.path.exists(leftover):
                     os.remove(leftover)
-    return 128 + stop.signum if stop.got else rc
+    if stop.got:
+        print(stopped_line("bench_rollout", written, stop.signum), file=sys.stderr)
+        return 128 + stop.signum
+    return rc
 
 
-def _launch(args, argv, lengths, out: str, partial: str) -> int:
+def _launch(args, argv, lengths, out: str, partial: str, written: list) -> int:
     """Run the workers (they write their report to `partial`), then print and keep it as
-    `out`."""
+    `out` (each file kept goes into `written`)."""
     worker_argv = [*argv, f"--out={partial}"]  # the last --out wins: an absolute path
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -321,25 +325,52 @@ def _launch(args, argv, lengths, out: str, partial: str) -> int:
           f"{args.length_dist} lengths: p50 {tail['p50']:g}, p99 {tail['p99']:.0f}, "
           f"p99/p50 {tail['p99_over_p50']:.1f}, max {tail['max']}", flush=True)
     t0 = time.perf_counter()
-    rc = subprocess.run(cmd, env=env).returncode
+    # a session of its own: a terminal's Ctrl-C reaches this process only, which ends torchrun
+    # and the workers at once (each would print its own traceback of the others' end)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        rc = proc.wait()
+    except BaseException:
+        _kill_tree(proc)
+        raise
     seconds = time.perf_counter() - t0
     if rc != 0 or not os.path.exists(partial):
         print(f"bench_rollout: the workers failed (exit code {rc}) after {seconds:.0f} s; "
               "see their output above", file=sys.stderr)
         return rc or 1
     os.replace(partial, out)
+    written.append(out)
     with open(out) as f:
         report = json.load(f)
     print(format_report(report))
     print(f"took {seconds:.0f} s; results in {out}")
     if args.plot:
         plot_timeline(report, args.plot)
+        written.append(args.plot)
         print(f"timeline plot in {args.plot}")
     if report.get("identical_responses") is False:
         bad = [e["epoch"] for e in report["per_epoch"] if not e.get("sha_match", True)]
         print(f"bench_rollout: the modes' responses DIFFER in epochs {bad}", file=sys.stderr)
         return EXIT_MISMATCH
     return 0
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process under it, all at once, and wait for them: none is left
+    to see the others go (and print a traceback of it)."""
+    import psutil
+
+    try:
+        procs = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:  # it has ended: its children are the reaper's
+        procs = []
+    for p in [*procs, proc]:
+        try:
+            p.kill()
+        except (psutil.Error, OSError):
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    proc.wait()
 
 
 def _fmt(x, digits=3) -> str:

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flexfloor.outputs import path_arg, writable, write_json  # noqa: E402
+from flexfloor.outputs import path_arg, stopped_line, writable, write_json  # noqa: E402
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import SCENARIOS, run  # noqa: E402
 
@@ -103,15 +103,24 @@ def main(argv=None) -> int:
     out = {}
     print(f"{'workload':<10} {'makespan max':>12} {'median':>7} {'late':>7} "
           f"{'tok/GPU-s med':>13} {'min':>6}")
-    for name in names:
-        rows = [one(name, s, bool(args.no_denser), bool(args.distrust), args.min_active_ranks,
-                    params) for s in range(args.seeds)]
-        s = summary(rows)
-        out[name] = {"overrides": WORKLOADS[name], "min_active_ranks": args.min_active_ranks,
-                     "group_source": params.group_source.value, "summary": s, "rollouts": rows}
-        print(f"{name:<10} {s['makespan_max']:>12.3f} {s['makespan_median']:>7.3f} "
-              f"{s['late']:>3}/{s['rollouts']:<3} {s['tokens_median']:>13.3f} "
-              f"{s['tokens_min']:>6.3f}", flush=True)
+    try:
+        for name in names:
+            rows = [one(name, s, bool(args.no_denser), bool(args.distrust),
+                        args.min_active_ranks, params) for s in range(args.seeds)]
+            s = summary(rows)
+            out[name] = {"overrides": WORKLOADS[name], "min_active_ranks": args.min_active_ranks,
+                         "group_source": params.group_source.value, "summary": s,
+                         "rollouts": rows}
+            print(f"{name:<10} {s['makespan_max']:>12.3f} {s['makespan_median']:>7.3f} "
+                  f"{s['late']:>3}/{s['rollouts']:<3} {s['tokens_median']:>13.3f} "
+                  f"{s['tokens_min']:>6.3f}", flush=True)
+    except KeyboardInterrupt:  # the workloads done are kept: --out holds those, named
+        written = []
+        if args.out and out:
+            write_json(args.out, out)
+            written.append(f"{args.out} (workloads {', '.join(out)} of {len(names)})")
+        print(stopped_line("heldout", written), file=sys.stderr)
+        return 130
     print(f"({time.process_time() - t0:.0f} s of CPU)")
     if args.out:
         write_json(args.out, out)

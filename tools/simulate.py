@@ -29,7 +29,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from flexfloor.outputs import (  # noqa: E402
-    distinct, path_arg, writable, writable_image, write_json,
+    distinct, path_arg, stopped_line, writable, writable_image, write_json,
 )
 from flexfloor.sim.cost import CostParams, GroupSource  # noqa: E402
 from flexfloor.sim.scenarios import (  # noqa: E402
@@ -229,7 +229,16 @@ def step_line(entry: dict, sc, seconds: float) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    written = []  # what a Ctrl-C leaves written
+    try:
+        return simulate(parse_args(argv), written)
+    except KeyboardInterrupt:
+        print(stopped_line("simulate", written), file=sys.stderr)
+        return 130
+
+
+def simulate(args, written: list) -> int:
+    """The command, from its parsed flags; each file it writes goes into `written`."""
     if args.list:
         for name, sc in SCENARIOS.items():
             where = f"{sc.gpus} x {sc.accelerator}" if sc.accelerator else f"{sc.gpus} ranks, UnitCost"
@@ -299,6 +308,7 @@ def main(argv=None) -> int:
         return 2
     rep["seconds"] = time.perf_counter() - t0
     write_json(out, rep)
+    written.append(out)
     print(format_report(rep))
     if "sweep" in rep:
         print(format_sweep(rep["sweep"]))
