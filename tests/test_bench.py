@@ -145,7 +145,7 @@ def test_table_and_plot(run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--length-dist", "uniform", "--length-median", "6"], "--length-median do not apply"),
+    (["--length-dist", "uniform", "--length-median", "6"], "--length-median does not apply"),
     (["--modes", "static,fast"], "unknown"),
     (["--kv-budget-tokens", "50"], "cannot hold the longest request"),
     (["--accelerator", "TPU"], "--accelerator/--model-shape: accelerator 'TPU' unknown"),

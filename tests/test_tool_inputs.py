@@ -472,3 +472,27 @@ def test_ctrl_c_ends_the_benchmark_and_its_workers_in_one_line(tmp_path):
     _, alive = psutil.wait_procs(launched, timeout=60)
     assert not alive
     assert out.read_text() == '{"earlier": true}' and os.listdir(tmp_path) == ["b.json"]
+
+
+def test_bench_reads_a_length_file_without_length_dist(tmp_path, capsys):
+    """--length-file alone is --length-dist file, as in simulate.py: the file is read (here
+    up to the KV check, which needs its longest length, before any launch); a flag of another
+    distribution is named with the fix."""
+    from tools import bench_rollout
+
+    lengths = tmp_path / "l.json"
+    lengths.write_text(json.dumps({"lengths": [[[3, 4], [5, 60]]] * 4}))
+    small = ["--num-prompts", "2", "--samples-per-prompt", "2", "--out", str(tmp_path / "b.json")]
+    err = refused(bench_rollout.main, ["--length-file", str(lengths), "--kv-budget-tokens", "9",
+                                       *small], capsys)
+    assert err.startswith("bench_rollout: --kv-budget-tokens 9 cannot hold the longest request "
+                          "alone (68 tokens"), err  # 60 from the file + an 8-token prompt
+    err = refused(bench_rollout.main, ["--length-file", str(lengths), "--length-dist",
+                                       "lognormal", *small], capsys)
+    assert err.endswith("error: --length-file does not apply to --length-dist lognormal; drop "
+                        "it, or give --length-dist file")
+    err = refused(bench_rollout.main, ["--length-dist", "uniform", "--length-median", "6",
+                                       "--length-sigma", "1", *small], capsys)
+    assert err.endswith("error: --length-median and --length-sigma do not apply to --length-dist "
+                        "uniform; drop them, or give --length-dist lognormal")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.json"]

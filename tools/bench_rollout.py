@@ -98,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     w.add_argument("--samples-per-prompt", type=int, default=8)
     w.add_argument("--epochs", type=int, default=4)
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--length-dist", default="lognormal", choices=DISTRIBUTIONS)
+    w.add_argument("--length-dist", default=None, choices=DISTRIBUTIONS,
+                   help="response lengths (default: file with --length-file, else lognormal)")
     w.add_argument("--length-median", type=float, default=None, help="lognormal (default 16)")
     w.add_argument("--length-sigma", type=float, default=None, help="lognormal (default 1.2)")
     w.add_argument("--short", type=float, default=None, help="bimodal (default 8)")
@@ -195,12 +196,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("kv_budget_tokens", "max_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1 (or left out)")
-    others = {flag for d, flags in DIST_FLAGS.items() if d != args.length_dist
-              for flag in flags.values()} - set(DIST_FLAGS[args.length_dist].values())
-    given = sorted(f for f in others if getattr(args, f) is not None)
+    if args.length_dist is None:  # a length file is the lengths, as in tools/simulate.py
+        args.length_dist = "file" if args.length_file is not None else "lognormal"
+    if args.length_dist == "file" and args.length_file is None:
+        p.error("--length-dist file: give the file with --length-file PATH")
+    others = {flag: d for d, flags in DIST_FLAGS.items() if d != args.length_dist
+              for flag in flags.values()}
+    given = [f for f in others if getattr(args, f) is not None
+             and f not in DIST_FLAGS[args.length_dist].values()]
     if given:
-        p.error(f"{', '.join('--' + f.replace('_', '-') for f in given)} do not apply to "
-                f"--length-dist {args.length_dist}")
+        named = " and ".join("--" + f.replace("_", "-") for f in given)
+        dists = sorted({others[f] for f in given})
+        p.error(f"{named} {'does' if len(given) == 1 else 'do'} not apply to --length-dist "
+                f"{args.length_dist}; drop {'it' if len(given) == 1 else 'them'}"
+                + (f", or give --length-dist {dists[0]}" if len(dists) == 1 else ""))
     from flexfloor.config import Config, ConfigError, RolloutConfig, SchedulerConfig
 
     elastic = elastic_section(args)
