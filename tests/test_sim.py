@@ -326,9 +326,9 @@ def test_a_length_file_at_max_len_is_replayed_as_given(tmp_path):
      "simulate: --accelerator 'H900': unknown; choose one of ['A100', 'H100', 'H200', 'H800']"),
     (["--model", "nope"], "simulate: --model 'nope': unknown; choose one of ['deepseek-v2-lite', "),
     (["--accelerator", "H900", "--kv-budget-tokens", "100"], "simulate: --accelerator 'H900'"),
-    (["--kv-budget-tokens", "100"], "simulate: kv budget of 100 tokens per rank cannot hold the "
-     "longest request (2648 tokens: a prompt of up to 600 and a response of 2048); raise "
-     "kv_budget_tokens (--kv-budget-tokens) or shorten the responses"),
+    (["--kv-budget-tokens", "100"], "simulate: --kv-budget-tokens 100: 100 tokens per rank "
+     "cannot hold the longest request (2648 tokens: a prompt of up to 600 and a response of "
+     "2048); give at least 2648, or shorten the responses"),
     (["--sweep", "--length-file", "L.json"], "simulate: --sweep with --length-file: the sweep "
      "draws lognormal lengths of each --sweep-sigmas, not the file's"),
     # a size of the sweep that cannot run: refused before the main run, not after it

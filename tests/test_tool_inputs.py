@@ -496,3 +496,28 @@ def test_bench_reads_a_length_file_without_length_dist(tmp_path, capsys):
     assert err.endswith("error: --length-median and --length-sigma do not apply to --length-dist "
                         "uniform; drop them, or give --length-dist lognormal")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["l.json"]
+
+
+def test_a_kv_budget_too_small_names_the_given_value_and_the_least(tmp_path, capsys):
+    """Under UnitCost the budget is held in whole blocks of the engine's pool: the error names
+    the value given, what whole blocks keep of it and the least that holds the longest
+    request (in whole blocks); that least runs."""
+    out = tmp_path / "s.json"
+    tiny = ["--scenario", "tiny-cpu", "--num-prompts", "4", "--samples-per-prompt", "2",
+            "--epochs", "1", "--max-len", "40", "--out", str(out)]
+    sim = simulate.prepare(simulate.scenario_of(simulate.parse_args(tiny)))
+    longest = 8 + int(sim.lengths.max())  # tiny-cpu's prompts: up to 8 tokens
+    least = -(-longest // 16) * 16
+    err = refused(simulate.main, [*tiny, "--kv-budget-tokens", "10"], capsys)
+    assert err == (f"simulate: --kv-budget-tokens 10: 10 tokens per rank, 0 in whole 16-token "
+                   f"blocks, cannot hold the longest request ({longest} tokens: a prompt of up "
+                   f"to 8 and a response of {longest - 8}); give at least {least}, or shorten "
+                   "the responses")
+    assert not out.exists()
+    for given in (least - 1, least):  # the least passes this check (not said: the run's own)
+        try:
+            simulate.main([*tiny, "--kv-budget-tokens", str(given)])
+        except SystemExit:
+            pass
+        said = "cannot hold the longest request" in capsys.readouterr().err
+        assert said == (given < least), given

@@ -334,11 +334,19 @@ def prepare(sc: Scenario, *, params: CostParams = CostParams()) -> types.SimpleN
                             expert_nbytes=memory.expert_bytes)
         longest = sc.prompt_len[1] + int(lengths.max())
         if memory.kv_budget_bytes is not None and longest * memory.kv_bytes_per_token > memory.kv_budget_bytes:
-            raise ValueError(f"kv budget of {memory.kv_budget_bytes // memory.kv_bytes_per_token} "
-                             f"tokens per rank cannot hold the longest request ({longest} tokens: "
-                             f"a prompt of up to {sc.prompt_len[1]} and a response of "
-                             f"{int(lengths.max())}); raise kv_budget_tokens (--kv-budget-tokens) "
-                             "or shorten the responses")
+            held, bt = memory.kv_budget_bytes // memory.kv_bytes_per_token, memory.block_tokens
+            request = (f"the longest request ({longest} tokens: a prompt of up to "
+                       f"{sc.prompt_len[1]} and a response of {int(lengths.max())})")
+            least = -(-longest // bt) * bt  # whole blocks, as the pool holds them
+            if sc.kv_budget_tokens is None:  # the accelerator's memory, less the weights
+                raise ValueError(f"kv budget of {held} tokens per rank cannot hold {request}; "
+                                 f"give kv_budget_tokens (--kv-budget-tokens) of at least "
+                                 f"{least}, or shorten the responses")
+            kept = (f", {held} in whole {bt}-token blocks," if held != sc.kv_budget_tokens
+                    else "")
+            raise ValueError(f"kv_budget_tokens={sc.kv_budget_tokens}: {sc.kv_budget_tokens} "
+                             f"tokens per rank{kept} cannot hold {request}; give at least "
+                             f"{least}, or shorten the responses")
         states = {g: replica_state(shape.num_experts, g, sc.training_ep) for g in groups}
         return _Topology(groups, memory, limits, states)
 
