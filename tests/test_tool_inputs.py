@@ -521,3 +521,17 @@ def test_a_kv_budget_too_small_names_the_given_value_and_the_least(tmp_path, cap
             pass
         said = "cannot hold the longest request" in capsys.readouterr().err
         assert said == (given < least), given
+
+
+def test_simulate_help_explains_every_flag(capsys):
+    """Every flag of `simulate.py --help` has its line of help, and a flag left to the scenario
+    says so instead of "(default: None)"."""
+    with pytest.raises(SystemExit):
+        simulate.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: None)" not in text
+    lines = text.split("options:", 1)[1].splitlines()
+    bare = [line.split()[0] for i, line in enumerate(lines) if line.startswith("  -")
+            and len(line.split()) <= 2 and not lines[i + 1].startswith(" " * 8)]
+    assert bare == [], bare
+    assert "--length-median LENGTH_MEDIAN" in text and "lognormal median" in text

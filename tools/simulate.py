@@ -45,43 +45,71 @@ def switch(value: str) -> bool:
     return value == "1"
 
 
-OVERRIDES = {  # flag -> (Scenario field, type)
-    "gpus": ("gpus", int), "replicas": ("replicas", int), "accelerator": ("accelerator", str),
-    "model": ("model", str), "dataset_prompts": ("dataset_prompts", int),
-    "history_correlation": ("history_correlation", float), "cap_fraction": ("cap_fraction", float),
-    "kv_block_tokens": ("kv_block_tokens", int),
-    "num_prompts": ("num_prompts", int), "samples_per_prompt": ("samples_per_prompt", int),
-    "epochs": ("epochs", int), "max_len": ("max_len", int), "max_batch_size": ("max_batch_size", int),
-    "kv_budget_tokens": ("kv_budget_tokens", int), "min_active_ranks": ("min_active_ranks", int),
-    "migrate_max_requests": ("migrate_max_requests", int), "seed": ("seed", int),
-    "max_share": ("max_share", float), "load_cap": ("load_cap", float),
-    "pace_margin": ("pace_margin", float),
-    "consolidate": ("consolidate", switch),  # 1: tail consolidation, 0: off
-    # the online correction and the evacuation's hedges (docs/simulator.md): 1 on (the GPU
-    # scenarios' default), 0 off
-    "correct": ("correct", switch),
-    "taker_hedge": ("taker_hedge", float),
-    "oracle": ("oracle", switch),  # 1: elastic told every length (a ceiling)
-    "gather": ("gather", switch),  # 1: no history: gather known-long work
-    # an analysis placement (docs/simulator.md, "Two tiers"): the elastic mode's requests on
-    # the first K replicas, the --lane-requests N longest (by its estimates; exact with
-    # --oracle 1) on the others
-    "dense_replicas": ("dense_replicas", int), "lane_requests": ("lane_requests", int),
-    # 1: where the history proves wrong in a rollout, a leaving replica hands over only to
-    # ranks no denser than its fullest (`ConsolidationRules.no_denser`); 0: never
-    "no_denser": ("no_denser", switch),
-    # 1: after a rollout that proved the length history wrong, place the next as static does
-    # (`Scheduler.distrust_wrong_history`); 0: pack by it anyway
-    "distrust": ("distrust", switch),
-    # 1: a shrink inside a replica (a floor below its size) obeys the pace rule, bounded by
-    # the end to keep (`release.slows_replica`); 0: every shrink the floor allows is made
-    "shrink_pace": ("shrink_pace", switch),
+SCENARIO = "default: the scenario's"
+OVERRIDES = {  # flag -> (Scenario field, type, help); each default: the scenario's
+    "gpus": ("gpus", int, "accelerators (ranks) in the cluster"),
+    "replicas": ("replicas", int, "EP groups of gpus / replicas ranks, each holding every expert"),
+    "accelerator": ("accelerator", str, "H100, H800, H200 or A100 (roofline step costs)"),
+    "model": ("model", str, "a model preset or deepseek-v3"),
+    "dataset_prompts": ("dataset_prompts", int,
+                        "prompts of the dataset each step draws --num-prompts from"),
+    "history_correlation": ("history_correlation", float,
+                            "how much a prompt's length one step tells of the next, 0-1"),
+    "cap_fraction": ("cap_fraction", float, "share of samples, drawn each step, that run to "
+                     "--max-len, 0-1"),
+    "kv_block_tokens": ("kv_block_tokens", int, "KV block size of the engine's pool, in "
+                        "tokens (0: a request reserves prompt + response at admission)"),
+    "num_prompts": ("num_prompts", int, "prompts per training step"),
+    "samples_per_prompt": ("samples_per_prompt", int, "responses sampled per prompt"),
+    "epochs": ("epochs", int, "training steps simulated (step 1 has no length history)"),
+    "max_len": ("max_len", int, "response cap, tokens"),
+    "max_batch_size": ("max_batch_size", int, "requests decoded at once per rank"),
+    "kv_budget_tokens": ("kv_budget_tokens", int, "KV cache per rank, in tokens (default: "
+                         "from the accelerator's memory; unbounded under UnitCost)"),
+    "min_active_ranks": ("min_active_ranks", int, "the floor: ranks a replica keeps, 1 to its "
+                         "size (gpus / replicas)"),
+    "migrate_max_requests": ("migrate_max_requests", int, "a rank with at most this many "
+                             "requests left hands them over and leaves (0: off)"),
+    "seed": ("seed", int, "workload seed"),
+    "max_share": ("max_share", float, "FlexFloor placement: a rank takes at most this many "
+                  "fair shares of the prompt groups"),
+    "load_cap": ("load_cap", float, "FlexFloor placement: a rank's peak KV load at most this "
+                 "times the baseline's fullest rank"),
+    "pace_margin": ("pace_margin", float, "FlexFloor across replicas: a rank's predicted finish "
+                    "at most this times static's predicted end"),
+    "consolidate": ("consolidate", switch, "1: tail consolidation across replicas (elastic), "
+                    "0: off"),
+    "correct": ("correct", switch, "1: the online correction against the plan's end and the "
+                "evacuation's hedges (docs/simulator.md), 0: off"),
+    "taker_hedge": ("taker_hedge", float, "with the correction, a taker counts its running "
+                    "requests at this times their estimate (at least 1; 1: off)"),
+    "oracle": ("oracle", switch, "1: elastic told every length exactly (a ceiling, not the "
+               "policy), 0: predicted"),
+    "gather": ("gather", switch, "1: with no history, gather the requests their siblings say "
+               "are long onto the replicas that end later, 0: off"),
+    "dense_replicas": ("dense_replicas", int, "analysis placement (\"Two tiers\"): elastic's "
+                       "requests on the first K replicas, the --lane-requests longest on the "
+                       "others"),
+    "lane_requests": ("lane_requests", int, "with --dense-replicas: the N longest requests "
+                      "(by the estimates; exact with --oracle 1) go to the lanes"),
+    "no_denser": ("no_denser", switch, "1: once the history proves wrong, a leaving replica "
+                  "hands over only to ranks no denser than its fullest, 0: never"),
+    "distrust": ("distrust", switch, "1: after a rollout that proved the history wrong, place "
+                 "the next as static does, 0: pack by it anyway"),
+    "shrink_pace": ("shrink_pace", switch, "1: a shrink inside a replica obeys the pace rule "
+                    "(no later end for its replica), 0: every shrink the floor allows"),
 }
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default where it has one; a flag left to the scenario says so itself."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Help)
     p.add_argument("--list", action="store_true", help="name and describe the scenarios")
     p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)}")
     p.add_argument("--out", type=path_arg, help="JSON file the report goes to")
@@ -89,24 +117,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="PNG of the last epoch's rank timeline (static and FlexFloor)")
     p.add_argument("--sweep", action="store_true",
                    help="add a sweep over GPU counts and tail heaviness (lognormal sigma)")
-    p.add_argument("--sweep-gpus", default="16,32,64,128,256")
-    p.add_argument("--sweep-sigmas", default="0.4,0.6,0.8")
+    p.add_argument("--sweep-gpus", default="16,32,64,128,256",
+                   help="with --sweep: the GPU counts, comma-separated")
+    p.add_argument("--sweep-sigmas", default="0.4,0.6,0.8",
+                   help="with --sweep: the lognormal sigmas, comma-separated")
     o = p.add_argument_group("scenario overrides")
-    for flag, (_, typ) in OVERRIDES.items():
+    for flag, (_, typ, text) in OVERRIDES.items():
         o.add_argument("--" + flag.replace("_", "-"), type=typ, default=None,
+                       help=text if "default:" in text else f"{text} ({SCENARIO})",
                        **({"metavar": "{0,1}"} if typ is switch else {}))
     o.add_argument("--length-file", type=path_arg,
                    help="replay these lengths (workload file format)")
-    o.add_argument("--length-median", type=float, help="lognormal median")
-    o.add_argument("--length-sigma", type=float, help="lognormal sigma")
+    o.add_argument("--length-median", type=float,
+                   help=f"lognormal median response length, tokens ({SCENARIO})")
+    o.add_argument("--length-sigma", type=float,
+                   help=f"lognormal sigma: the tail's heaviness, 0 or more ({SCENARIO})")
     c = p.add_argument_group("cost model (CostParams)")
     c.add_argument("--group-source", choices=[g.value for g in GroupSource], default=None,
                    help="survivors' group at a shrink: new (NCCL init, group_create_s), "
                         "prebuilt (every set ready, a switch) or planned (the sets of the "
                         "plan's finish order are ready, any other is created, as the engine does)")
-    c.add_argument("--group-create-s", type=float, default=None)
-    c.add_argument("--host-overhead-s", type=float, default=None, help="engine time per step")
-    c.add_argument("--zipf-s", type=float, default=None, help="expert popularity exponent")
+    c.add_argument("--group-create-s", type=float, default=None,
+                   help="seconds to create a process group (NCCL init) at a shrink with "
+                        "--group-source new or planned (default: CostParams')")
+    c.add_argument("--host-overhead-s", type=float, default=None, help="engine time per step, seconds (default: CostParams')")
+    c.add_argument("--zipf-s", type=float, default=None, help="expert popularity exponent (default: CostParams')")
     args = p.parse_args(argv)
     if not args.list and not (args.scenario and args.out):
         p.error("--scenario NAME and --out FILE are required (or --list)")
@@ -132,7 +167,7 @@ def _numbers(p, flag: str, text: str, kind) -> list:
 
 def scenario_of(args):
     sc = SCENARIOS[args.scenario]
-    kw = {field: getattr(args, flag) for flag, (field, _) in OVERRIDES.items()
+    kw = {field: getattr(args, flag) for flag, (field, _, _) in OVERRIDES.items()
           if getattr(args, flag) is not None}
     if args.length_file:
         if args.length_median is not None or args.length_sigma is not None:
@@ -160,7 +195,7 @@ def flag_named(message: str, args) -> str:
     """`message` of a Scenario field given by a flag ("max_batch_size=-5: ..."), told with the
     flag instead ("--max-batch-size -5: ..."); any other message as it is."""
     name, sep, rest = message.partition("=")
-    for flag, (field_name, _) in OVERRIDES.items():
+    for flag, (field_name, _, _) in OVERRIDES.items():
         if sep and field_name == name and getattr(args, flag) is not None:
             return f"--{flag.replace('_', '-')} {rest}"
     return message
