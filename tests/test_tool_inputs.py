@@ -535,3 +535,14 @@ def test_simulate_help_explains_every_flag(capsys):
             and len(line.split()) <= 2 and not lines[i + 1].startswith(" " * 8)]
     assert bare == [], bare
     assert "--length-median LENGTH_MEDIAN" in text and "lognormal median" in text
+
+
+def test_a_unit_cost_sweep_says_worker_steps(tmp_path, capsys):
+    """Under UnitCost (tiny-cpu) the sweep's ratios are per occupied worker-step, as the
+    report's unit says, not per GPU-second."""
+    assert simulate.main(["--scenario", "tiny-cpu", "--epochs", "1", "--num-prompts", "8",
+                          "--sweep", "--sweep-gpus", "4", "--sweep-sigmas", "0.6",
+                          "--out", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "4 gpus, sigma 0.6: x" in out and "tokens per occupied worker-step (UnitCost)" in out
+    assert "GPU-s" not in out and "tok/occ-step x" in out

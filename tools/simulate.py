@@ -242,12 +242,14 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def format_sweep(rows: list[dict]) -> str:
+def format_sweep(rows: list[dict], unit: str = "s") -> str:
+    """The sweep's table; `unit`: the report's ("steps" under UnitCost)."""
     lines = [f"{'gpus':>5s} {'sigma':>6s} {'p99/p50':>8s} {'static tail':>12s} "
-             f"{'tok/occ-s x':>12s} {'wall x':>8s} {'vs ideal':>9s}"]
+             f"{'tok/occ-s x' if unit == 's' else 'tok/occ-step x':>14s} {'wall x':>8s} "
+             f"{'vs ideal':>9s}"]
     for r in rows:
         lines.append(f"{r['gpus']:5d} {r['sigma']:6.2f} {r['p99_over_p50']:8.1f} "
-                     f"{r['static_tail_fraction']:12.3f} {r['tokens_per_occupied_worker_second']:12.3f} "
+                     f"{r['static_tail_fraction']:12.3f} {r['tokens_per_occupied_worker_second']:14.3f} "
                      f"{r['rollout_wall_seconds']:8.3f} {r['elastic_over_ideal']:9.3f}")
     return "\n".join(lines)
 
@@ -346,7 +348,7 @@ def simulate(args, written: list) -> int:
     written.append(out)
     print(format_report(rep))
     if "sweep" in rep:
-        print(format_sweep(rep["sweep"]))
+        print(format_sweep(rep["sweep"], rep["unit"]))
     print(f"took {rep['seconds']:.0f} s; results in {out}")
     if args.plot:
         from tools.plot_timeline import plot_report

@@ -812,8 +812,9 @@ def sweep(sc: Scenario, gpus: list[int], sigmas: list[float], *,
     for s in sweep_scenarios(sc, gpus, sigmas):
         n, sigma = s.gpus, s.length_params["sigma"]
         rep = run(s, params=params)
+        per = "GPU-second" if s.accelerator else "worker-step (UnitCost)"
         print(f"  {n} gpus, sigma {sigma}: x{rep['ratios']['tokens_per_occupied_worker_second']:.3f}"
-              f" tokens per occupied GPU-second, wall x{rep['ratios']['rollout_wall_seconds']:.3f}",
+              f" tokens per occupied {per}, wall x{rep['ratios']['rollout_wall_seconds']:.3f}",
               flush=True)
         rows.append({"gpus": n, "sigma": sigma, "num_prompts": s.num_prompts,
                      "p99_over_p50": rep["workload"]["p99_over_p50"],
