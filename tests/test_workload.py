@@ -69,7 +69,8 @@ def test_json_file_per_prompt_repeats_every_epoch(tmp_path):
                                          r"--max-len 11"):
         make_lengths("file", path=str(path), num_prompts=2, samples_per_prompt=2, epochs=3,
                      seed=0, max_len=11)
-    with pytest.raises(ValueError, match="do not cover"):
+    with pytest.raises(ValueError, match=r"do not cover .*: lower --num-prompts to 2 "
+                                         r"\(--dataset-prompts where given\), or give a file"):
         make_lengths("file", path=str(path), num_prompts=3, samples_per_prompt=2, epochs=1,
                      seed=0, max_len=50)
 
@@ -83,7 +84,8 @@ def test_text_file_gives_prompt_bases(tmp_path):
     noisy = make_lengths("file", path=str(path), num_prompts=3, samples_per_prompt=4, epochs=2,
                          seed=0, max_len=200)
     assert noisy[0, 1].min() > 20  # samples stay around their prompt's base
-    with pytest.raises(ValueError, match="need at least num_prompts=4"):
+    with pytest.raises(ValueError, match="3 lengths .*need at least 4: one for each of the "
+                                         "--num-prompts .*or lower it to 3"):
         make_lengths("file", path=str(path), num_prompts=4, samples_per_prompt=1, epochs=1,
                      seed=0, max_len=200)
 
@@ -97,6 +99,16 @@ def test_text_file_gives_prompt_bases(tmp_path):
     ("word.txt", "5\nabc\n", "line 2: 'abc' is not a positive length"),
     ("zero.txt", "5\n0  # none\n", "line 2: '0' is not a positive length"),
     ("absent.txt", None, "No such file or directory (--length-file)"),
+    # a bare list, read as JSON (not as a text file of one length per line) with the fix
+    ("bare.json", "[[[10, 20], [30, 40]]]", 'is an object; wrap the list as {"lengths": ...}'),
+    ("empty.json", "", 'is empty; give JSON {"lengths": [epochs][prompts][samples]} or one'),
+    ("blank.txt", "# only a comment\n\n", "holds no lengths, only comments or blank lines"),
+    # JSON true is not the length 1 (numpy would make it one)
+    ("true.json", '{"lengths": [[3, 4], [1, true]]}',
+     "lengths[1][1] (prompt 1, sample 1) is true; lengths must be whole numbers of at least 1"),
+    ("short.json", '{"lengths": [[[3, 4]], [[1, 2]]]}',
+     "lengths of shape [2, 1, 2] do not cover [epochs=1][prompts=2][samples=2] (or "
+     "[prompts][samples]): lower --num-prompts to 1 (--dataset-prompts where given), or give"),
 ])
 def test_a_bad_length_file_is_refused_naming_it(tmp_path, name, text, message):
     """Not raised to length 1 or read as something else: an error naming the file."""

@@ -223,13 +223,24 @@ def _read_file(path: str, shape: Sequence[int], max_len: int | None = None):
             text = f.read()
     except OSError as e:
         raise ValueError(f"length file {path}: {e.strerror} (--length-file)") from None
-    if text.lstrip().startswith("{"):
+    if not text.strip():
+        raise ValueError(f"length file {path}: is empty; give JSON {{\"lengths\": "
+                         "[epochs][prompts][samples]} or one base length per line "
+                         "(--length-file)")
+    if text.lstrip().startswith(("{", "[")):
         try:
             data = json.loads(text)
         except ValueError as e:
             raise ValueError(f"length file {path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"length file {path}: a JSON length file is an object; wrap the "
+                             f"list as {{\"lengths\": ...}} (--length-file)")
         if "lengths" not in data:
             raise ValueError(f"{path}: a JSON length file needs a 'lengths' key")
+        flag = _first_bool(data["lengths"])
+        if flag is not None:  # numpy would take true as 1
+            raise ValueError(f"length file {path}: {_at(flag[0])} is {flag[1]}; lengths must "
+                             "be whole numbers of at least 1: fix the file (--length-file)")
         try:
             arr = np.asarray(data["lengths"])
         except ValueError:  # ragged lists
@@ -247,11 +258,20 @@ def _read_file(path: str, shape: Sequence[int], max_len: int | None = None):
             raise ValueError(f"length file {path}: 'lengths' must be nested lists of whole "
                              "numbers of at least 1, every prompt with as many samples")
         need = (prompts, samples) if arr.ndim == 2 else (epochs, prompts, samples)
-        if arr.ndim not in (2, 3) or any(have < n for have, n in zip(arr.shape, need)):
+        if arr.ndim not in (2, 3):
             raise ValueError(
-                f"{path}: lengths of shape {list(np.shape(data['lengths']))} do not cover "
-                f"[epochs={epochs}][prompts={prompts}][samples={samples}] (or [prompts][samples])"
-            )
+                f"{path}: lengths of shape {list(np.shape(data['lengths']))}: give "
+                "[epochs][prompts][samples] or [prompts][samples] (--length-file)")
+        short = [(flag, have, n) for flag, have, n in zip(
+            ("--epochs", "--num-prompts", "--samples-per-prompt")[3 - arr.ndim:], arr.shape,
+            need) if have < n]
+        if short:
+            fix = " and ".join(f"{flag} to {have}" + (_DATASET if flag == "--num-prompts" else "")
+                               for flag, have, _ in short)
+            raise ValueError(
+                f"{path}: lengths of shape {list(arr.shape)} do not cover "
+                f"[epochs={epochs}][prompts={prompts}][samples={samples}] (or [prompts][samples]): "
+                f"lower {fix}, or give a file that covers them")
         used = arr[tuple(slice(n) for n in need)]
         if max_len is not None:
             _check_within(path, used, max_len)
@@ -268,10 +288,30 @@ def _read_file(path: str, shape: Sequence[int], max_len: int | None = None):
         if not bases[-1] > 0:  # NaN too
             raise ValueError(f"length file {path}, line {number}: {value!r} is not a positive "
                              "length (one base length per line; # starts a comment)")
+    if not bases:
+        raise ValueError(f"length file {path}: holds no lengths, only comments or blank lines; "
+                         "give one base length per line (--length-file)")
     if len(bases) < prompts:
-        raise ValueError(f"{path}: {len(bases)} lengths (one per line, one per prompt), "
-                         f"need at least num_prompts={prompts}")
+        raise ValueError(f"{path}: {len(bases)} lengths (one per line, one per prompt), need "
+                         f"at least {prompts}: one for each of the --num-prompts{_DATASET}, or "
+                         f"lower it to {len(bases)}")
     return None, np.array(bases[:prompts])
+
+
+# the prompts a length file covers are the dataset's where the tool has one
+_DATASET = " (--dataset-prompts where given)"
+
+
+def _first_bool(value, at=()):
+    """(index, the JSON word) of the first true/false in nested lists, or None."""
+    if isinstance(value, bool):
+        return at, "true" if value else "false"
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _first_bool(v, (*at, i))
+            if found is not None:
+                return found
+    return None
 
 
 def _at(index: Sequence[int]) -> str:
