@@ -260,6 +260,11 @@ def test_simulate_says_when_the_pace_rule_cannot_act(tmp_path, capsys):
     (["--cap-fraction", "1.5"], "--cap-fraction 1.5: must be in [0, 1]"),
     (["--zipf-s", "-2"], "--zipf-s -2.0: must be a number at least 0"),
     (["--group-create-s", "inf"], "--group-create-s inf: must be a number at least 0"),
+    # a floor given above the replica's size is refused, where it was capped silently
+    (["--min-active-ranks", "5"],
+     "--min-active-ranks 5: must be 1 to 4 (a replica's ranks: 4 GPUs / 1 replica)"),
+    (["--gpus", "8", "--replicas", "2", "--min-active-ranks", "9"],
+     "--min-active-ranks 9: must be 1 to 4 (a replica's ranks: 8 GPUs / 2 replicas)"),
 ])
 def test_simulate_refuses_out_of_range_values_naming_the_flag(tmp_path, capsys, argv, message):
     """Checked with the scenario, before the simulation: one line, status 2, no report."""

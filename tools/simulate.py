@@ -293,6 +293,12 @@ def simulate(args, written: list) -> int:
             prepared = prepare(sc, params=params)
         except ValueError as e:
             raise ValueError(flag_named(str(e), args)) from None
+        size = sc.gpus // sc.replicas
+        if args.min_active_ranks is not None and args.min_active_ranks > size:
+            # a scenario's own floor is capped at its replicas' size; a floor given is meant
+            raise ValueError(f"--min-active-ranks {args.min_active_ranks}: must be 1 to {size} "
+                             f"(a replica's ranks: {sc.gpus} GPUs / {sc.replicas} "
+                             f"replica{'' if sc.replicas == 1 else 's'})")
         ignored = [sc.gpus] if pace_rule_ignored(sc) else []
         if args.sweep and sc.dense_replicas is not None:
             raise ValueError("--sweep with --dense-replicas: the sweep scales the prompts with "
