@@ -308,10 +308,20 @@ def resolve_checkpoint(path: str) -> str:
     """A checkpoint directory from a root (follows `latest`) or an `iter_N` directory."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint path {path} does not exist (checkpoint.load)")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, give the folder: a checkpoint root or one of "
+                              "its iter_N folders (checkpoint.load)")
     latest = os.path.join(path, LATEST_FILE)
     if os.path.isfile(latest):
         with open(latest) as f:
             path = os.path.join(path, f.read().strip())
+    elif not os.path.basename(path.rstrip("/")).startswith("iter_"):
+        iters = sorted(d for d in os.listdir(path) if d.startswith("iter_")
+                       and not d.endswith(".tmp"))
+        raise CheckpointError(
+            f"{path} has no `{LATEST_FILE}` file in it and is no iter_N folder: give "
+            + (f"an iter_N folder in it ({', '.join(iters[-3:])})" if iters else
+               "a checkpoint root (with `latest`) or an iter_N folder") + " (checkpoint.load)")
     if path.rstrip("/").endswith(".tmp"):
         raise CheckpointError(f"{path} is an unfinished save and is never loaded")
     if not os.path.isfile(os.path.join(path, META_FILE)):

@@ -123,7 +123,7 @@ def _assert_refused(proc, reason):
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
-def test_cli_ep2_refusals_exit_2_with_one_line_and_no_traceback(launch):
+def test_cli_ep2_refusals_exit_2_with_one_line_and_no_traceback(launch, training_ckpt):
     d = os.path.join(launch(1)["_out"], "mixtral")
     ckpt, hf = os.path.join(d, "flexfloor"), os.path.join(d, "hf")
     before = sorted(os.listdir(ckpt))
@@ -133,11 +133,12 @@ def test_cli_ep2_refusals_exit_2_with_one_line_and_no_traceback(launch):
     _assert_refused(_cli("flexfloor-to-hf", "--ckpt", ckpt, "--out", hf, "--ep", "2"),
                     f"{hf} exists already")
     assert sorted(os.listdir(ckpt)) == before
-    # refused inside the 2 workers (loading the checkpoint with a config of another vocabulary)
+    # refused inside the 2 workers (loading a training checkpoint, which records no model, with
+    # a config of another vocabulary)
     out = os.path.join(d, "hf_cli_bad_vocab")
-    _assert_refused(_cli("flexfloor-to-hf", "--ckpt", ckpt, "--out", out, "--ep", "2",
-                         "--config", os.path.join(ckpt, "model.yaml"), "--family", "mixtral",
-                         "model.vocab_size=256"), "model.vocab_size: checkpoint 128 vs config 256")
+    _assert_refused(_cli("flexfloor-to-hf", "--ckpt", training_ckpt, "--out", out, "--ep", "2",
+                         "--config", GRPO_TINY, "--family", "mixtral", "model.vocab_size=256"),
+                    "model.vocab_size: checkpoint 128 vs config 256")
     assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
 
 
@@ -320,8 +321,8 @@ def _stopping(pid: int, sigs) -> bool:
                          ids=["sigterm-one_process", "sigint-one_process", "sigterm-ep2",
                               "sigint-ep2", "sighup-ep2"])
 def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig, ep):
-    """A signal to the tool mid-conversion (iter_0000000.tmp being written: by the 2 workers at
-    --ep 2, by the tool's own process at --ep 1) stops torchrun and the workers, and removes the
+    """A signal to the tool mid-conversion (ckpt.tmp/iter_0000000.tmp being written: by the 2
+    workers at --ep 2, by the tool's own process at --ep 1) stops torchrun and the workers, and removes the
     output and the temporary files. The writers are paused the moment the output appears (the
     tool at --ep 1; the workers at --ep 2 until the tool's signal reaches them), so the signal
     lands mid-write however loaded the machine is."""
@@ -331,7 +332,7 @@ def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig,
     tmp, proc = _convert_proc(tmp_path, "hf-to-flexfloor", "--hf", tiny_hf, "--out", out,
                               "--ep", ep)
     try:
-        _wait_for("the output folder", proc, lambda: os.path.exists(out))
+        _wait_for("the output folder", proc, lambda: os.path.exists(out + ".tmp"))
         if ep == "1":
             writers = [psutil.Process(proc.pid)]
         else:  # torchrun's own children: the checkpoint writers the workers fork are theirs
@@ -356,7 +357,7 @@ def test_cli_signal_stops_the_workers_and_leaves_nothing(tiny_hf, tmp_path, sig,
     assert proc.returncode == 128 + sig, err[-3000:]
     assert f"[convert] stopped by {sig.name}" in err
     assert _processes_naming(out) == []  # torchrun and both workers have ended
-    assert not os.path.exists(out) and os.listdir(tmp) == []
+    assert sorted(os.listdir(tmp_path)) == ["tmp"] and os.listdir(tmp) == []
 
 
 def test_cli_signal_keeps_an_output_folder_that_was_there(tmp_path):
@@ -380,7 +381,7 @@ def test_cli_signal_keeps_an_output_folder_that_was_there(tmp_path):
 @pytest.mark.parametrize("ep", ["1", "2"])
 def test_cli_sigkill_to_the_tool_ends_its_processes_and_leaves_nothing(tiny_hf, tmp_path, ep):
     """SIGKILL cannot be forwarded: the reaper the tool starts ends torchrun and the workers
-    (--ep 2), then removes the output folder this run made and the tool's scratch folder. The
+    (--ep 2), then removes the output this run left half done and the tool's scratch folder. The
     workers are paused first (SIGSTOP), so they can neither finish nor stop on their own: only
     the reaper's SIGKILL ends them. With --ep 1 the tool is the writer."""
     import psutil
@@ -390,7 +391,7 @@ def test_cli_sigkill_to_the_tool_ends_its_processes_and_leaves_nothing(tiny_hf, 
                               "--ep", ep)
     helpers = []
     try:
-        _wait_for("the output folder", proc, lambda: os.path.exists(out))
+        _wait_for("the output folder", proc, lambda: os.path.exists(out + ".tmp"))
         helpers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if out in " ".join(_cmdline(p))]  # not the reaper
         for p in helpers:
@@ -402,7 +403,7 @@ def test_cli_sigkill_to_the_tool_ends_its_processes_and_leaves_nothing(tiny_hf, 
         proc.wait(timeout=120)  # not communicate(): the paused helpers hold its stderr open
         _, alive = psutil.wait_procs(helpers, timeout=120)
         deadline = time.monotonic() + 60  # the reaper removes them once its kills are done
-        while (os.path.exists(out) or os.listdir(tmp)) and time.monotonic() < deadline:
+        while (os.path.exists(out + ".tmp") or os.listdir(tmp)) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         proc.kill()
@@ -413,7 +414,217 @@ def test_cli_sigkill_to_the_tool_ends_its_processes_and_leaves_nothing(tiny_hf, 
                 pass
     assert len(helpers) >= (3 if ep == "2" else 0)  # torchrun and its two workers
     assert alive == [] and _processes_naming(out) == []
-    assert {"out": os.path.exists(out), "tmp": os.listdir(tmp)} == {"out": False, "tmp": []}
+    assert {"out": sorted(os.listdir(tmp_path)), "tmp": os.listdir(tmp)} == {"out": ["tmp"],
+                                                                               "tmp": []}
+
+
+def _refusal_in_process(capsys, *argv) -> str:
+    """The one `[convert] error:` line of the CLI refusing `argv` in this process: --ep 2 runs
+    every check that needs no workers here, before any worker starts."""
+    from tools.convert_checkpoint import main
+
+    assert main([*argv, "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("[convert] error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0].removeprefix("[convert] error: ")
+
+
+@pytest.fixture
+def converted(launch, tmp_path):
+    """Copies of the converted Mixtral checkpoint root and of its HF folder, and the Qwen3-MoE
+    HF folder (the EP=1 launch's)."""
+    import shutil
+
+    d = launch(1)["_out"]
+    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    shutil.copytree(os.path.join(d, "mixtral", "flexfloor"), ckpt)
+    shutil.copytree(os.path.join(d, "mixtral", "hf"), hf)
+    return ckpt, hf, os.path.join(d, "qwen3_moe", "hf")
+
+
+def _tree(path) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, files in os.walk(path)
+                  for f in files)
+
+
+def test_cli_refuses_an_out_root_of_another_model_a_step_not_above_latest_or_inside_hf(
+        converted, capsys):
+    """An --out root takes only a later step of the model it records (never two models in one
+    root, never `latest` moved back), and never the --hf folder or a folder inside it."""
+    ckpt, hf, qwen = converted
+    os.rename(os.path.join(ckpt, "iter_0000000"), os.path.join(ckpt, "iter_0000005"))
+    with open(os.path.join(ckpt, "latest"), "w") as f:
+        f.write("iter_0000005\n")
+    before = {p: _tree(p) for p in (ckpt, hf)}
+    assert _refusal_in_process(capsys, "hf-to-flexfloor", "--hf", qwen, "--out", ckpt,
+                               "--step", "9") == (
+        f"--out {ckpt} holds checkpoints of another model than --hf {qwen} (model.preset: "
+        "recorded mixtral-8x7b vs --hf qwen3-30b-a3b, model.ffn_hidden_size: recorded 48 vs "
+        "--hf 96, model.kv_channels: recorded 16 vs --hf 32, model.rotary_base: recorded "
+        f"1000000 vs --hf 10000 and 1 more; recorded in {ckpt}/model.yaml); one root holds one "
+        "model: give another --out")
+    assert _refusal_in_process(capsys, "hf-to-flexfloor", "--hf", hf, "--out", ckpt,
+                               "--step", "3") == (
+        f"--step 3 is not above step 5, which {ckpt}/latest holds, and a conversion never "
+        "moves it back: give --step 6 or more, or another --out")
+    assert _refusal_in_process(capsys, "hf-to-flexfloor", "--hf", hf, "--out", hf + "/") == (
+        f"--out {hf}/ is the --hf folder: the checkpoint would be written among the model's "
+        "files; give an --out outside it")
+    assert _refusal_in_process(capsys, "hf-to-flexfloor", "--hf", hf, "--out",
+                               os.path.join(hf, "ckpt")).startswith(
+        f"--out {hf}/ckpt is inside the --hf folder {hf}: ")
+    assert {p: _tree(p) for p in (ckpt, hf)} == before
+
+
+def test_cli_names_the_input_that_is_wrong(converted, capsys, training_ckpt):
+    """A path of the wrong kind is named as such (not as an unfinished save), and a --config
+    that a converted checkpoint does not need, when it differs from the recorded model, is the
+    input named."""
+    import shutil
+
+    ckpt, hf, _ = converted
+    out = os.path.join(os.path.dirname(ckpt), "out")
+    assert _refusal_in_process(capsys, "flexfloor-to-hf", "--ckpt", hf, "--out", out) == (
+        f"--ckpt {hf}: this is a Hugging Face model folder (config.json), not a FlexFloor "
+        "checkpoint: use hf-to-flexfloor")
+    assert _refusal_in_process(capsys, "flexfloor-to-hf", "--ckpt", f"{ckpt}/latest",
+                               "--out", out) == (
+        f"{ckpt}/latest is a file, give the folder: a checkpoint root or one of its iter_N "
+        "folders (--ckpt)")
+    assert _refusal_in_process(capsys, "hf-to-flexfloor", "--hf", f"{hf}/config.json",
+                               "--out", out).startswith(
+        f"{hf}/config.json is a file, give the folder that holds it")
+    refusal = _refusal_in_process(capsys, "flexfloor-to-hf", "--ckpt", ckpt, "--out", out,
+                                  "--config", GRPO_TINY)
+    assert refusal.startswith(f"--config describes another model than --ckpt {ckpt} records ("
+                              "model.preset: checkpoint mixtral-8x7b vs config tiny, "), refusal
+    assert refusal.endswith("; a checkpoint this converter made records its model: drop "
+                            "--config"), refusal
+    # the same model section (its own model.yaml) is no mistake
+    from tools.convert_checkpoint import main
+
+    assert main(["flexfloor-to-hf", "--ckpt", ckpt, "--out", out, "--config",
+                 os.path.join(ckpt, "model.yaml"), "--ep", "2"]) == 0
+    os.remove(os.path.join(ckpt, "latest"))
+    assert _refusal_in_process(capsys, "flexfloor-to-hf", "--ckpt", ckpt, "--out", out + "2") == (
+        f"{ckpt} has no `latest` file in it and is no iter_N folder: give an iter_N folder in "
+        "it (iter_0000000) (--ckpt)")
+    # a sharded HF folder whose index names a shard that is not there
+    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00002.safetensors",
+                                       "model-00002-of-00002.safetensors",
+                                       "model.safetensors.index.json"]
+    os.remove(os.path.join(out, "model-00002-of-00002.safetensors"))
+    assert _refusal_in_process(capsys, "hf-to-flexfloor", "--hf", out, "--out", out + "3") == (
+        f"the index {out}/model.safetensors.index.json names model-00002-of-00002.safetensors, "
+        "which is missing; copy every shard of the model into the folder or re-save it with "
+        "save_pretrained")
+    shutil.rmtree(out)
+
+
+def _cli_file_size_limit(*args):
+    """The CLI with no file it writes allowed past 100 kB (a full disk, as a write sees it:
+    each checkpoint shard is larger), EFBIG instead of SIGXFSZ."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"),
+                           *args], capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_cli_a_failed_write_exits_2_naming_the_cause_and_leaves_nothing(converted, tmp_path):
+    """A write that fails (the disk full) in either direction, in one process or in 2 workers:
+    one `[convert] error:` line naming the cause and the fix, status 2, and what the run
+    wrote removed: the new output folder, or iter_N.tmp in a checkpoint root that was there."""
+    ckpt, hf, _ = converted
+    before = _tree(ckpt)
+    cases = [  # (argv, the error line's start, what it also says)
+        (["hf-to-flexfloor", "--hf", hf, "--out", ckpt, "--step", "1"],
+         f"saving {ckpt}/iter_0000001.tmp failed", "free space or fix the permissions of --out"),
+        (["hf-to-flexfloor", "--hf", hf, "--out", str(tmp_path / "new"), "--ep", "2"],
+         f"saving {tmp_path}/new.tmp/iter_0000000.tmp failed", "rank 1: "),
+        (["flexfloor-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "hf1")],
+         f"writing {tmp_path}/hf1 failed: Error while serializing: I/O error: File too large",
+         "; free space there or give another --out"),
+        (["flexfloor-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "hf2"), "--ep", "2"],
+         f"writing {tmp_path}/hf2 failed: rank 0: Error while serializing: I/O error: File too "
+         "large", "; free space there or give another --out"),
+    ]
+    for argv, start, also in cases:
+        proc = _cli_file_size_limit(*argv)
+        _assert_refused(proc, start)
+        line = next(x for x in proc.stderr.splitlines() if x.startswith("[convert] error:"))
+        assert line.startswith("[convert] error: " + start) and also in line, line
+        assert "encountered an error" not in proc.stderr
+    assert _tree(ckpt) == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+
+
+@pytest.mark.parametrize("sig, ep", [(signal.SIGINT, "1"), (signal.SIGTERM, "2"),
+                                     (signal.SIGKILL, "2")],
+                         ids=["sigint-one_process", "sigterm-ep2", "sigkill-ep2"])
+def test_cli_a_stop_after_the_output_is_complete_keeps_it(tiny_hf, tmp_path, sig, ep):
+    """A stop that comes once the new root is complete (renamed into place with its `latest`):
+    the checkpoint stays, and the tool exits 0; killed outright, its reaper removes only its
+    scratch. At --ep 1 the tool is paused the moment `latest` appears, so the signal lands
+    after it however loaded the machine is."""
+    import psutil
+
+    out = str(tmp_path / "ckpt")
+    tmp, proc = _convert_proc(tmp_path, "hf-to-flexfloor", "--hf", tiny_hf, "--out", out,
+                              "--ep", ep)
+    helpers = []
+    try:
+        _wait_for("the checkpoint's latest", proc,
+                  lambda: os.path.exists(os.path.join(out, "latest")))
+        tool = psutil.Process(proc.pid)
+        if ep == "1":
+            tool.suspend()
+        helpers = tool.children(recursive=True)  # the reaper, torchrun and its workers
+        proc.send_signal(sig)
+        if ep == "1":
+            tool.resume()
+        _, err = proc.communicate(timeout=120)
+        psutil.wait_procs(helpers, timeout=60)  # the reaper has done its removals
+    finally:
+        proc.kill()
+    assert proc.returncode == (-9 if sig == signal.SIGKILL else 0), err[-3000:]
+    assert "stopped by" not in err and "removed" not in err
+    assert sorted(os.listdir(out)) == ["iter_0000000", "latest", "model.yaml"]
+    assert os.path.isfile(os.path.join(out, "iter_0000000", "flexfloor.json"))
+    assert os.listdir(tmp) == [] and sorted(os.listdir(tmp_path)) == ["ckpt", "tmp"]
+
+
+def test_cli_ctrl_c_as_it_starts_prints_one_line(tiny_hf, tmp_path):
+    """Ctrl-C while the tool imports torch (before any conversion): one `[convert] stopped by
+    SIGINT` line, not an import's traceback, status 130, nothing written. The tool is paused
+    once torch's library is loaded, so the signal lands among torch's imports."""
+    import psutil
+
+    out = str(tmp_path / "ckpt")
+    tmp, proc = _convert_proc(tmp_path, "hf-to-flexfloor", "--hf", tiny_hf, "--out", out)
+
+    def importing_torch():
+        with open(f"/proc/{proc.pid}/maps") as f:
+            return "libtorch_cpu" in f.read()
+
+    try:
+        _wait_for("torch's import", proc, importing_torch)
+        tool = psutil.Process(proc.pid)
+        tool.suspend()
+        proc.send_signal(signal.SIGINT)
+        tool.resume()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[convert] stopped by SIGINT"), err[-3000:]
+    assert not os.path.exists(out) and os.listdir(tmp) == []
 
 
 def test_bfloat16_round_trip_keeps_dtype_and_bits(errors):

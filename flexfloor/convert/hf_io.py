@@ -41,6 +41,9 @@ class HFCheckpoint:
     """Read-only view of an HF model folder."""
 
     def __init__(self, path: str):
+        if os.path.isfile(path):
+            raise ConversionError(f"{path} is a file, give the folder that holds it (a Hugging "
+                                  f"Face model folder: {CONFIG_FILE} and *.safetensors)")
         if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
             raise ConversionError(f"{path} is not a Hugging Face model folder (no {CONFIG_FILE})")
         self.path = path
@@ -52,6 +55,13 @@ class HFCheckpoint:
                 raise ConversionError(f"{index} has no weight_map object; re-save the model with "
                                       "save_pretrained")
             self.file_of = dict(weight_map)
+            missing = sorted({f for f in self.file_of.values()
+                              if not os.path.isfile(os.path.join(path, f))})
+            if missing:
+                raise ConversionError(f"the index {index} names {', '.join(missing[:3])}, which "
+                                      f"{'is' if len(missing) == 1 else 'are'} missing; copy "
+                                      "every shard of the model into the folder or re-save it "
+                                      "with save_pretrained")
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
             self.file_of = None  # filled from the file's own keys below
         else:
@@ -97,27 +107,29 @@ def write_hf(out: str, config: Mapping, tensors: Mapping[str, torch.Tensor], *, 
     _barrier(group)
     name = (SINGLE_FILE if num_shards == 1
             else f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors")
-    ok = True
+    failure = None  # this rank's write error, told to every rank
     try:
         if shard >= 0:
             from safetensors.torch import save_file
 
             save_file({k: t.contiguous() for k, t in tensors.items()}, os.path.join(tmp, name),
                       metadata={"format": "pt"})
-    except Exception:
-        ok = False
-        raise
-    finally:
-        mine = (ok, {k: name for k in tensors} if shard >= 0 else {},
-                sum(t.nbytes for t in tensors.values()) if shard >= 0 else 0)
-        parts = [mine]
-        if dist.is_initialized():
-            parts = [None] * dist.get_world_size(group)
-            dist.all_gather_object(parts, mine, group=group)
-        if rank == 0 and not all(p[0] for p in parts):
+    except Exception as e:  # an OSError, or safetensors' own error type (Rust) around one
+        failure = " ".join(str(e).split()) or type(e).__name__
+    mine = (failure, {k: name for k in tensors} if shard >= 0 else {},
+            sum(t.nbytes for t in tensors.values()) if shard >= 0 else 0)
+    parts = [mine]
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+    failures = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]
+    if failures:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    if not all(p[0] for p in parts):
-        raise ConversionError(f"writing {out} failed on another rank; nothing was written")
+        causes = "; ".join(f"rank {r}: {text}" if len(parts) > 1 else text
+                           for r, text in failures)
+        raise ConversionError(f"writing {out} failed: {causes}; free space there or give "
+                              "another --out")
     if rank == 0:
         weight_map: dict[str, str] = {}
         for _, names, _ in parts:
