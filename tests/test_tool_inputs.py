@@ -253,8 +253,9 @@ def test_simulate_says_when_the_pace_rule_cannot_act(tmp_path, capsys):
     (["--load-cap", "nan"], "--load-cap nan: must be a positive number"),
     (["--taker-hedge", "0.5"], "--taker-hedge 0.5: must be at least 1.0"),
     (["--taker-hedge", "inf"], "--taker-hedge inf: must be at least 1.0"),
-    (["--length-median", "-5"], "--length-median -5.0: must be a positive number"),
-    (["--length-sigma", "nan"], "--length-sigma nan: must be a number at least 0"),
+    (["--length-median", "-5"], "--length-median -5.0: must be a finite number above 0"),
+    (["--length-sigma", "nan"], "--length-sigma nan: must be a finite number above 0"),
+    (["--length-sigma", "0"], "--length-sigma 0.0: must be a finite number above 0"),
     (["--dataset-prompts", "1"],
      "--dataset-prompts 1: must be at least num_prompts (32), the prompts each step draws"),
     (["--cap-fraction", "1.5"], "--cap-fraction 1.5: must be in [0, 1]"),
@@ -551,3 +552,33 @@ def test_a_unit_cost_sweep_says_worker_steps(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "4 gpus, sigma 0.6: x" in out and "tokens per occupied worker-step (UnitCost)" in out
     assert "GPU-s" not in out and "tok/occ-step x" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--length-median", "-5"], "bench_rollout: --length-median -5.0: must be a finite number "
+     "above 0"),
+    (["--length-sigma", "nan"], "bench_rollout: --length-sigma nan: must be a finite number "
+     "above 0"),
+    (["--length-dist", "bimodal", "--long-frac", "2"],
+     "bench_rollout: --long-frac 2.0: must be in [0, 1]"),
+    (["--length-dist", "uniform", "--min-len", "500"],
+     "bench_rollout: --min-len 500.0: must be in [1, --max-len 200]"),
+    (["--prompt-len", "8-4"], "error: --prompt-len 8-4: need 1 <= LO <= HI, e.g. 4-8"),
+])
+def test_bench_names_the_flag_of_a_bad_workload_value(tmp_path, capsys, argv, message):
+    """A workload parameter out of range is told by its flag, as typed, before any launch."""
+    from tools import bench_rollout
+
+    err = refused(bench_rollout.main, [*argv, "--out", str(tmp_path / "b.json")], capsys)
+    assert err.endswith(message), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_simulate_prints_a_dash_where_no_prompt_has_history(tmp_path, capsys):
+    """Step 1 has no length history: its history figures are "-", as the benchmark prints
+    them, not "nan"."""
+    assert simulate.main(["--scenario", "tiny-cpu", "--epochs", "1", "--num-prompts", "8",
+                          "--out", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "step 1 prediction: history spearman - mae - (n 0), siblings spearman " in out
+    assert "nan" not in out

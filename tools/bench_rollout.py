@@ -174,13 +174,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.replicas < 1 or args.nproc % args.replicas:
         p.error(f"--replicas {args.replicas} must divide --nproc {args.nproc} (each replica is "
                 f"an EP group of nproc / replicas ranks)")
+    typed = args.prompt_len
     try:
-        lo, _, hi = args.prompt_len.partition("-")
+        lo, _, hi = typed.partition("-")
         args.prompt_len = (int(lo), int(hi or lo))
     except ValueError:
-        p.error(f"--prompt-len {args.prompt_len!r}: write N or LO-HI, e.g. 4-8")
+        p.error(f"--prompt-len {typed!r}: write N or LO-HI, e.g. 4-8")
     if not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
-        p.error(f"--prompt-len {args.prompt_len}: need 1 <= LO <= HI")
+        p.error(f"--prompt-len {typed}: need 1 <= LO <= HI, e.g. 4-8")
     for name in ("nproc", "num_prompts", "samples_per_prompt", "epochs", "repeats", "max_len",
                  "num_experts"):
         if getattr(args, name) < 1:
@@ -252,6 +253,16 @@ def workload(args) -> np.ndarray:
                         seed=args.seed, max_len=args.max_len, **params)
 
 
+def workload_flag_named(message: str, args) -> str:
+    """A workload error about a parameter given by a flag ("lognormal median=-5.0: ..."), told
+    with the flag ("--length-median -5.0: ..."); any other as a workload error."""
+    for key, flag in DIST_FLAGS[args.length_dist].items():
+        for prefix in (f"{args.length_dist} {key}=", f"{key}="):
+            if message.startswith(prefix) and getattr(args, flag) is not None:
+                return f"--{flag.replace('_', '-')} {message[len(prefix):]}"
+    return f"workload: {message}"
+
+
 def dataset_size(args) -> int:
     return args.dataset_prompts or args.num_prompts
 
@@ -285,7 +296,7 @@ def main(argv=None) -> int:
     try:
         lengths = drawn_lengths(args, workload(args))
     except (ValueError, OSError) as e:
-        print(f"bench_rollout: workload: {e}", file=sys.stderr)
+        print(f"bench_rollout: {workload_flag_named(str(e), args)}", file=sys.stderr)
         return 2
     longest = args.prompt_len[1] + int(lengths.max())
     if args.kv_budget_tokens is not None and args.kv_budget_tokens < longest:
@@ -383,7 +394,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _fmt(x, digits=3) -> str:
-    if x is None:
+    if x is None or (isinstance(x, float) and math.isnan(x)):  # NaN: no pair to rank
         return "-"
     if isinstance(x, float):
         return f"{x:.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"

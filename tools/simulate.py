@@ -177,10 +177,9 @@ def scenario_of(args):
     elif args.length_median is not None or args.length_sigma is not None:
         params = dict(sc.length_params)
         median, sigma = args.length_median, args.length_sigma
-        if median is not None and not (math.isfinite(median) and median > 0):
-            raise ValueError(f"--length-median {median}: must be a positive number")
-        if sigma is not None and not (math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"--length-sigma {sigma}: must be a number at least 0")
+        for flag, value in (("--length-median", median), ("--length-sigma", sigma)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} {value}: must be a finite number above 0")
         if args.length_median is not None:
             params["median"] = args.length_median
         if args.length_sigma is not None:
@@ -234,12 +233,17 @@ def format_report(rep: dict) -> str:
         acc = e.get("prediction_accuracy")
         if acc:
             lines.append(f"step {e['epoch']} prediction: " + ", ".join(
-                f"{k} spearman {v['spearman']:.3f} mae {v['mae']:,.0f} (n {v['n']})"
-                for k, v in acc.items()))
+                f"{k} spearman {_figure(v['spearman'], '.3f')} mae {_figure(v['mae'], ',.0f')} "
+                f"(n {v['n']})" for k, v in acc.items()))
     for name, t in rep.get("targets", {}).items():
         lines.append(f"target {name} {t['target']}: {t['value']:.3f} "
                      f"{'met' if t['met'] else 'NOT MET'}")
     return "\n".join(lines)
+
+
+def _figure(x, spec: str) -> str:
+    """`x` formatted, or "-" where there is none (no prompt with history: None, or NaN)."""
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def format_sweep(rows: list[dict], unit: str = "s") -> str:

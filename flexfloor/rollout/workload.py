@@ -44,6 +44,7 @@ above is training step e, and a step reads the rows of its drawn prompts.
 from __future__ import annotations
 
 import json
+import math
 from statistics import NormalDist
 from typing import Sequence
 
@@ -117,7 +118,7 @@ def make_lengths(dist: str, *, num_prompts: int, samples_per_prompt: int, epochs
     else:  # uniform
         lo = float(p["min_len"])
         if not 1 <= lo <= max_len:
-            raise ValueError(f"uniform min_len={lo}: must be in [1, max_len={max_len}]")
+            raise ValueError(f"uniform min_len={lo}: must be in [1, --max-len {max_len}]")
         bases = lo + _stratified(rng, num_prompts) * (max_len - lo)
         quantile = lambda u: lo + u * (max_len - lo)  # noqa: E731
 
@@ -344,8 +345,8 @@ def _check_within(path: str, lengths: np.ndarray, max_len: int) -> None:
 
 def _check_positive(dist: str, **values) -> None:
     for name, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{dist} {name}={value}: must be positive")
+        if not (math.isfinite(value) and value > 0):  # NaN and inf too
+            raise ValueError(f"{dist} {name}={value}: must be a finite number above 0")
 
 
 def _check_non_negative(**values) -> None:
