@@ -101,6 +101,15 @@ def test_plot_timeline_names_the_bad_report_or_the_bad_out(tmp_path, capsys):
     err = refused(plot_timeline.main, [str(listed), "--out", str(tmp_path / "t.png")], capsys)
     assert err.startswith(f"plot_timeline: {listed}: ")
     assert "not a simulate.py or bench_rollout.py report" in err
+    # an empty file and one that is not JSON say so, not "Expecting value: line 1 ..."
+    for name, text, says in (("empty.json", "", "is empty; give the JSON report "
+                              "tools/simulate.py or tools/bench_rollout.py wrote"),
+                             ("torn.json", "{bad", "is not JSON (Expecting property name")):
+        (tmp_path / name).write_text(text)
+        err = refused(plot_timeline.main, [str(tmp_path / name), "--out",
+                                           str(tmp_path / "t.png")], capsys)
+        assert err.startswith(f"plot_timeline: {tmp_path / name}: {says}"), err
+        (tmp_path / name).unlink()
     report = tmp_path / "r.json"
     report.write_text(json.dumps(REPORT))
     err = refused(plot_timeline.main, [str(report), "--out", str(tmp_path / "t.xyz")], capsys)

@@ -87,13 +87,22 @@ def main(argv=None) -> int:
         return 2
     try:
         with open(args.report) as f:
-            report = json.load(f)
+            text = f.read()
+        try:
+            report = json.loads(text)
+        except ValueError as e:
+            what = "is empty" if not text.strip() else f"is not JSON ({e})"
+            raise ValueError(f"{what}; give the JSON report tools/simulate.py or "
+                             "tools/bench_rollout.py wrote") from None
         print(plot_report(report, args.out, args.epoch))
     except KeyError as e:
         print(f"plot_timeline: {args.report}: no field {e}: not a simulate.py or "
               "bench_rollout.py report", file=sys.stderr)
         return 2
-    except (OSError, ValueError, TypeError) as e:  # TypeError: a field of another kind
+    except OSError as e:
+        print(f"plot_timeline: {args.report}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:  # TypeError: a field of another kind
         print(f"plot_timeline: {args.report}: {e}", file=sys.stderr)
         return 2
     return 0
