@@ -25,13 +25,19 @@ def path_arg(text: str) -> str:
     return text
 
 
-def writable(path: str, flag: str) -> str:
+def writable(path: str, flag: str, ext: tuple[str, str] | None = None) -> str:
     """`path` as an absolute path, once a file can be written there; ValueError naming `flag`
-    and the fix otherwise. Nothing is left behind (a probe file is written and removed)."""
+    and the fix otherwise. `ext`: (extension, format) where the file is always of one format
+    (".parquet", "Parquet"), so a name of another kind is refused. Nothing is left behind (a
+    probe file is written and removed)."""
     out = os.path.abspath(path)
     if os.path.isdir(out):
         raise ValueError(f"{flag} {path}: is a folder; give the file to write")
     _writable_folder(path, flag, os.path.dirname(out))
+    if ext is not None and os.path.splitext(out)[1].lower() != ext[0]:
+        stem = os.path.splitext(path)[0] if os.path.splitext(path)[1] else path
+        raise ValueError(f"{flag} {path}: the file is written as {ext[1]}; name it "
+                         f"{stem}{ext[0]}")
     return out
 
 

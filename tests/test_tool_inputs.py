@@ -44,6 +44,23 @@ def test_make_synthetic_data_checks_out_first(tmp_path, capsys, where, message):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("tool, argv, message", [
+    (make_synthetic_data, ["--num-prompts", "4", "--seed", "0", "--out", "a.csv"],
+     "--out a.csv: the file is written as Parquet; name it a.parquet"),
+    (train_tokenizer, ["--out", "x.txt"],
+     "--out x.txt: the file is written as a SentencePiece model; name it x.model"),
+    (train_tokenizer, ["--out", "tok"], "--out tok: the file is written as a SentencePiece "
+                                        "model; name it tok.model"),
+])
+def test_a_file_named_for_another_format_is_refused(tmp_path, monkeypatch, capsys, tool, argv,
+                                                    message):
+    """The data tool always writes Parquet and the tokenizer tool a SentencePiece model: a
+    name of another kind is refused with the one that fits, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    assert message in refused(tool.main, argv, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_make_synthetic_data_replaces_the_file_whole(tmp_path):
     out = tmp_path / "d.parquet"
     out.write_text("the last run's file")

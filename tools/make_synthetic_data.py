@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     if args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     try:
-        out = writable(args.out, "--out")
+        out = writable(args.out, "--out", ext=(".parquet", "Parquet"))
     except ValueError as e:
         parser.error(str(e))
     examples = make_synthetic_prompts(args.num_prompts, args.seed)

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
         parser.error(f"--max-vocab-size {args.max_vocab_size}: too small for the corpus's "
                      f"characters and special tokens; give at least {least}")
     try:
-        out = writable(args.out, "--out")
+        out = writable(args.out, "--out", ext=(".model", "a SentencePiece model"))
     except ValueError as e:
         parser.error(str(e))
     model = train(args.max_vocab_size)
