@@ -191,28 +191,28 @@ def test_an_empty_path_is_refused_not_taken_as_not_given(tmp_path, monkeypatch, 
 
 
 def test_the_converter_names_only_what_its_run_may_write(tmp_path, monkeypatch):
-    """What a stopped (or SIGKILLed) conversion removes (`_partial`, absolute): the output
-    folder it makes and that folder's .tmp; in a checkpoint root that exists, its unfinished
-    files; nothing where the run's checks refuse an HF folder that exists (`--out /` among
-    them: never the current folder)."""
+    """What a refused, failed, stopped (or SIGKILLed) conversion removes (`Output.partial`,
+    absolute): OUT.tmp where the run makes OUT (renamed to OUT once complete, so a complete
+    output is never among them); in a checkpoint root that exists, its unfinished files;
+    nothing where the run's checks refuse an HF folder that exists (`--out /` among them:
+    never the current folder)."""
     import types
 
     from flexfloor.checkpoint import iter_name
 
     monkeypatch.chdir(tmp_path)
-    part = convert_checkpoint._partial
 
-    def args(direction, out, step=0):
-        return types.SimpleNamespace(direction=direction, out=out, step=step)
+    def part(direction, out, step=0):
+        args = types.SimpleNamespace(direction=direction, out=out, step=step)
+        return list(convert_checkpoint.Output.of(args).partial)
 
-    assert part(args("flexfloor-to-hf", "new/")) == [str(tmp_path / "new"),
-                                                     str(tmp_path / "new.tmp")]
-    assert part(args("flexfloor-to-hf", "/")) == []
+    assert part("flexfloor-to-hf", "new/") == [str(tmp_path / "new.tmp")]
+    assert part("flexfloor-to-hf", "/") == []
     (tmp_path / "there").mkdir()
-    assert part(args("flexfloor-to-hf", "there")) == []
-    assert part(args("hf-to-flexfloor", "ckpt")) == [str(tmp_path / "ckpt")]
-    assert part(args("hf-to-flexfloor", "there", 5)) == [
-        str(tmp_path / "there" / (iter_name(5) + ".tmp")),
+    assert part("flexfloor-to-hf", "there") == []
+    assert part("hf-to-flexfloor", "ckpt") == [str(tmp_path / "ckpt.tmp")]
+    assert part("hf-to-flexfloor", "there", 5) == [
+        str(tmp_path / "there" / (iter_name(5) + ".tmp")), str(tmp_path / "there" / "latest.tmp"),
         str(tmp_path / "there" / "model.yaml.tmp")]
 
 
