@@ -311,9 +311,11 @@ class Output:
 
 
 def _run(cmd, env, early: EarlyStop) -> tuple[int, int]:
-    """Run `cmd` in a session of its own; STOP_SIGNALS here are passed to its process
-    group (torchrun then stops its workers), and its stderr from then on (torchrun's and the
-    workers' tracebacks about the stop) is dropped. Returns (exit status, the signal passed on
+    """Run `cmd` in a session of its own; a stop signal here (STOP_SIGNALS) sends SIGTERM to
+    its process group: torchrun then stops its workers with the signal it got, and a SIGINT
+    would reach them as a KeyboardInterrupt, which a worker inside a checkpoint write could sit
+    on until torchrun's SIGKILL 30 s later (seen under load). Its stderr from then on (torchrun's
+    and the workers' tracebacks about the stop) is dropped. Returns (exit status, the signal passed on
     or 0). The group is stopped whatever ends this function: it never outlives it."""
     import threading
 
@@ -322,7 +324,7 @@ def _run(cmd, env, early: EarlyStop) -> tuple[int, int]:
     def stop(signum, _frame):
         got.append(signum)
         if proc is not None:
-            _signal_group(proc, signum)
+            _signal_group(proc, signal.SIGTERM)
 
     def copy_stderr():
         for line in iter(proc.stderr.readline, b""):
@@ -336,7 +338,7 @@ def _run(cmd, env, early: EarlyStop) -> tuple[int, int]:
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
         if got:  # a signal came before `proc` was set
-            _signal_group(proc, got[0])
+            _signal_group(proc, signal.SIGTERM)
         copier = threading.Thread(target=copy_stderr, daemon=True)
         copier.start()
         rc = proc.wait()
