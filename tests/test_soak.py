@@ -8,7 +8,7 @@ import pytest
 
 from distributed import Worker
 
-ROLLOUTS = 14
+ROLLOUTS = 10
 # first in its shared launch: the memory it measures is this process's alone
 WORKER = Worker("soak.py", 4, (str(ROLLOUTS),), timeout=300, first=True)  # a hang fails here
 
