@@ -564,11 +564,14 @@ class CheckpointConfig:
                  "checkpoint.init_from starts a new one from weights only: set one of them "
                  "to null")
 
+    def holds_checkpoint(self) -> bool:
+        """checkpoint.dir holds a complete checkpoint (its `latest`)."""
+        return bool(self.dir) and os.path.isfile(os.path.join(self.dir, "latest"))
+
     def resumes_from_dir(self) -> bool:
         """checkpoint.resume=auto and checkpoint.dir holds a checkpoint: the run resumes from
         it, and checkpoint.load / checkpoint.init_from are not read."""
-        return (self.resume == Resume.AUTO and bool(self.dir)
-                and os.path.isfile(os.path.join(self.dir, "latest")))
+        return self.resume == Resume.AUTO and self.holds_checkpoint()
 
 
 @dataclass

@@ -97,8 +97,14 @@ class Saved:
         if c.resumes_from_dir():
             return cls(words, True, checkpoint=True)
         if c.resume != Resume.AUTO:
-            return cls(words, False, os.path.isfile(os.path.join(c.dir, "latest")))
+            return cls(words, False, c.holds_checkpoint())
         return cls(words, False if here else None)
+
+
+def stopped_when(step: int) -> str:
+    """Where a stopped run stood, for its last line: after its last finished step, or before
+    its first (a stop during the warm start)."""
+    return f"after step {step}" if step else "before step 1"
 
 
 def to_go_on(saved: Saved) -> str:
@@ -197,15 +203,9 @@ def world_size(nnodes: str, nproc_per_node: str) -> int | None:
     return low * int(nproc_per_node)
 
 
-def check_config_first(args) -> int:
-    """`flexfloor.train --check-config` in this process, once, for torchrun's parsed `args`
-    (when they run `-m flexfloor.train` on a fixed world size): its exit code (2 after one
-    line), 0 when it passed or does not apply."""
-    train_args = list(args.training_script_args)
-    world = world_size(args.nnodes, args.nproc_per_node)
-    if not (args.module and args.training_script == "flexfloor.train") or world is None \
-            or "--check-config" in train_args:
-        return 0
+def check_config(train_args: list[str], world: int) -> int:
+    """`flexfloor.train --check-config` of `train_args` in this process, once, for `world`
+    workers, before any worker starts: its exit code (2 after one line)."""
     from flexfloor.train import main as train_main
 
     before = os.environ.get("WORLD_SIZE")
@@ -217,6 +217,17 @@ def check_config_first(args) -> int:
             del os.environ["WORLD_SIZE"]
         else:
             os.environ["WORLD_SIZE"] = before
+
+
+def check_config_first(args) -> int:
+    """`check_config` for torchrun's parsed `args` (when they run `-m flexfloor.train` on a
+    fixed world size): its exit code, 0 when it passed or does not apply."""
+    train_args = list(args.training_script_args)
+    world = world_size(args.nnodes, args.nproc_per_node)
+    if not (args.module and args.training_script == "flexfloor.train") or world is None \
+            or "--check-config" in train_args:
+        return 0
+    return check_config(train_args, world)
 
 
 def main(argv=None) -> int:

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 
 from flexfloor.launch.local import PREEMPTED as PREEMPTED_EXIT_CODE
+from flexfloor.launch.local import check_config
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -312,23 +313,6 @@ def main(argv=None) -> int:
         return 1
 
 
-def _train_config_checked(train_args: list[str], alloc: Allocation) -> int:
-    """`flexfloor.train --check-config` here in the batch step, once, for the job's world size,
-    before srun starts anything on the nodes: its exit code (2 after one line)."""
-    from flexfloor.train import main as train_main
-
-    world = str(alloc.num_workers)
-    before = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = world
-    try:
-        return train_main(["--check-config", *train_args, f"parallel.world_size={world}"])
-    finally:
-        if before is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = before
-
-
 def _driver_config_checked(driver: list[str]) -> int:
     """The Ray driver's own check (`--check-config`: its flags, the config, the files) of the
     `driver` command, here in the batch step before the Ray nodes start: its exit code."""
@@ -346,7 +330,9 @@ def _stage(args, rest: list[str], alloc: Allocation) -> int:
     stage_opts = [f"--nproc-per-node={alloc.procs_per_node}"]
     restarts = args.max_restarts or 0
     if args.stage == "torchrun":
-        code = 0 if args.dry_run else _train_config_checked(rest, alloc)
+        # the config once here, for the job's world size, before srun starts anything
+        code = 0 if args.dry_run else check_config(
+            [*rest, f"parallel.world_size={alloc.num_workers}"], alloc.num_workers)
         if code:
             return code
         port = args.port or alloc.port(TORCHRUN_PORT_BASE)
