@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from flexfloor.launch.local import Saved, launcher_restarting, to_go_on
+from flexfloor.launch.local import Saved, launcher_restarting, stopped_when, to_go_on
 
 # EX_TEMPFAIL: "try again later". Distinct from 0 (done), 1 (failed) and 2 (bad config), so a
 # wrapper script can requeue (Slurm: `scontrol requeue`) on exactly this code.
@@ -123,14 +123,12 @@ class Preemption:
 
     def requested(self, parallel) -> bool:
         """On every rank: was any rank signalled? Call at the same point on every rank."""
-        flag = torch.tensor([0.0 if self.signalled_at is None else 1.0], device=parallel.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel.world_group)
-        if flag.item() and self.signalled_at is None:  # a peer was signalled, this rank not
+        stop = any_rank(self.signalled_at is not None, parallel)
+        if stop and self.signalled_at is None:  # a peer was signalled, this rank not
             self.signal_name, self.signalled_at = "SIGTERM (a peer's)", time.monotonic()
             threading.Thread(target=self._watch, name="flexfloor-preempt-grace",
                              daemon=True).start()
-        return bool(flag.item())
+        return stop
 
     def finish(self, job) -> int:
         """Save the last finished step (unless its regular save did) and say how to resume.
@@ -138,11 +136,20 @@ class Preemption:
         saved = save_last_step(job)
         self._done.set()
         job.log.close()  # the timeline plot and the summary of the steps done, as at a run's end
-        when = f"after step {job.step_index}" if job.step_index else "before step 1"
-        job.log.say(f"preempted by {self.signal_name} {when}: {saved.words}, "
+        job.log.say(f"preempted by {self.signal_name} {stopped_when(job.step_index)}: "
+                    f"{saved.words}, "
                     f"{time.monotonic() - self.signalled_at:.1f} s after the signal; "
                     f"{to_go_on(saved)} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
+
+
+def any_rank(flag: bool, parallel) -> bool:
+    """On every rank, at the same point: is `flag` set on any rank? (A stop every rank must
+    agree on, or one rank leaves a collective the others enter.)"""
+    t = torch.tensor([1.0 if flag else 0.0], device=parallel.device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel.world_group)
+    return bool(t.item())
 
 
 def save_last_step(job) -> Saved:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from flexfloor import faults
 from flexfloor.launch.local import PREEMPTED as PREEMPTED_EXIT_CODE
-from flexfloor.launch.local import Saved, to_go_on
+from flexfloor.launch.local import Saved, stopped_when, to_go_on
 from flexfloor.launch.pool import NAMESPACE, POOL_NAME, ResourcePool
 from flexfloor.launch.reaper import start_reaper
 
@@ -165,20 +165,13 @@ class Worker:
     def warm_start(self) -> bool:
         """The supervised warm start. It ends early (False), nothing cached, once the driver
         took a stop signal (`ResourcePool.stopping`, asked after each supervised step, every
-        rank agreeing as under torchrun: `preemption.Preemption.requested`)."""
+        rank agreeing as under torchrun: `preemption.any_rank`)."""
         import ray
-        import torch
-        import torch.distributed as dist
 
-        parallel = self.job.parallel
+        from flexfloor.preemption import any_rank
 
-        def stop() -> bool:
-            flag = torch.tensor([float(ray.get(self.pool.stopping.remote()))],
-                                device=parallel.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel.world_group)
-            return bool(flag.item())
-
-        return self.job.warm_start(stop)
+        return self.job.warm_start(
+            lambda: any_rank(ray.get(self.pool.stopping.remote()), self.job.parallel))
 
     def step(self):
         """One training step; rank 0 returns its metrics and whether the job is done. The pool
@@ -530,8 +523,7 @@ def _attempt(cfg, pg, pool, pool_name: str, num_workers: int, cpus_per_worker: f
         while not done:
             if stop is not None and stop.is_set():  # a stop signal: save this step, then close
                 saved = every("save_last_step", "the stop's save")[0]
-                state["stopped"] = {"when": f"after step {step}" if step else "before step 1",
-                                    "saved": saved}
+                state["stopped"] = {"when": stopped_when(step), "saved": saved}
                 break
             t0 = time.perf_counter()
             m, done = every("step", f"step {step + 1}")[0]
