@@ -12,6 +12,8 @@ import math
 import os
 from typing import Iterable, Sequence
 
+from flexfloor.rollout.timeline import tail_fraction
+
 
 def responses_sha256(results: Iterable) -> str:
     """A digest of every response's token ids, keyed by request id, order-independent."""
@@ -95,7 +97,6 @@ def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_respo
                         digest: str | None = None) -> dict:
     """The same figures from counts (the simulator has lengths, not tokens)."""
     occupied = [r["release_s"] - r["start_s"] for r in records]
-    tail = [max(0.0, r["release_s"] - r["local_finish_s"]) for r in records]
     tokens = total_tokens
     occ_s = sum(occupied)
     occ_steps = sum(r["steps"] for r in records)
@@ -105,7 +106,7 @@ def metrics_from_counts(records: Sequence[dict], *, total_tokens: int, num_respo
         "num_responses": num_responses,
         "occupied_worker_seconds": occ_s,
         "occupied_worker_steps": occ_steps,
-        "tail_fraction": (sum(tail) / occ_s) if occ_s > 0 else 0.0,
+        "tail_fraction": tail_fraction(records),
         "rollout_wall_seconds": wall,
         # the steps of the rank that stayed longest: the wall's machine-independent twin
         "rollout_wall_steps": max((r["steps"] for r in records), default=0),
